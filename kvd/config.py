@@ -1,0 +1,203 @@
+"""Daemon configuration: one schema, four sources, strict validation at start.
+
+Precedence is flag > environment (``KVD_<FIELD>``) > TOML file > default, so an
+operator can ship a ConfigMap and still override one value per pod. Every field
+is validated before anything binds, and a bad value names the field and the
+source it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvd.errors import ConfigError
+
+ENV_PREFIX = "KVD_"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every knob of ``kvd serve``; the docstring of each field is in FIELD_HELP."""
+
+    engine_address: str = "tcp://127.0.0.1:7100"
+    peer_address: str = "tcp://127.0.0.1:7101"
+    advertise_address: str = ""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 7102
+    device: str = "cpu"
+    shm_prefix: str = "kvd"
+    lease_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_blocks_per_request: int = 1 << 20
+    max_engines: int = 256
+    max_held_requests: int = 100_000
+    max_inflight_pulls: int = 4096
+    nixl_progress_thread: bool = False
+    nixl_backend: str = "UCX"
+    log_format: str = "text"
+    log_level: str = "info"
+    auth_token_file: str = ""
+    insecure: bool = False
+
+    @property
+    def peer_advertise(self) -> str:
+        """The address other daemons dial; defaults to the bind address."""
+        return self.advertise_address or self.peer_address
+
+
+FIELD_HELP: dict[str, str] = {
+    "engine_address": "ZMQ endpoint (tcp:// or ipc://) where local engines connect.",
+    "peer_address": "ZMQ tcp endpoint where other kvd daemons connect.",
+    "advertise_address": "Peer address announced to other daemons (default: peer_address).",
+    "metrics_host": "Host the Prometheus /metrics, /livez and /readyz server binds.",
+    "metrics_port": "Port of the metrics and health server (0 disables it).",
+    "device": "Where KV pools live: 'cpu' (POSIX shared memory) or 'cuda' (CUDA IPC).",
+    "shm_prefix": "Prefix of shared-memory segment names in /dev/shm.",
+    "lease_s": "Default lease of a published request before its blocks are released.",
+    "handshake_timeout_s": "Bound on a peer handshake round trip.",
+    "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
+    "heartbeat_interval_s": "How often a consumer renews leases of requests it is pulling.",
+    "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
+    "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
+    "max_blocks_per_request": "Most block ids a single publish or pull may name.",
+    "max_engines": "Most engine ranks registered at once.",
+    "max_held_requests": "Most published requests held at once.",
+    "max_inflight_pulls": "Most pulls queued or running at once; more are refused as busy.",
+    "nixl_progress_thread": "Run NIXL's progress thread (off by default: it spins a core).",
+    "nixl_backend": "NIXL backend plugin to create.",
+    "log_format": "'text' or 'json' (one JSON object per line).",
+    "log_level": "debug, info, warning or error.",
+    "auth_token_file": "File holding a shared token that engines and peers must present.",
+    "insecure": "Allow non-loopback binds without authentication.",
+}
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("cpu", "cuda"),
+    "log_format": ("text", "json"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+_POSITIVE = {
+    "lease_s",
+    "handshake_timeout_s",
+    "transfer_timeout_s",
+    "heartbeat_interval_s",
+    "max_message_bytes",
+    "max_blocks_per_request",
+    "max_engines",
+    "max_held_requests",
+    "max_inflight_pulls",
+}
+
+
+def _coerce(name: str, typ: type, raw: Any, source: str) -> Any:
+    """Convert a value from a string source (env, flag) or TOML to the field's type."""
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if typ is int:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return int(raw)
+        if typ is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return float(raw)
+        if typ is str:
+            if not isinstance(raw, str):
+                raise ValueError(raw)
+            return raw
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{name}: {raw!r} from {source} is not a valid {typ.__name__}")
+
+
+def _field_types() -> dict[str, type]:
+    hints = {"str": str, "int": int, "float": float, "bool": bool}
+    return {f.name: hints[f.type] for f in fields(Config) if f.type in hints}
+
+
+def _validate_endpoint(name: str, value: str, allow_ipc: bool) -> None:
+    if value.startswith("tcp://"):
+        host, _, port = value[6:].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{name}: {value!r} must look like tcp://HOST:PORT")
+        if host == "*":
+            raise ConfigError(f"{name}: bind an explicit address, not '*' ({value!r})")
+        return
+    if allow_ipc and value.startswith("ipc://") and len(value) > 6:
+        return
+    kinds = "tcp:// or ipc://" if allow_ipc else "tcp://"
+    raise ConfigError(f"{name}: {value!r} must be a {kinds} endpoint")
+
+
+def validate(cfg: Config) -> Config:
+    """Raise ConfigError for the first invalid field; return cfg unchanged otherwise."""
+    for name, choices in _CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {choices}")
+    for name in _POSITIVE:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
+    if not 0 <= cfg.metrics_port < 65536:
+        raise ConfigError(f"metrics_port: {cfg.metrics_port} is not a port")
+    _validate_endpoint("engine_address", cfg.engine_address, allow_ipc=True)
+    _validate_endpoint("peer_address", cfg.peer_address, allow_ipc=False)
+    if cfg.advertise_address:
+        _validate_endpoint("advertise_address", cfg.advertise_address, allow_ipc=False)
+    if cfg.heartbeat_interval_s >= cfg.lease_s:
+        raise ConfigError(
+            f"heartbeat_interval_s ({cfg.heartbeat_interval_s}) must be shorter than "
+            f"lease_s ({cfg.lease_s}) or leases expire between heartbeats"
+        )
+    if cfg.auth_token_file and not Path(cfg.auth_token_file).is_file():
+        raise ConfigError(f"auth_token_file: {cfg.auth_token_file!r} does not exist")
+    return cfg
+
+
+def load(
+    path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Merge file, environment and flag overrides (None means 'not given') and validate."""
+    types = _field_types()
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
+        table = data.get("kvd", data)
+        for key, raw in table.items():
+            if key not in types:
+                raise ConfigError(f"config file {str(path)!r}: unknown key {key!r}")
+            values[key] = _coerce(key, types[key], raw, f"file {path}")
+    env = os.environ if env is None else env
+    for key, typ in types.items():
+        raw = env.get(ENV_PREFIX + key.upper())
+        if raw is not None:
+            values[key] = _coerce(key, typ, raw, f"env {ENV_PREFIX + key.upper()}")
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        if key not in types:
+            raise ConfigError(f"unknown option {key!r}")
+        values[key] = _coerce(key, types[key], raw, f"flag --{key.replace('_', '-')}")
+    return validate(replace(Config(), **values))
