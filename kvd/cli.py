@@ -7,8 +7,6 @@ must not pay for torch or NIXL (0.5 s budget), only ``serve``, ``demo`` and
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 app = typer.Typer(
@@ -16,6 +14,11 @@ app = typer.Typer(
     no_args_is_help=True,
     help="kvd: KV-cache transfer daemon for disaggregated LLM serving.",
 )
+
+
+@app.callback()
+def main() -> None:
+    """kvd: KV-cache transfer daemon for disaggregated LLM serving."""
 
 
 def _fail(message: str) -> None:
@@ -31,10 +34,10 @@ def plan(
     decode_tp: int = typer.Option(..., "--decode-tp", help="Decode TP size."),
     prefill_pp: int = typer.Option(1, "--prefill-pp", help="Prefill PP size."),
     decode_pp: int = typer.Option(1, "--decode-pp", help="Decode PP size."),
-    prefill_layers: Optional[str] = typer.Option(
+    prefill_layers: str | None = typer.Option(
         None, "--prefill-layers", help="Explicit prefill layer partition, e.g. 10,11,11."
     ),
-    decode_layers: Optional[str] = typer.Option(
+    decode_layers: str | None = typer.Option(
         None, "--decode-layers", help="Explicit decode layer partition."
     ),
     mla: bool = typer.Option(False, "--mla", help="MLA: one latent cache on every rank."),

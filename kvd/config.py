@@ -9,10 +9,11 @@ source it came from.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from kvd.errors import ConfigError
 

@@ -1,0 +1,347 @@
+"""Prometheus metrics of one kvd daemon.
+
+Every metric lives on the registry handed to :class:`Metrics` (or a fresh one),
+never on prometheus_client's global default: tests run several daemons in one
+process and each must scrape only its own numbers. The table below is the single
+source of truth: the class builds its metrics from it and ``tools/gen_docs.py``
+renders ``docs/metrics.md`` from it, so the reference cannot drift from the code.
+
+Labels are bounded enums only (role, outcome, face, reason): a per-request or
+per-block label would make the series count grow with traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+import kvd
+
+# 100 µs .. 60 s, roughly x2.5 per step: a 1-block pull on loopback lands in the
+# first buckets, a multi-GiB hetero pull over a slow link in the last ones.
+TRANSFER_BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+# Posting is CPU work (plan lookup, descriptor build, one NIXL call): µs to tens of ms.
+POST_BUCKETS: tuple[float, ...] = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.5,
+)
+# Handshakes are bounded by handshake_timeout_s (default 5 s).
+HANDSHAKE_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+ROLES = ("producer", "consumer")
+TRANSFER_OUTCOMES = ("ok", "failed", "expired", "cancelled")
+HANDSHAKE_OUTCOMES = ("ok", "failed", "timeout", "refused")
+FACES = ("engine", "peer")
+PROTOCOL_REASONS = ("decode", "unknown", "version", "limit", "state")
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One metric as documented: the exposition name (with ``_total`` for counters)."""
+
+    attr: str
+    name: str
+    type: str  # counter | gauge | histogram | info
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def base_name(self) -> str:
+        """The name prometheus_client expects (it appends ``_total`` itself)."""
+        return self.name[: -len("_total")] if self.type == "counter" else self.name
+
+
+METRIC_DOCS: tuple[MetricDoc, ...] = (
+    MetricDoc(
+        "transfers",
+        "kvd_transfers_total",
+        "counter",
+        ("role", "outcome"),
+        "Requests finished, by role (producer: a held request released; consumer: a pull "
+        "completed) and outcome (ok, failed, expired, cancelled).",
+    ),
+    MetricDoc(
+        "transferred_bytes",
+        "kvd_transferred_bytes_total",
+        "counter",
+        ("role",),
+        "Bytes of KV cache moved by finished transfers (consumer: read into local pools; "
+        "producer: read out of local pools by peers).",
+    ),
+    MetricDoc(
+        "transfer_duration",
+        "kvd_transfer_duration_seconds",
+        "histogram",
+        ("role",),
+        "Time from a pull being accepted (consumer) or a request being published (producer) "
+        "until it finished, whatever the outcome.",
+        TRANSFER_BUCKETS,
+    ),
+    MetricDoc(
+        "post_duration",
+        "kvd_transfer_post_duration_seconds",
+        "histogram",
+        (),
+        "Time to look up the plan, build the descriptor lists and post the NIXL READs of one pull.",
+        POST_BUCKETS,
+    ),
+    MetricDoc(
+        "descriptors_posted",
+        "kvd_descriptors_posted_total",
+        "counter",
+        (),
+        "NIXL descriptors (coalesced byte ranges) posted in READs.",
+    ),
+    MetricDoc(
+        "handshakes",
+        "kvd_handshakes_total",
+        "counter",
+        ("outcome",),
+        "Peer handshakes initiated, by outcome (ok, failed, timeout, refused).",
+    ),
+    MetricDoc(
+        "handshake_duration",
+        "kvd_handshake_duration_seconds",
+        "histogram",
+        (),
+        "Round trip of peer handshakes that got an answer.",
+        HANDSHAKE_BUCKETS,
+    ),
+    MetricDoc(
+        "leases_expired",
+        "kvd_leases_expired_total",
+        "counter",
+        (),
+        "Held requests released because their lease ran out before every reader finished.",
+    ),
+    MetricDoc(
+        "notifications_failed",
+        "kvd_notifications_failed_total",
+        "counter",
+        (),
+        "NIXL notifications that could not be sent or were malformed on arrival.",
+    ),
+    MetricDoc(
+        "invalid_blocks",
+        "kvd_invalid_blocks_total",
+        "counter",
+        (),
+        "Local block ids reported invalid to engines after a failed or cancelled pull.",
+    ),
+    MetricDoc(
+        "protocol_errors",
+        "kvd_protocol_errors_total",
+        "counter",
+        ("face", "reason"),
+        "Messages rejected, by face (engine, peer) and reason (decode: malformed; unknown: "
+        "unknown type; version: protocol version mismatch; limit: over a size or count "
+        "limit; state: not allowed now).",
+    ),
+    MetricDoc(
+        "auth_failures",
+        "kvd_auth_failures_total",
+        "counter",
+        ("face",),
+        "Connections or messages refused for missing or wrong credentials, by face.",
+    ),
+    MetricDoc(
+        "busy_rejections",
+        "kvd_busy_rejections_total",
+        "counter",
+        (),
+        "Publishes and pulls refused with 'busy' because a bounded queue or table was full.",
+    ),
+    MetricDoc(
+        "inflight_transfers",
+        "kvd_inflight_transfers",
+        "gauge",
+        (),
+        "Pulls accepted and not yet finished (queued, handshaking or reading).",
+    ),
+    MetricDoc(
+        "held_requests",
+        "kvd_held_requests",
+        "gauge",
+        (),
+        "Published requests whose blocks are held for remote readers.",
+    ),
+    MetricDoc(
+        "pool_bytes",
+        "kvd_pool_registered_bytes",
+        "gauge",
+        (),
+        "Bytes of KV pool memory allocated by kvd and registered with NIXL.",
+    ),
+    MetricDoc(
+        "engines",
+        "kvd_engines_registered",
+        "gauge",
+        (),
+        "Engine ranks currently registered on the engine face.",
+    ),
+    MetricDoc(
+        "peers",
+        "kvd_peers_connected",
+        "gauge",
+        (),
+        "Peer daemons with a completed handshake (NIXL metadata loaded).",
+    ),
+    MetricDoc(
+        "plan_cache_hits",
+        "kvd_plan_cache_hits_total",
+        "counter",
+        (),
+        "Pulls that reused a cached transfer plan for their engine pair.",
+    ),
+    MetricDoc(
+        "plan_cache_misses",
+        "kvd_plan_cache_misses_total",
+        "counter",
+        (),
+        "Pulls that had to compute a transfer plan for their engine pair.",
+    ),
+    MetricDoc(
+        "build_info",
+        "kvd_build_info",
+        "gauge",
+        ("version",),
+        "Always 1; the version label is the running kvd version.",
+    ),
+)
+
+
+class Metrics:
+    """All metrics of one daemon, as attributes named by ``METRIC_DOCS[i].attr``.
+
+    Labelled children of the bounded label sets are created up front so that a
+    counter reads 0 rather than being absent before its first event: an absent
+    series makes ``rate()`` and alert expressions silently empty.
+    """
+
+    transfers: Counter
+    transferred_bytes: Counter
+    transfer_duration: Histogram
+    post_duration: Histogram
+    descriptors_posted: Counter
+    handshakes: Counter
+    handshake_duration: Histogram
+    leases_expired: Counter
+    notifications_failed: Counter
+    invalid_blocks: Counter
+    protocol_errors: Counter
+    auth_failures: Counter
+    busy_rejections: Counter
+    inflight_transfers: Gauge
+    held_requests: Gauge
+    pool_bytes: Gauge
+    engines: Gauge
+    peers: Gauge
+    plan_cache_hits: Counter
+    plan_cache_misses: Counter
+    build_info: Gauge
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        for doc in METRIC_DOCS:
+            setattr(self, doc.attr, _make(doc, self.registry))
+        for role in ROLES:
+            self.transferred_bytes.labels(role=role)
+            self.transfer_duration.labels(role=role)
+            for outcome in TRANSFER_OUTCOMES:
+                self.transfers.labels(role=role, outcome=outcome)
+        for outcome in HANDSHAKE_OUTCOMES:
+            self.handshakes.labels(outcome=outcome)
+        for face in FACES:
+            self.auth_failures.labels(face=face)
+            for reason in PROTOCOL_REASONS:
+                self.protocol_errors.labels(face=face, reason=reason)
+        self.build_info.labels(version=kvd.__version__).set(1)
+
+    def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float) -> None:
+        """Record one finished request in the three transfer metrics at once.
+
+        Bytes count only for ``ok``: a failed pull's partial reads were not
+        delivered to the engine, so counting them would overstate throughput.
+        """
+        self.transfers.labels(role=role, outcome=outcome).inc()
+        if outcome == "ok" and nbytes:
+            self.transferred_bytes.labels(role=role).inc(nbytes)
+        self.transfer_duration.labels(role=role).observe(duration_s)
+
+    def protocol_error(self, face: str, reason: str) -> None:
+        """Count a rejected message; an unexpected reason is folded into 'decode'
+        rather than minting a new series."""
+        if reason not in PROTOCOL_REASONS:
+            reason = "decode"
+        self.protocol_errors.labels(face=face, reason=reason).inc()
+
+
+def _make(doc: MetricDoc, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    if doc.type == "counter":
+        return Counter(doc.base_name, doc.help, doc.labels, registry=registry)
+    if doc.type == "gauge":
+        return Gauge(doc.base_name, doc.help, doc.labels, registry=registry)
+    if doc.type == "histogram":
+        return Histogram(
+            doc.base_name, doc.help, doc.labels, registry=registry, buckets=doc.buckets
+        )
+    raise ValueError(f"unknown metric type {doc.type!r} for {doc.name}")
+
+
+def metric_names() -> set[str]:
+    """Every series name a scrape can contain (histogram parts included), so that
+    dashboards and alerts can be checked against it."""
+    names: set[str] = set()
+    for doc in METRIC_DOCS:
+        names.add(doc.name)
+        if doc.type == "histogram":
+            names.update(f"{doc.name}_{suffix}" for suffix in ("bucket", "sum", "count"))
+    return names

@@ -1,0 +1,189 @@
+"""Shared checks for rendered manifests (kustomize base, Helm chart): the same pod
+shape must come out of both, so both run the same assertions."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvd.config import Config, load
+from kvd.metrics import metric_names
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DEFAULTS = Config()
+Doc = dict[str, Any]
+
+
+def load_docs(path: Path) -> list[Doc]:
+    return load_docs_text(path.read_text())
+
+
+def load_docs_text(text: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def pod_spec(workload: Doc) -> Doc:
+    return workload["spec"]["template"]["spec"]
+
+
+def kvd_container(spec: Doc) -> Doc:
+    (kvd,) = [c for c in spec.get("initContainers", []) if c["name"] == "kvd"]
+    return kvd
+
+
+def env_map(container: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def effective_config(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) -> Config:
+    """What `kvd serve` would run with in this pod: the mounted ConfigMap's kvd.toml
+    (written to a file and read by kvd.config.load) plus the container's KVD_*
+    environment, with the downward-API pod IP and the mounted token substituted."""
+    spec = pod_spec(workload)
+    kvd = kvd_container(spec)
+    args = kvd.get("args", [])
+    assert "--config" in args, "kvd must be started with --config"
+    config_path = args[args.index("--config") + 1]
+    (mount,) = [m for m in kvd["volumeMounts"] if m["mountPath"] == config_path]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    cm_name = volumes[mount["name"]]["configMap"]["name"]
+    toml_text = configmaps[cm_name]["data"][mount["subPath"]]
+    toml_file = tmp_path / "kvd.toml"
+    toml_file.write_text(toml_text)
+
+    token = tmp_path / "token"
+    token.write_text("test-token")
+    env: dict[str, str] = {}
+    known = {"POD_IP": "10.1.2.3"}
+    for item in kvd.get("env", []):
+        if "valueFrom" in item:
+            assert item["name"] == "POD_IP", item
+            assert item["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            continue
+        # $(VAR) expands only for variables defined earlier in the list
+        value = re.sub(r"\$\((\w+)\)", lambda m: known[m.group(1)], str(item["value"]))
+        known[item["name"]] = value
+        if item["name"].startswith("KVD_"):
+            env[item["name"]] = value
+    if "KVD_AUTH_TOKEN_FILE" in env:
+        env["KVD_AUTH_TOKEN_FILE"] = str(token)
+    return load(toml_file, env=env)
+
+
+def check_kvd_pod(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) -> Config:
+    """Every property the sidecar needs; returns the effective config for more checks."""
+    cfg = effective_config(workload, configmaps, tmp_path)
+    spec = pod_spec(workload)
+    kvd = kvd_container(spec)
+    assert kvd.get("image"), "kvd container has no image"
+    assert kvd["restartPolicy"] == "Always", "native sidecar needs restartPolicy: Always"
+
+    ports = {p["name"]: p["containerPort"] for p in kvd["ports"]}
+    assert ports == {
+        "kvd-engine": port_of(cfg.engine_address),
+        "kvd-peer": port_of(cfg.peer_address),
+        "kvd-metrics": cfg.metrics_port,
+    }
+    assert all(len(name) <= 15 for name in ports)
+    # on defaults, the ports are the config defaults
+    assert cfg.metrics_port == DEFAULTS.metrics_port
+    assert port_of(cfg.engine_address) == port_of(DEFAULTS.engine_address)
+    assert port_of(cfg.peer_address) == port_of(DEFAULTS.peer_address)
+
+    for probe, path in (
+        ("startupProbe", "/readyz"),
+        ("readinessProbe", "/readyz"),
+        ("livenessProbe", "/livez"),
+    ):
+        http = kvd[probe]["httpGet"]
+        assert http["path"] == path, probe
+        port = ports[http["port"]] if isinstance(http["port"], str) else http["port"]
+        assert port == cfg.metrics_port, f"{probe} does not hit the metrics server"
+
+    # probes and Prometheus come from outside the container: bind the pod IP
+    assert cfg.metrics_host == "10.1.2.3"
+    assert cfg.peer_address == f"tcp://10.1.2.3:{port_of(DEFAULTS.peer_address)}"
+    assert cfg.engine_address.startswith("tcp://127.0.0.1:")  # engines are in the pod
+
+    caps = kvd["securityContext"]["capabilities"]["add"]
+    assert "IPC_LOCK" in caps
+    assert kvd["securityContext"].get("runAsNonRoot") is True
+
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    shm = [m for m in kvd["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert len(shm) == 1
+    assert volumes[shm[0]["name"]]["emptyDir"]["medium"] == "Memory"
+    engines = spec["containers"]
+    assert engines, "no engine container"
+    for engine in engines:
+        assert engine.get("image"), f"container {engine['name']} has no image (patch mismatch?)"
+        mounts = {m["mountPath"]: m["name"] for m in engine.get("volumeMounts", [])}
+        assert mounts.get("/dev/shm") == shm[0]["name"], "engine must map the same /dev/shm"
+
+    assert spec["terminationGracePeriodSeconds"] > cfg.drain_timeout_s
+    assert spec.get("shareProcessNamespace") is True  # CUDA IPC between containers
+
+    token_file = env_map(kvd)["KVD_AUTH_TOKEN_FILE"]["value"]
+    token_mounts = [
+        m for m in kvd["volumeMounts"] if token_file.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert len(token_mounts) == 1 and "secret" in volumes[token_mounts[0]["name"]]
+    return cfg
+
+
+def check_service(service: Doc, workload: Doc) -> None:
+    spec = pod_spec(workload)
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["clusterIP"] == "None", "peers must reach a specific pod"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    names = {p["name"]: p["containerPort"] for p in kvd_container(spec)["ports"]}
+    by_name = {p["name"]: p for p in service["spec"]["ports"]}
+    assert by_name["kvd-peer"]["port"] == port_of(DEFAULTS.peer_address)
+    for port in by_name.values():
+        assert port["targetPort"] in names
+
+
+def check_podmonitor(monitor: Doc, workload: Doc) -> None:
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["kind"] == "PodMonitor"
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    pod_ports = {p["name"] for c in pod_spec(workload)["initContainers"] for p in c["ports"]}
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in pod_ports
+        assert endpoint.get("path", "/metrics") == "/metrics"
+
+
+REQUIRED_PANELS = (
+    "kvd_transferred_bytes_total",
+    "kvd_transfer_duration_seconds_bucket",
+    "kvd_leases_expired_total",
+    "kvd_inflight_transfers",
+    "kvd_held_requests",
+    "kvd_handshakes_total",
+)
+
+
+def check_dashboard(raw: str) -> None:
+    dash = json.loads(raw)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    used = {name for e in exprs for name in re.findall(r"\bkvd_[a-z_]+", e)}
+    unknown = used - metric_names()
+    assert not unknown, f"dashboard uses metrics kvd does not export: {sorted(unknown)}"
+    for name in REQUIRED_PANELS:
+        assert name in used, f"dashboard lacks a panel over {name}"
+    assert any("histogram_quantile(0.99" in e for e in exprs)
+    assert any("histogram_quantile(0.5" in e for e in exprs)
+    assert any('outcome!="ok"' in e for e in exprs)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))

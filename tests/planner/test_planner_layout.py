@@ -1,0 +1,135 @@
+"""Descriptor building: merging, block-size ratios, and the layouts we refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.errors import LayoutError
+from kvd.planner import CacheLayout, RankId, Read, build_read_descriptors
+
+
+def layout(**kw) -> CacheLayout:
+    base = dict(num_layers=4, num_blocks=64, block_size_tokens=16, num_heads=8, head_dim=128,
+                dtype_nbytes=2)
+    return CacheLayout(**{**base, **kw})
+
+
+def whole(heads=8, layers=(0, 4)) -> Read:
+    return Read(RankId(0), (0, heads), (0, heads), (0, heads), layers)
+
+
+def test_shapes_follow_the_documented_axis_order():
+    assert layout().shape == (4, 2, 64, 8, 16, 128)
+    assert layout(kv_layout="blocks_first").shape == (4, 64, 2, 8, 16, 128)
+    assert layout(head_layout="NHD").shape == (4, 2, 64, 16, 8, 128)
+    assert layout(mla=True, num_heads=1).shape == (4, 1, 64, 1, 16, 128)
+    lay = layout()
+    assert lay.block_nbytes == 8 * 16 * 128 * 2
+    assert lay.total_nbytes == int(np.prod(lay.shape)) * 2
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"kv_layout": "paged"}, "unknown kv_layout"),
+        ({"head_layout": "HDN"}, "unknown head_layout"),
+        ({"mla": True}, "MLA"),
+    ],
+)
+def test_validate_names_the_reason(kw, needle):
+    with pytest.raises(LayoutError, match=needle):
+        layout(**kw).validate()
+
+
+@pytest.mark.parametrize(("kv_layout", "expected"), [("kv_split", 8), ("blocks_first", 4)])
+def test_consecutive_whole_block_reads_collapse(kv_layout, expected):
+    local, remote = layout(kv_layout=kv_layout), layout(kv_layout=kv_layout)
+    ids = np.arange(10, 40)
+    desc = build_read_descriptors(whole(), local, 0, remote, 0, ids, ids + 5)
+    # one descriptor per (layer, kv) region, or per layer when K and V sit in one block
+    assert len(desc) == expected
+    assert desc.total_nbytes == 4 * 2 * 30 * local.block_nbytes
+    assert desc.nbytes.dtype == desc.local_offsets.dtype == desc.remote_offsets.dtype == np.int64
+
+
+def test_identical_full_pools_become_one_descriptor():
+    lay = layout()
+    ids = np.arange(64)
+    desc = build_read_descriptors(whole(), lay, 0, lay, 0, ids, ids)
+    assert len(desc) == 1 and desc.nbytes[0] == lay.total_nbytes
+
+
+def test_head_slices_are_one_descriptor_per_block():
+    local, remote = layout(num_heads=4), layout(num_heads=8)
+    read = Read(RankId(1), (4, 8), (0, 4), (4, 8), (0, 4))
+    desc = build_read_descriptors(read, local, 0, remote, 0, np.arange(3), np.arange(3))
+    assert len(desc) == 4 * 2 * 3
+    assert set(desc.nbytes.tolist()) == {4 * 16 * 128 * 2}
+    assert desc.remote_offsets[0] == 4 * 16 * 128 * 2  # starts at head 4 of remote block 0
+
+
+def test_small_prefill_blocks_fill_big_decode_blocks_and_merge():
+    # One head each side (GQA replication): remote blocks 0..7 of 4 tokens are the
+    # four quarters of local blocks 0..1 of 16 tokens, contiguous on both sides.
+    local = layout(num_heads=1, block_size_tokens=16)
+    remote = layout(num_heads=1, block_size_tokens=4)
+    read = Read(RankId(0), (3, 4), (0, 1), (0, 1), (0, 4))
+    desc = build_read_descriptors(read, local, 0, remote, 0, np.arange(2), np.arange(7))
+    assert len(desc) == 4 * 2  # per (layer, kv); the 7th remote block fills 3/4 of local 1
+    assert desc.total_nbytes == 4 * 2 * 7 * remote.block_nbytes
+
+
+def test_block_count_must_match_the_ratio():
+    local, remote = layout(block_size_tokens=16), layout(block_size_tokens=4)
+    with pytest.raises(LayoutError, match="do not fill"):
+        build_read_descriptors(whole(), local, 0, remote, 0, np.arange(2), np.arange(9))
+    with pytest.raises(LayoutError, match="do not match"):
+        build_read_descriptors(whole(), remote, 0, local, 0, np.arange(9), np.arange(2))
+
+
+@pytest.mark.parametrize(
+    ("local_kw", "remote_kw", "needle"),
+    [
+        ({"block_size_tokens": 16}, {"block_size_tokens": 12}, "do not divide"),
+        ({"head_dim": 64}, {}, "head_dim differs"),
+        ({"dtype_nbytes": 1}, {}, "dtype size differs"),
+        ({"head_layout": "NHD"}, {}, "head layouts differ"),
+        ({"mla": True, "num_heads": 1}, {}, "MLA"),
+    ],
+)
+def test_incompatible_pairs_are_refused(local_kw, remote_kw, needle):
+    read = Read(RankId(0), (0, 1), (0, 1), (0, 1), (0, 4))
+    with pytest.raises(LayoutError, match=needle):
+        build_read_descriptors(read, layout(**local_kw), 0, layout(**remote_kw), 0,
+                               np.arange(2), np.arange(2))
+
+
+def test_nhd_head_slices_are_refused_but_whole_heads_work():
+    local, remote = layout(num_heads=4, head_layout="NHD"), layout(head_layout="NHD")
+    read = Read(RankId(0), (0, 4), (0, 4), (0, 4), (0, 4))
+    with pytest.raises(LayoutError, match="NHD caches cannot be head-sliced"):
+        build_read_descriptors(read, local, 0, remote, 0, np.arange(2), np.arange(2))
+    nhd = layout(head_layout="NHD")
+    desc = build_read_descriptors(whole(), nhd, 0, nhd, 0, np.arange(2), np.arange(2))
+    assert len(desc) == 8
+
+
+def test_reads_outside_the_ranks_are_refused():
+    lay = layout()
+    with pytest.raises(LayoutError, match="local cache"):
+        build_read_descriptors(whole(layers=(0, 4)), lay, 1, lay, 0, np.arange(2), np.arange(2))
+    with pytest.raises(LayoutError, match="block id out of range"):
+        build_read_descriptors(whole(), lay, 0, lay, 0, np.array([64]), np.array([0]))
+    empty = build_read_descriptors(whole(), lay, 0, lay, 0, np.arange(0), np.arange(0))
+    assert len(empty) == 0 and empty.total_nbytes == 0
+
+
+def test_global_layers_map_to_stage_local_indices():
+    lay = layout()
+    read = whole(layers=(10, 11))
+    desc = build_read_descriptors(read, lay, 8, lay, 10, np.array([0]), np.array([0]))
+    assert desc.local_offsets[0] == 2 * 2 * 64 * lay.block_nbytes  # third local layer
+    assert desc.remote_offsets[0] == 0
