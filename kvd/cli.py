@@ -66,5 +66,96 @@ def plan(
         _fail(str(exc))
 
 
+@app.command()
+def serve(
+    config: str | None = typer.Option(None, "--config", help="TOML config file ([kvd] table)."),
+    engine_address: str | None = typer.Option(None, help="Engine face endpoint."),
+    peer_address: str | None = typer.Option(None, help="Peer face endpoint (tcp)."),
+    advertise_address: str | None = typer.Option(None, help="Peer address announced to peers."),
+    metrics_host: str | None = typer.Option(None, help="Metrics/health server host."),
+    metrics_port: int | None = typer.Option(None, help="Metrics/health port (0: off)."),
+    device: str | None = typer.Option(None, help="cpu or cuda."),
+    lease_s: float | None = typer.Option(None, help="Default lease of published requests."),
+    log_format: str | None = typer.Option(None, help="text or json."),
+    log_level: str | None = typer.Option(None, help="debug, info, warning, error."),
+    auth_token_file: str | None = typer.Option(None, help="Shared token file."),
+    insecure: bool | None = typer.Option(None, "--insecure", help="Allow unauthenticated "
+                                         "non-loopback binds."),
+    set_: list[str] = typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable)."),
+) -> None:
+    """Run the daemon (flags > KVD_* environment > config file > defaults)."""
+    from kvd import config as cfgmod
+    from kvd.errors import KvdError
+
+    overrides: dict[str, object] = {
+        "engine_address": engine_address, "peer_address": peer_address,
+        "advertise_address": advertise_address, "metrics_host": metrics_host,
+        "metrics_port": metrics_port, "device": device, "lease_s": lease_s,
+        "log_format": log_format, "log_level": log_level, "auth_token_file": auth_token_file,
+        "insecure": insecure,
+    }
+    for item in set_:
+        key, sep, value = item.partition("=")
+        if not sep:
+            _fail(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value
+    try:
+        cfg = cfgmod.load(config, overrides=overrides)
+        from kvd.daemon.run import load_token
+        from kvd.logsetup import configure_logging
+
+        load_token(cfg)
+        configure_logging(cfg.log_format, cfg.log_level)
+        from kvd.daemon.run import run
+
+        raise typer.Exit(run(cfg))
+    except KvdError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def status(
+    address: str | None = typer.Option(None, "--address", help="Engine face of the daemon."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    timeout_s: float = typer.Option(3.0, "--timeout-s", help="How long to wait for an answer."),
+) -> None:
+    """Ask a running daemon for its engines, pools, peers, held requests and pulls."""
+    from kvd.errors import KvdError
+    from kvd.status import render_status
+
+    try:
+        typer.echo(render_status(address, as_json, timeout_s))
+    except KvdError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def demo(
+    prefill_tp: int = typer.Option(2, help="Prefill TP size."),
+    decode_tp: int = typer.Option(1, help="Decode TP size."),
+    prefill_pp: int = typer.Option(1, help="Prefill PP size."),
+    decode_pp: int = typer.Option(1, help="Decode PP size."),
+    kv_heads: int = typer.Option(8, help="Total KV heads."),
+    layers: int = typer.Option(16, help="Layers."),
+    head_dim: int = typer.Option(128, help="Head dimension."),
+    tokens: int = typer.Option(1024, help="Request length in tokens."),
+    prefill_block_size: int = typer.Option(16, help="Prefill block size (tokens)."),
+    decode_block_size: int = typer.Option(16, help="Decode block size (tokens)."),
+    mla: bool = typer.Option(False, "--mla", help="MLA model (one latent cache)."),
+) -> None:
+    """Two daemons on loopback, simulated engines, one request pulled and checked byte for byte."""
+    from kvd.demo import run_demo
+    from kvd.errors import KvdError
+
+    try:
+        raise typer.Exit(run_demo(prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                  prefill_pp=prefill_pp, decode_pp=decode_pp, kv_heads=kv_heads,
+                                  layers=layers, head_dim=head_dim, tokens=tokens,
+                                  prefill_block_size=prefill_block_size,
+                                  decode_block_size=decode_block_size, mla=mla))
+    except KvdError as exc:
+        _fail(str(exc))
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

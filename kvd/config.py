@@ -36,6 +36,7 @@ class Config:
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
+    engine_timeout_s: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
     max_blocks_per_request: int = 1 << 20
     max_engines: int = 256
@@ -66,6 +67,7 @@ FIELD_HELP: dict[str, str] = {
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
     "heartbeat_interval_s": "How often a consumer renews leases of requests it is pulling.",
+    "engine_timeout_s": "An engine rank silent (no ping) this long is treated as gone.",
     "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
     "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
     "max_blocks_per_request": "Most block ids a single publish or pull may name.",
@@ -90,6 +92,7 @@ _POSITIVE = {
     "handshake_timeout_s",
     "transfer_timeout_s",
     "heartbeat_interval_s",
+    "engine_timeout_s",
     "max_message_bytes",
     "max_blocks_per_request",
     "max_engines",

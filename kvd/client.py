@@ -1,0 +1,286 @@
+"""Engine API: sync and asyncio clients of the local kvd.
+
+An engine worker registers its rank and gets its KV pool mapped (numpy, or a
+torch tensor without copying); the scheduler publishes finished prefills and
+pulls remote ones, then waits for done_sending / done_recving events with a
+long poll. Both clients keep their registered ranks alive with pings; a
+daemon that restarted answers the ping with an error, which ``on_lost`` hears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvd import protocol as P
+from kvd.errors import KvdError, KvdTimeoutError, error_from_code
+from kvd.pool import MappedPool, map_pool
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
+
+
+def default_address() -> str:
+    return os.environ.get("KVD_ENGINE_ADDRESS", DEFAULT_ADDRESS)
+
+
+def default_token() -> str:
+    path = os.environ.get("KVD_AUTH_TOKEN_FILE", "")
+    return open(path).read().strip() if path else ""
+
+
+@dataclass
+class RankHandle:
+    """A registered engine rank and its mapped pool."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    pool: MappedPool
+    daemon_id: str
+    peer_address: str
+
+    @property
+    def kv(self) -> Any:
+        """numpy view of the whole pool, shaped by the layout."""
+        return self.pool.array
+
+
+def _register_msg(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
+                  tp_size: int, pp_rank: int, pp_size: int,
+                  layer_partition: Sequence[int] | None,
+                  engine_daemons: Sequence[str]) -> P.RegisterEngine:
+    return P.RegisterEngine(engine_id=engine_id, model=model, layout=layout, tp_rank=tp_rank,
+                            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                            layer_partition=list(layer_partition) if layer_partition else None,
+                            engine_daemons=list(engine_daemons))
+
+
+def _handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
+    return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
+                      pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
+                      peer_address=reply.peer_address)
+
+
+def _check(reply: Any) -> Any:
+    if isinstance(reply, P.Error):
+        raise error_from_code(reply.code, reply.message)
+    return reply
+
+
+def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+class KvdClient:
+    """Blocking client; safe to share between threads (calls are serialized)."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 10.0,
+                 token: str | None = None, ping_interval_s: float = 5.0,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self.token = default_token() if token is None else token
+        self._ctx = zmq.Context()
+        self._sock = _socket(self._ctx, self.address)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._ranks: list[RankHandle] = []
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._ping_interval_s = ping_interval_s
+        self._pinger: threading.Thread | None = None
+        self._stash: dict[str, list[P.Event]] = {}
+
+    def call(self, msg: Any, timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            msg_id = next(self._ids)
+            self._sock.send_multipart(P.encode(msg, msg_id, self.token))
+            deadline_ms = int(timeout_s * 1000)
+            while True:
+                if not self._sock.poll(deadline_ms):
+                    # The reply may still come; a fresh socket keeps later calls in step.
+                    self._sock.close(0)
+                    self._sock = _socket(self._ctx, self.address)
+                    raise KvdTimeoutError(f"kvd at {self.address} did not answer "
+                                          f"{type(msg).__name__} within {timeout_s}s")
+                header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
+                if header.id == msg_id:
+                    return _check(body)
+
+    def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
+                 tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                 layer_partition: Sequence[int] | None = None,
+                 engine_daemons: Sequence[str] = ()) -> RankHandle:
+        msg = _register_msg(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
+                            layer_partition, engine_daemons)
+        handle = _handle(msg, self.call(msg))
+        self._ranks.append(handle)
+        if self._pinger is None and self._ping_interval_s > 0:
+            self._pinger = threading.Thread(target=self._ping_loop, daemon=True,
+                                            name="kvd-client-ping")
+            self._pinger.start()
+        return handle
+
+    def _ping_loop(self) -> None:
+        while not self._stop.wait(self._ping_interval_s):
+            for r in list(self._ranks):
+                try:
+                    self.call(P.Ping(engine_id=r.engine_id, tp_rank=r.tp_rank,
+                                     pp_rank=r.pp_rank))
+                except KvdError as exc:
+                    if self._on_lost is not None:
+                        self._on_lost(str(exc))
+
+    def deregister(self, handle: RankHandle) -> None:
+        self.call(P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
+                               pp_rank=handle.pp_rank))
+        if handle in self._ranks:
+            self._ranks.remove(handle)
+        handle.pool.close()
+
+    def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
+                lease_s: float | None = None, consumers: int = 1) -> None:
+        self.call(P.Publish(engine_id=engine_id, request_id=request_id,
+                            block_ids=list(block_ids), lease_s=lease_s, consumers=consumers))
+
+    def pull(self, engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> None:
+        self.call(P.Pull(engine_id=engine_id, request_id=request_id,
+                         remote_engine_id=remote_engine_id, remote_address=remote_address,
+                         remote_block_ids=list(remote_block_ids),
+                         local_block_ids=list(local_block_ids)))
+
+    def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
+        """Wait up to timeout_s for completion events of an engine (long poll)."""
+        reply = self.call(P.Poll(engine_id=engine_id, timeout_s=timeout_s),
+                          timeout_s=timeout_s + self.timeout_s)
+        return list(reply.events)
+
+    def wait(self, engine_id: str, request_id: str, kind: str, timeout_s: float = 30.0
+             ) -> P.Event:
+        """Block until one request's event arrives (other events are kept for later waits)."""
+        deadline = time.monotonic() + timeout_s
+        stash = self._stash.setdefault(engine_id, [])
+        while True:
+            for ev in stash:
+                if ev.request_id == request_id and ev.kind == kind:
+                    stash.remove(ev)
+                    return ev
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KvdTimeoutError(f"no {kind} for {request_id!r} within {timeout_s}s")
+            stash.extend(self.poll(engine_id, timeout_s=min(left, 1.0)))
+
+    def status(self) -> P.Status:
+        return self.call(P.StatusQuery())
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._pinger is not None:
+            self._pinger.join(timeout=2)
+        for r in self._ranks:
+            r.pool.close()
+        self._ranks.clear()
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> KvdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncKvdClient:
+    """asyncio client for engines that run an event loop (one call in flight per id)."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 10.0,
+                 token: str | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self.token = default_token() if token is None else token
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _socket(self._ctx, self.address)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                header, body = P.decode(frames, P.REPLIES)
+            except KvdError:
+                continue
+            fut = self._waiting.pop(header.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(body)
+
+    async def call(self, msg: Any, timeout_s: float | None = None) -> Any:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        msg_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[msg_id] = fut
+        await self._sock.send_multipart(P.encode(msg, msg_id, self.token))
+        try:
+            return _check(await asyncio.wait_for(fut, self.timeout_s if timeout_s is None
+                                                 else timeout_s))
+        except asyncio.TimeoutError:
+            raise KvdTimeoutError(f"kvd at {self.address} did not answer "
+                                  f"{type(msg).__name__}") from None
+        finally:
+            self._waiting.pop(msg_id, None)
+
+    async def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec,
+                       tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                       layer_partition: Sequence[int] | None = None,
+                       engine_daemons: Sequence[str] = ()) -> RankHandle:
+        msg = _register_msg(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
+                            layer_partition, engine_daemons)
+        return _handle(msg, await self.call(msg))
+
+    async def ping(self, handle: RankHandle) -> None:
+        await self.call(P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
+                               pp_rank=handle.pp_rank))
+
+    async def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
+                      lease_s: float | None = None, consumers: int = 1) -> None:
+        await self.call(P.Publish(engine_id=engine_id, request_id=request_id,
+                                  block_ids=list(block_ids), lease_s=lease_s,
+                                  consumers=consumers))
+
+    async def pull(self, engine_id: str, request_id: str, remote_engine_id: str,
+                   remote_address: str, remote_block_ids: Sequence[int],
+                   local_block_ids: Sequence[int]) -> None:
+        await self.call(P.Pull(engine_id=engine_id, request_id=request_id,
+                               remote_engine_id=remote_engine_id, remote_address=remote_address,
+                               remote_block_ids=list(remote_block_ids),
+                               local_block_ids=list(local_block_ids)))
+
+    async def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
+        reply = await self.call(P.Poll(engine_id=engine_id, timeout_s=timeout_s),
+                                timeout_s=timeout_s + self.timeout_s)
+        return list(reply.events)
+
+    async def status(self) -> P.Status:
+        return await self.call(P.StatusQuery())
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(0)
+        self._ctx.term()

@@ -1,0 +1,107 @@
+"""All NIXL calls on one dedicated thread, awaited from the event loop.
+
+NIXL agents are not thread-safe in their default sync mode, and `transfer()`
+can copy a whole request inline; one worker thread serializes the agent and
+keeps the event loop free. Each coroutine here is one hop to that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+from kvd.errors import TransferError
+from kvd.transport.base import Transport, TransportCounts
+
+T = TypeVar("T")
+
+
+def new_nixl_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
+
+
+class DataPath:
+    def __init__(self, transport: Transport, executor: ThreadPoolExecutor | None = None) -> None:
+        self.transport = transport
+        self._pool = executor or new_nixl_executor()
+
+    @property
+    def agent_name(self) -> str:
+        return self.transport.name
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def metadata(self) -> bytes:
+        return await self.call(self.transport.metadata)
+
+    async def register(self, addr: int, nbytes: int, mem_type: str, device_id: int) -> int:
+        return await self.call(self.transport.register, addr, nbytes, mem_type, device_id)
+
+    async def deregister(self, reg_id: int) -> None:
+        await self.call(self.transport.deregister, reg_id)
+
+    async def add_peer(self, metadata: bytes) -> str:
+        return await self.call(self.transport.add_peer, metadata)
+
+    async def post_reads(
+        self, posts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, str, bytes]]
+    ) -> list[tuple[int | None, bool, str | None]]:
+        """Post several READs in one hop; per post: (xfer id, done, error)."""
+
+        def run() -> list[tuple[int | None, bool, str | None]]:
+            out: list[tuple[int | None, bool, str | None]] = []
+            for peer, loc, rem, nb, mem_type, notif in posts:
+                try:
+                    xfer_id, done = self.transport.post_read(peer, loc, rem, nb, mem_type, notif)
+                    out.append((xfer_id, done, None))
+                except TransferError as exc:
+                    out.append((None, False, str(exc)))
+            return out
+
+        return await self.call(run)
+
+    async def poll_many(self, xfer_ids: list[int]) -> dict[int, str | None]:
+        """States of many transfers in one hop: 'done', 'proc' or an error message."""
+
+        def run() -> dict[int, str | None]:
+            out: dict[int, str | None] = {}
+            for xfer_id in xfer_ids:
+                try:
+                    out[xfer_id] = "done" if self.transport.poll(xfer_id) else "proc"
+                except TransferError as exc:
+                    out[xfer_id] = str(exc) or "transfer failed"
+            return out
+
+        return await self.call(run)
+
+    async def release(self, xfer_ids: list[int]) -> None:
+        def run() -> None:
+            for xfer_id in xfer_ids:
+                self.transport.release(xfer_id)
+
+        await self.call(run)
+
+    async def notifications(self) -> list[tuple[str, bytes]]:
+        return await self.call(self.transport.notifications)
+
+    async def send_notif(self, peer: str, msg: bytes) -> str | None:
+        def run() -> str | None:
+            try:
+                self.transport.send_notif(peer, msg)
+                return None
+            except TransferError as exc:
+                return str(exc)
+
+        return await self.call(run)
+
+    async def counts(self) -> TransportCounts:
+        return await self.call(self.transport.counts)
+
+    async def close(self) -> None:
+        await self.call(self.transport.close)
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,189 @@
+"""Registered engine ranks and the pools kvd owns for them.
+
+A pool is freed only when both hold: its engine is gone (deregistered or
+silent past engine_timeout_s) and no transfer pins it. Pins are taken by
+in-flight consumer READs (local writes) and by producer requests that a
+consumer has acquired (remote reads); freeing waits for the last unpin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+
+from kvd.errors import IncompatibleError, KvdError, NotFoundError, PlanError
+from kvd.planner import (
+    CacheLayout,
+    ModelGeometry,
+    Parallelism,
+    RankId,
+    check_parallelism,
+    heads_per_rank,
+    stage_layers,
+)
+from kvd.pool import ShmPool
+from kvd.protocol import DTYPE_NBYTES, EngineDesc, LayoutSpec, ModelSpec, RankDesc, RegisterEngine
+
+_epochs = itertools.count(1)
+
+
+def compat_hash(model: ModelSpec, layout: LayoutSpec) -> str:
+    """What two engines must share to exchange KV (not TP, PP or block size/count)."""
+    key = (f"{model.name}|{model.num_kv_heads}|{model.num_layers}|{model.head_dim}|"
+           f"{model.dtype}|{model.mla}|{layout.kv_layout}|{layout.head_layout}")
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def geometry(model: ModelSpec) -> ModelGeometry:
+    return ModelGeometry(num_kv_heads=model.num_kv_heads, num_layers=model.num_layers,
+                         mla=model.mla)
+
+
+def parallelism(tp_size: int, pp_size: int, partition: list[int] | None) -> Parallelism:
+    return Parallelism(tp_size=tp_size, pp_size=pp_size,
+                       layer_partition=tuple(partition) if partition else None)
+
+
+def rank_layout(model: ModelSpec, layout: LayoutSpec, par: Parallelism, pp_rank: int,
+                num_blocks: int | None = None) -> tuple[CacheLayout, int]:
+    """(CacheLayout of one rank, global index of its first layer)."""
+    geom = geometry(model)
+    first, stop = stage_layers(geom, par, pp_rank)
+    cache = CacheLayout(
+        num_layers=stop - first,
+        num_blocks=num_blocks if num_blocks is not None else layout.num_blocks,
+        block_size_tokens=layout.block_size_tokens,
+        num_heads=heads_per_rank(geom, par),
+        head_dim=model.head_dim,
+        dtype_nbytes=DTYPE_NBYTES[model.dtype],
+        kv_layout=layout.kv_layout,
+        head_layout=layout.head_layout,
+        mla=model.mla,
+    )
+    cache.validate()
+    return cache, first
+
+
+@dataclass
+class EngineRank:
+    engine_id: str
+    rank: RankId
+    msg: RegisterEngine
+    cache: CacheLayout
+    first_layer: int
+    pool: ShmPool
+    reg_id: int
+    last_seen_s: float
+    pins: int = 0
+    gone: bool = False
+
+
+@dataclass
+class Engine:
+    """All ranks of one engine hosted on this daemon, plus the shared geometry."""
+
+    engine_id: str
+    model: ModelSpec
+    layout: LayoutSpec
+    par: Parallelism
+    engine_daemons: list[str]
+    ranks: dict[RankId, EngineRank] = field(default_factory=dict)
+    epoch: int = 0
+
+    @property
+    def compat(self) -> str:
+        return compat_hash(self.model, self.layout)
+
+    def desc(self) -> EngineDesc:
+        return EngineDesc(
+            engine_id=self.engine_id, model=self.model, layout=self.layout,
+            tp_size=self.par.tp_size, pp_size=self.par.pp_size,
+            layer_partition=list(self.par.layer_partition) if self.par.layer_partition else None,
+            ranks=[RankDesc(tp_rank=r.rank.tp_rank, pp_rank=r.rank.pp_rank, base_addr=r.pool.addr,
+                            nbytes=r.pool.nbytes, num_blocks=r.cache.num_blocks)
+                   for r in self.live_ranks()],
+            epoch=self.epoch,
+        )
+
+    def live_ranks(self) -> list[EngineRank]:
+        return [r for key, r in sorted(self.ranks.items()) if not r.gone]
+
+
+def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout, int]:
+    """Everything about a registration that can be refused before allocating memory."""
+    if not msg.engine_id or len(msg.engine_id) > 256:
+        raise KvdError("engine_id must be 1..256 characters")
+    if msg.model.dtype not in DTYPE_NBYTES:
+        raise KvdError(f"unsupported dtype {msg.model.dtype!r}; known: {sorted(DTYPE_NBYTES)}")
+    if msg.model.head_dim < 1 or msg.model.num_layers < 1 or msg.model.num_kv_heads < 1:
+        raise KvdError("model head_dim, num_layers and num_kv_heads must be >= 1")
+    par = parallelism(msg.tp_size, msg.pp_size, msg.layer_partition)
+    check_parallelism(geometry(msg.model), par, "engine")
+    if not (0 <= msg.tp_rank < msg.tp_size and 0 <= msg.pp_rank < msg.pp_size):
+        raise PlanError(f"rank {msg.tp_rank}/{msg.pp_rank} outside TP {msg.tp_size} x PP "
+                        f"{msg.pp_size}")
+    cache, first = rank_layout(msg.model, msg.layout, par, msg.pp_rank)
+    return par, cache, first
+
+
+class EngineTable:
+    def __init__(self, max_ranks: int) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.max_ranks = max_ranks
+
+    def rank_count(self) -> int:
+        return sum(len(e.live_ranks()) for e in self.engines.values())
+
+    def get(self, engine_id: str) -> Engine:
+        engine = self.engines.get(engine_id)
+        if engine is None or not engine.live_ranks():
+            raise NotFoundError(f"engine {engine_id!r} is not registered on this daemon")
+        return engine
+
+    def check_joinable(self, msg: RegisterEngine, par: Parallelism) -> Engine | None:
+        """Refuse a rank whose geometry disagrees with ranks already registered."""
+        engine = self.engines.get(msg.engine_id)
+        rank = RankId(msg.tp_rank, msg.pp_rank)
+        if engine is None or not engine.live_ranks():
+            return None
+        if (engine.model, engine.layout, engine.par) != (msg.model, msg.layout, par):
+            raise IncompatibleError(
+                f"engine {msg.engine_id!r} rank {rank.key} disagrees with its other ranks on "
+                "model, layout or parallelism"
+            )
+        if rank in engine.ranks and not engine.ranks[rank].gone:
+            raise KvdError(f"engine {msg.engine_id!r} rank {rank.key} is already registered")
+        return engine
+
+    def add(self, msg: RegisterEngine, par: Parallelism, rank: EngineRank) -> Engine:
+        engine = self.engines.get(msg.engine_id)
+        if engine is None or not engine.live_ranks():
+            engine = Engine(engine_id=msg.engine_id, model=msg.model, layout=msg.layout, par=par,
+                            engine_daemons=list(msg.engine_daemons),
+                            ranks={k: v for k, v in (engine.ranks.items() if engine else ())
+                                   if v.pins})
+            self.engines[msg.engine_id] = engine
+        engine.ranks[rank.rank] = rank
+        engine.epoch = next(_epochs)
+        return engine
+
+    def mark_gone(self, engine_id: str, rank: RankId) -> EngineRank | None:
+        engine = self.engines.get(engine_id)
+        if engine is None or rank not in engine.ranks or engine.ranks[rank].gone:
+            return None
+        engine.ranks[rank].gone = True
+        engine.epoch = next(_epochs)
+        return engine.ranks[rank]
+
+    def collectable(self) -> list[EngineRank]:
+        """Ranks that are gone and unpinned: their pools may be freed now."""
+        out = []
+        for engine_id, engine in list(self.engines.items()):
+            for key, r in list(engine.ranks.items()):
+                if r.gone and r.pins == 0:
+                    out.append(r)
+                    del engine.ranks[key]
+            if not engine.ranks:
+                del self.engines[engine_id]
+        return out

@@ -1,0 +1,76 @@
+"""Completion events per engine, delivered by long poll (no busy polling).
+
+A Poll waits until its engine has events or its timeout ends; events are
+kept (bounded) until some client of that engine polls them, so an event is
+never lost because no poll happened to be waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvd import protocol as P
+
+MAX_EVENTS_PER_ENGINE = 100_000
+
+
+@dataclass
+class Waiter:
+    identity: bytes
+    msg_id: int
+    max_events: int
+    deadline_s: float
+
+
+class EventHub:
+    def __init__(self, reply: Callable[[bytes, int, P.Events], None],
+                 clock: Callable[[], float]) -> None:
+        self._reply = reply
+        self._clock = clock
+        self.queues: dict[str, deque[P.Event]] = {}
+        self.waiters: dict[str, list[Waiter]] = {}
+        self.dropped = 0
+
+    def push(self, engine_id: str, event: P.Event) -> None:
+        q = self.queues.setdefault(engine_id, deque())
+        if len(q) >= MAX_EVENTS_PER_ENGINE:
+            q.popleft()
+            self.dropped += 1
+        q.append(event)
+        self._deliver(engine_id)
+
+    def wait(self, engine_id: str, identity: bytes, msg_id: int, timeout_s: float,
+             max_events: int) -> None:
+        timeout_s = min(max(timeout_s, 0.0), 60.0)
+        max_events = min(max(max_events, 1), 10_000)
+        self.waiters.setdefault(engine_id, []).append(
+            Waiter(identity, msg_id, max_events, self._clock() + timeout_s))
+        self._deliver(engine_id)
+
+    def _deliver(self, engine_id: str) -> None:
+        q = self.queues.get(engine_id)
+        waiters = self.waiters.get(engine_id)
+        while q and waiters:
+            w = waiters.pop(0)
+            batch = [q.popleft() for _ in range(min(w.max_events, len(q)))]
+            self._reply(w.identity, w.msg_id, P.Events(events=batch))
+
+    def expire(self) -> None:
+        """Answer polls whose timeout ended with an empty list."""
+        now = self._clock()
+        for engine_id, waiters in self.waiters.items():
+            keep = []
+            for w in waiters:
+                if now >= w.deadline_s:
+                    self._reply(w.identity, w.msg_id, P.Events(events=[]))
+                else:
+                    keep.append(w)
+            self.waiters[engine_id] = keep
+
+    def flush_all(self) -> None:
+        for waiters in self.waiters.values():
+            for w in waiters:
+                self._reply(w.identity, w.msg_id, P.Events(events=[]))
+        self.waiters.clear()

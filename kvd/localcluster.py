@@ -1,0 +1,82 @@
+"""Run kvd daemons as separate local processes (demo, benchmark, integration tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvd.client import KvdClient
+from kvd.errors import KvdError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    name: str
+    engine_address: str
+    peer_address: str
+    metrics_port: int
+    proc: subprocess.Popen
+    log_path: Path
+    extra_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, name: str, log_dir: Path, extra_args: list[str] | None = None,
+              env: dict[str, str] | None = None, metrics: bool = True,
+              timeout_s: float = 30.0) -> DaemonProcess:
+        engine = f"tcp://127.0.0.1:{free_port()}"
+        peer = f"tcp://127.0.0.1:{free_port()}"
+        mport = free_port() if metrics else 0
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        args = [sys.executable, "-m", "kvd", "serve", "--engine-address", engine,
+                "--peer-address", peer, "--metrics-port", str(mport),
+                "--set", f"shm_prefix=kvd-{name}", *(extra_args or [])]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+        d = cls(name, engine, peer, mport, proc, log_path, list(extra_args or []))
+        d.wait_ready(timeout_s)
+        return d
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise KvdError(f"daemon {self.name} exited with {self.proc.returncode}:\n"
+                               f"{self.log_path.read_text()[-2000:]}")
+            try:
+                with KvdClient(self.engine_address, timeout_s=0.5, ping_interval_s=0) as c:
+                    c.status()
+                return
+            except KvdError:
+                time.sleep(0.1)
+        raise KvdError(f"daemon {self.name} not ready after {timeout_s}s:\n"
+                       f"{self.log_path.read_text()[-2000:]}")
+
+    def client(self, **kw: object) -> KvdClient:
+        return KvdClient(self.engine_address, **kw)  # type: ignore[arg-type]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
