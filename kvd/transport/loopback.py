@@ -74,7 +74,8 @@ class LoopbackTransport:
             self.fail_next_reads -= 1
             self._xfers[xfer_id] = False
             return xfer_id, False
-        for dst, src, n in zip(local_addrs.tolist(), remote_addrs.tolist(), nbytes.tolist(), strict=True):
+        triples = zip(local_addrs.tolist(), remote_addrs.tolist(), nbytes.tolist(), strict=True)
+        for dst, src, n in triples:
             ctypes.memmove(dst, src, n)
         self._xfers[xfer_id] = True
         remote._inbox[self.name].append(notif)
