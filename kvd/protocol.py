@@ -121,6 +121,7 @@ class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Peer addresses of every daemon hosting ranks of this engine (an engine may
     # span nodes); empty means "only this daemon".
     engine_daemons: list[str] = []
+    device_index: int = 0  # GPU of this rank when the daemon runs with device="cuda"
 
 
 class Registered(msgspec.Struct, frozen=True):

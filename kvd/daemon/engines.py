@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.errors import IncompatibleError, KvdError, NotFoundError, PlanError
 from kvd.planner import (
@@ -22,7 +23,6 @@ from kvd.planner import (
     heads_per_rank,
     stage_layers,
 )
-from kvd.pool import ShmPool
 from kvd.protocol import DTYPE_NBYTES, EngineDesc, LayoutSpec, ModelSpec, RankDesc, RegisterEngine
 
 _epochs = itertools.count(1)
@@ -72,11 +72,12 @@ class EngineRank:
     msg: RegisterEngine
     cache: CacheLayout
     first_layer: int
-    pool: ShmPool
+    pool: Any  # ShmPool or CudaPool: addr, nbytes, name, handle(), close()
     reg_id: int
     last_seen_s: float
     pins: int = 0
     gone: bool = False
+    device_id: int = 0  # GPU index for VRAM pools
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Engine:
     engine_daemons: list[str]
     ranks: dict[RankId, EngineRank] = field(default_factory=dict)
     epoch: int = 0
+    mem_type: str = "DRAM"
 
     @property
     def compat(self) -> str:
@@ -101,13 +103,15 @@ class Engine:
             tp_size=self.par.tp_size, pp_size=self.par.pp_size,
             layer_partition=list(self.par.layer_partition) if self.par.layer_partition else None,
             ranks=[RankDesc(tp_rank=r.rank.tp_rank, pp_rank=r.rank.pp_rank, base_addr=r.pool.addr,
-                            nbytes=r.pool.nbytes, num_blocks=r.cache.num_blocks)
+                            nbytes=r.pool.nbytes, num_blocks=r.cache.num_blocks,
+                            device_id=r.device_id)
                    for r in self.live_ranks()],
+            mem_type=self.mem_type,
             epoch=self.epoch,
         )
 
     def live_ranks(self) -> list[EngineRank]:
-        return [r for key, r in sorted(self.ranks.items()) if not r.gone]
+        return [r for _, r in sorted(self.ranks.items())]
 
 
 def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout, int]:
@@ -128,16 +132,19 @@ def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout
 
 
 class EngineTable:
+    """Live ranks per engine, plus retired ranks whose pools still wait for their last unpin."""
+
     def __init__(self, max_ranks: int) -> None:
         self.engines: dict[str, Engine] = {}
+        self.retired: list[EngineRank] = []
         self.max_ranks = max_ranks
 
     def rank_count(self) -> int:
-        return sum(len(e.live_ranks()) for e in self.engines.values())
+        return sum(len(e.ranks) for e in self.engines.values())
 
     def get(self, engine_id: str) -> Engine:
         engine = self.engines.get(engine_id)
-        if engine is None or not engine.live_ranks():
+        if engine is None or not engine.ranks:
             raise NotFoundError(f"engine {engine_id!r} is not registered on this daemon")
         return engine
 
@@ -145,45 +152,51 @@ class EngineTable:
         """Refuse a rank whose geometry disagrees with ranks already registered."""
         engine = self.engines.get(msg.engine_id)
         rank = RankId(msg.tp_rank, msg.pp_rank)
-        if engine is None or not engine.live_ranks():
+        if engine is None or not engine.ranks:
             return None
         if (engine.model, engine.layout, engine.par) != (msg.model, msg.layout, par):
             raise IncompatibleError(
                 f"engine {msg.engine_id!r} rank {rank.key} disagrees with its other ranks on "
                 "model, layout or parallelism"
             )
-        if rank in engine.ranks and not engine.ranks[rank].gone:
+        if rank in engine.ranks:
             raise KvdError(f"engine {msg.engine_id!r} rank {rank.key} is already registered")
         return engine
 
-    def add(self, msg: RegisterEngine, par: Parallelism, rank: EngineRank) -> Engine:
+    def add(self, msg: RegisterEngine, par: Parallelism, rank: EngineRank,
+            mem_type: str) -> Engine:
         engine = self.engines.get(msg.engine_id)
-        if engine is None or not engine.live_ranks():
+        if engine is None or not engine.ranks:
             engine = Engine(engine_id=msg.engine_id, model=msg.model, layout=msg.layout, par=par,
-                            engine_daemons=list(msg.engine_daemons),
-                            ranks={k: v for k, v in (engine.ranks.items() if engine else ())
-                                   if v.pins})
+                            engine_daemons=list(msg.engine_daemons), mem_type=mem_type)
             self.engines[msg.engine_id] = engine
         engine.ranks[rank.rank] = rank
         engine.epoch = next(_epochs)
         return engine
 
     def mark_gone(self, engine_id: str, rank: RankId) -> EngineRank | None:
+        """Retire a rank: it stops serving at once; its pool is freed once unpinned."""
         engine = self.engines.get(engine_id)
-        if engine is None or rank not in engine.ranks or engine.ranks[rank].gone:
+        if engine is None or rank not in engine.ranks:
             return None
-        engine.ranks[rank].gone = True
+        gone = engine.ranks.pop(rank)
+        gone.gone = True
+        self.retired.append(gone)
         engine.epoch = next(_epochs)
-        return engine.ranks[rank]
+        return gone
+
+    def rank_ids(self, engine_id: str) -> set[RankId]:
+        """Ranks a consumer may have planned against: live and retired-but-pinned."""
+        engine = self.engines.get(engine_id)
+        live = set(engine.ranks) if engine else set()
+        return live | {r.rank for r in self.retired if r.engine_id == engine_id}
 
     def collectable(self) -> list[EngineRank]:
-        """Ranks that are gone and unpinned: their pools may be freed now."""
-        out = []
+        """Retired, unpinned ranks: their pools may be freed now."""
+        out = [r for r in self.retired if r.pins == 0]
+        self.retired = [r for r in self.retired if r.pins > 0]
+        busy = {r.engine_id for r in self.retired}
         for engine_id, engine in list(self.engines.items()):
-            for key, r in list(engine.ranks.items()):
-                if r.gone and r.pins == 0:
-                    out.append(r)
-                    del engine.ranks[key]
-            if not engine.ranks:
+            if not engine.ranks and engine_id not in busy:
                 del self.engines[engine_id]
         return out

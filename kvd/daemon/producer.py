@@ -95,7 +95,8 @@ class Producer:
         plan = plan_transfer(
             geometry(engine.model), engine.par,
             parallelism(consumer.tp_size, consumer.pp_size, consumer.layer_partition))
-        return sum(plan.consumers.get(rank, 0) for rank in engine.ranks)
+        return sum(plan.consumers.get(rank, 0)
+                   for rank in self.d.engines.rank_ids(engine.engine_id))
 
     def finish(self, held: HeldRequest, outcome: str) -> None:
         """End a hold exactly once: unpin, emit done_sending, count."""

@@ -146,9 +146,10 @@ class Daemon:
         await asyncio.gather(*[t for t in self._tasks if t is not current],
                              return_exceptions=True)
         for engine in list(self.engines.engines.values()):
-            for rank in engine.ranks.values():
-                rank.gone = True
-                rank.pins = 0
+            for rank_id in list(engine.ranks):
+                self.engines.mark_gone(engine.engine_id, rank_id)
+        for rank in self.engines.retired:
+            rank.pins = 0  # every transfer task was cancelled and released above
         await self._collect_pools()
         await self.datapath.close()
         self.peers.close()
@@ -225,22 +226,31 @@ class Daemon:
         self.engines.check_joinable(msg, par)
         if self.engines.rank_count() >= self.cfg.max_engines:
             raise BusyError(f"{self.engines.rank_count()} engine ranks registered (max_engines)")
-        pool = ShmPool.create(self.cfg.shm_prefix, cache.total_nbytes)
+        pool, mem_type, device_id = self._allocate(msg, cache.total_nbytes)
         try:
-            reg_id = await self.datapath.register(pool.addr, pool.nbytes, "DRAM", 0)
+            reg_id = await self.datapath.register(pool.addr, pool.nbytes, mem_type, device_id)
         except Exception:
             pool.close()
             raise
         rank = EngineRank(engine_id=msg.engine_id, rank=RankId(msg.tp_rank, msg.pp_rank), msg=msg,
                           cache=cache, first_layer=first, pool=pool, reg_id=reg_id,
-                          last_seen_s=self.clock())
-        self.engines.add(msg, par, rank)
+                          last_seen_s=self.clock(), device_id=device_id)
+        self.engines.add(msg, par, rank, mem_type)
         self.metrics.pool_bytes.inc(pool.nbytes)
         self.metrics.engines.set(self.engines.rank_count())
         log.info("registered engine %s rank %s (%d bytes)", msg.engine_id, rank.rank.key,
                  pool.nbytes, extra={"engine_id": msg.engine_id})
         return P.Registered(pool=pool.handle(cache.shape, msg.model.dtype),
                             daemon_id=self.daemon_id, peer_address=self.cfg.peer_advertise)
+
+    def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
+        """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU."""
+        if self.cfg.device == "cuda":
+            from kvd.cuda_pool import CudaPool
+
+            return CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM", \
+                msg.device_index
+        return ShmPool.create(self.cfg.shm_prefix, nbytes), "DRAM", 0
 
     async def _on_deregister(self, msg: P.Deregister, *_: Any) -> P.Ok:
         self._rank_gone(msg.engine_id, RankId(msg.tp_rank, msg.pp_rank), "deregistered")
@@ -253,7 +263,7 @@ class Daemon:
         log.info("engine %s rank %s %s", engine_id, rank.key, why,
                  extra={"engine_id": engine_id})
         engine = self.engines.engines.get(engine_id)
-        if engine is not None and not engine.live_ranks():
+        if engine is None or not engine.ranks:
             self.producer.engine_gone(engine_id)
         self.metrics.engines.set(self.engines.rank_count())
 
@@ -285,7 +295,8 @@ class Daemon:
     async def _on_status(self, *_: Any) -> P.Status:
         engines = []
         for e in self.engines.engines.values():
-            for r in e.ranks.values():
+            for r in [*e.ranks.values(), *(x for x in self.engines.retired
+                                          if x.engine_id == e.engine_id)]:
                 engines.append({"engine_id": e.engine_id, "rank": r.rank.key,
                                 "tp_size": e.par.tp_size, "pp_size": e.par.pp_size,
                                 "pool": r.pool.name, "pool_bytes": r.pool.nbytes,

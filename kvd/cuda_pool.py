@@ -1,0 +1,83 @@
+"""VRAM pools: kvd allocates on the rank's GPU and exports a CUDA IPC handle.
+
+The daemon owns the allocation (so NIXL may register it as VRAM); the engine
+opens the IPC handle and gets a torch tensor over the same device memory.
+Both containers must see the same GPU and share the host IPC/process
+namespace (see docs/operations.md). UNTESTED on the development machines,
+which have no GPU: tests skip when torch.cuda is unavailable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvd.errors import KvdError
+from kvd.protocol import PoolHandle
+
+
+def _torch() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KvdError("device='cuda' needs a CUDA GPU visible to kvd (torch.cuda is unavailable)")
+    return torch
+
+
+@dataclass
+class CudaPool:
+    """Same surface as ShmPool: addr, nbytes, name, handle(), close()."""
+
+    name: str
+    nbytes: int
+    device_index: int
+    tensor: Any
+
+    @property
+    def addr(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    @classmethod
+    def create(cls, prefix: str, nbytes: int, device_index: int) -> CudaPool:
+        torch = _torch()
+        if not 0 <= device_index < torch.cuda.device_count():
+            raise KvdError(f"device_index {device_index} not visible "
+                           f"({torch.cuda.device_count()} GPUs)")
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}")
+        return cls(name=f"{prefix}-cuda{device_index}-{tensor.data_ptr():x}", nbytes=nbytes,
+                   device_index=device_index, tensor=tensor)
+
+    def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
+        shared = self.tensor.untyped_storage()._share_cuda_()
+        return PoolHandle(kind="cuda_ipc", name=self.name, nbytes=self.nbytes, shape=list(shape),
+                          dtype=dtype, ipc_handle=msgspec.msgpack.encode(list(shared)),
+                          device_index=self.device_index)
+
+    def close(self) -> None:
+        self.tensor = None
+
+
+@dataclass
+class MappedCudaPool:
+    handle: PoolHandle
+    storage: Any
+    array: Any  # torch tensor shaped by the layout
+
+    def tensor(self) -> Any:
+        return self.array
+
+    def close(self) -> None:
+        self.array = None
+        self.storage = None
+
+
+def open_cuda_pool(handle: PoolHandle) -> MappedCudaPool:
+    torch = _torch()
+    args = msgspec.msgpack.decode(handle.ipc_handle)
+    storage = torch.UntypedStorage._new_shared_cuda(*args)
+    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
+    flat.set_(storage)
+    tensor = flat.view(getattr(torch, handle.dtype)).view(handle.shape)
+    return MappedCudaPool(handle=handle, storage=storage, array=tensor)
