@@ -67,6 +67,12 @@ class TransferError(KvdError):
     code = "transfer_failed"
 
 
+class AuthError(KvdError):
+    """A message without the shared token the daemon requires."""
+
+    code = "unauthorized"
+
+
 class KvdTimeoutError(KvdError, TimeoutError):
     """A bounded wait ran out (handshake, reply, transfer)."""
 
@@ -86,6 +92,7 @@ ERRORS_BY_CODE: dict[str, type[KvdError]] = {
         BusyError,
         DrainingError,
         TransferError,
+        AuthError,
         KvdTimeoutError,
     )
 }

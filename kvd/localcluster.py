@@ -30,11 +30,12 @@ class DaemonProcess:
     proc: subprocess.Popen
     log_path: Path
     extra_args: list[str] = field(default_factory=list)
+    token: str = ""
 
     @classmethod
     def start(cls, name: str, log_dir: Path, extra_args: list[str] | None = None,
               env: dict[str, str] | None = None, metrics: bool = True,
-              timeout_s: float = 30.0) -> DaemonProcess:
+              timeout_s: float = 30.0, token: str = "") -> DaemonProcess:
         engine = f"tcp://127.0.0.1:{free_port()}"
         peer = f"tcp://127.0.0.1:{free_port()}"
         mport = free_port() if metrics else 0
@@ -46,7 +47,7 @@ class DaemonProcess:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        d = cls(name, engine, peer, mport, proc, log_path, list(extra_args or []))
+        d = cls(name, engine, peer, mport, proc, log_path, list(extra_args or []), token)
         d.wait_ready(timeout_s)
         return d
 
@@ -57,7 +58,8 @@ class DaemonProcess:
                 raise KvdError(f"daemon {self.name} exited with {self.proc.returncode}:\n"
                                f"{self.log_path.read_text()[-2000:]}")
             try:
-                with KvdClient(self.engine_address, timeout_s=0.5, ping_interval_s=0) as c:
+                with KvdClient(self.engine_address, timeout_s=0.5, ping_interval_s=0,
+                               token=self.token) as c:
                     c.status()
                 return
             except KvdError:
@@ -66,6 +68,7 @@ class DaemonProcess:
                        f"{self.log_path.read_text()[-2000:]}")
 
     def client(self, **kw: object) -> KvdClient:
+        kw.setdefault("token", self.token)
         return KvdClient(self.engine_address, **kw)  # type: ignore[arg-type]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:

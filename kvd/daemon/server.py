@@ -151,6 +151,10 @@ class Daemon:
         for rank in self.engines.retired:
             rank.pins = 0  # every transfer task was cancelled and released above
         await self._collect_pools()
+        self.shutdown_counts = await self.datapath.counts()
+        log.info("shutdown balance: registrations=%d transfers=%d (must be 0), peers=%d",
+                 self.shutdown_counts.registrations, self.shutdown_counts.transfers,
+                 self.shutdown_counts.peers)
         await self.datapath.close()
         self.peers.close()
         self.engine_sock.close(0)
