@@ -35,9 +35,10 @@ class DaemonProcess:
     @classmethod
     def start(cls, name: str, log_dir: Path, extra_args: list[str] | None = None,
               env: dict[str, str] | None = None, metrics: bool = True,
-              timeout_s: float = 30.0, token: str = "") -> DaemonProcess:
-        engine = f"tcp://127.0.0.1:{free_port()}"
-        peer = f"tcp://127.0.0.1:{free_port()}"
+              timeout_s: float = 30.0, token: str = "", engine_address: str = "",
+              peer_address: str = "") -> DaemonProcess:
+        engine = engine_address or f"tcp://127.0.0.1:{free_port()}"
+        peer = peer_address or f"tcp://127.0.0.1:{free_port()}"
         mport = free_port() if metrics else 0
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
