@@ -94,7 +94,8 @@ def test_daemon_restart_makes_engines_reregister(tmp_path):
         c.register("e", MODEL, layout_spec(BIG))
         first.stop(signal.SIGKILL)
         second = DaemonProcess.start("rst2", tmp_path, engine_address=first.engine_address,
-                                     peer_address=first.peer_address)
+                                     peer_address=first.peer_address,
+                                     extra_args=["--set", "drain_timeout_s=1"])
         try:
             assert lost.wait(10), "the client never noticed the restart"
             with pytest.raises(KvdError, match="not registered"):
