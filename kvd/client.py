@@ -137,12 +137,16 @@ class KvdClient:
     def _ping_loop(self) -> None:
         while not self._stop.wait(self._ping_interval_s):
             for r in list(self._ranks):
+                if self._stop.is_set():
+                    return
                 try:
                     self.call(P.Ping(engine_id=r.engine_id, tp_rank=r.tp_rank,
-                                     pp_rank=r.pp_rank))
+                                     pp_rank=r.pp_rank), timeout_s=self._ping_interval_s * 5)
                 except KvdError as exc:
-                    if self._on_lost is not None:
+                    if self._on_lost is not None and not self._stop.is_set():
                         self._on_lost(str(exc))
+                except zmq.ZMQError:
+                    return  # closed under us
 
     def deregister(self, handle: RankHandle) -> None:
         self.call(P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
@@ -191,10 +195,11 @@ class KvdClient:
         self._stop.set()
         if self._pinger is not None:
             self._pinger.join(timeout=2)
-        for r in self._ranks:
-            r.pool.close()
-        self._ranks.clear()
-        self._sock.close(0)
+        with self._lock:  # let an in-flight call finish before the socket goes
+            for r in self._ranks:
+                r.pool.close()
+            self._ranks.clear()
+            self._sock.close(0)
         self._ctx.term()
 
     def __enter__(self) -> KvdClient:
