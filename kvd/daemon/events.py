@@ -68,6 +68,12 @@ class EventHub:
                 else:
                     keep.append(w)
             self.waiters[engine_id] = keep
+        self.waiters = {k: v for k, v in self.waiters.items() if v}
+
+    def forget_except(self, engine_ids: set[str]) -> None:
+        """Drop queued events of engines that no longer exist (nobody can poll them)."""
+        for engine_id in [e for e in self.queues if e not in engine_ids]:
+            del self.queues[engine_id]
 
     def flush_all(self) -> None:
         for waiters in self.waiters.values():

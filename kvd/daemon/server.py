@@ -293,6 +293,8 @@ class Daemon:
         return P.Ok()
 
     async def _on_poll(self, msg: P.Poll, identity: bytes, msg_id: int) -> None:
+        if msg.engine_id not in self.engines.engines:
+            raise KvdError(f"engine {msg.engine_id!r} is not registered on this daemon")
         self.events.wait(msg.engine_id, identity, msg_id, msg.timeout_s, msg.max_events)
         return None
 
@@ -398,3 +400,4 @@ class Daemon:
             await self.datapath.deregister(rank.reg_id)
             rank.pool.close()
             self.metrics.pool_bytes.dec(rank.pool.nbytes)
+        self.events.forget_except(set(self.engines.engines))

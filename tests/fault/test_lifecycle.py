@@ -108,3 +108,33 @@ def test_daemon_restart_makes_engines_reregister(tmp_path):
     # `rm /dev/shm/<prefix>-<pid>-*` (docs/operations.md).
     for name in kvd_segments("kvd-rst1"):
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_consumer_engine_gone_mid_pull_keeps_pool_until_reads_end(tmp_path):
+    prefill = DaemonProcess.start("cgp", tmp_path)
+    decode = DaemonProcess.start("cgd", tmp_path)
+    g = global_kv(MODEL, 512 * 16)
+    ids = list(range(512))
+    try:
+        with prefill.client() as pc, decode.client() as dc:
+            pr = pc.register("p", MODEL, layout_spec(BIG))
+            dr = dc.register("d", MODEL, layout_spec(BIG))
+            write_shard(pr.kv, g, MODEL, BIG, 0, 0, ids)
+            pc.publish("p", "warm", ids[:1])
+            dc.pull("d", "warm", "p", prefill.peer_address, ids[:1], ids[:1])
+            assert dc.wait("d", "warm", "done_recving", timeout_s=30).ok
+            pc.publish("p", "big", ids)
+            dc.pull("d", "big", "p", prefill.peer_address, ids, ids)
+            dc.deregister(dr)  # the engine crashes while its READs may be running
+            st = dc.status()
+            rank = [e for e in st.engines if e["engine_id"] == "d"]
+            # Either the pull still pins the retired pool, or it had already finished.
+            assert all(e["gone"] for e in rank)
+            assert _wait_until(lambda: not dc.status().pulls, 30)
+            assert _wait_until(lambda: kvd_segments("kvd-cgd") == [], 10)
+            # The producer saw the reads finish (or the lease bound it): nothing stays held.
+            assert pc.wait("p", "big", "done_sending", timeout_s=30).request_id == "big"
+            assert decode.proc.poll() is None
+    finally:
+        prefill.stop()
+        decode.stop()
