@@ -44,7 +44,9 @@ class DaemonProcess:
         log_path = log_dir / f"{name}.log"
         args = [sys.executable, "-m", "kvd", "serve", "--engine-address", engine,
                 "--peer-address", peer, "--metrics-port", str(mport),
-                "--set", f"shm_prefix=kvd-{name}", *(extra_args or [])]
+                "--set", f"shm_prefix=kvd-{name}",
+                # Local clusters stop quickly; later --set flags (extra_args) override this.
+                "--set", "drain_timeout_s=2", *(extra_args or [])]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})}, start_new_session=True)
