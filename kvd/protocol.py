@@ -261,6 +261,7 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     producer_engine_id: str
     consumer_engine_id: str
     reads: int
+    nbytes: int = 0  # bytes those reads copied out of this daemon's pools (for metrics)
 
 
 ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)

@@ -2,8 +2,8 @@
 
 A pool is freed only when both hold: its engine is gone (deregistered or
 silent past engine_timeout_s) and no transfer pins it. Pins are taken by
-in-flight consumer READs (local writes) and by producer requests that a
-consumer has acquired (remote reads); freeing waits for the last unpin.
+in-flight consumer READs (local writes) and by published requests from
+publish until they end (remote reads); freeing waits for the last unpin.
 """
 
 from __future__ import annotations

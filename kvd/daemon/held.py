@@ -40,6 +40,7 @@ class HeldRequest:
     state: HeldState = HeldState.HELD
     reads_by_consumer: dict[str, int] = field(default_factory=dict)
     consumers_done: set[str] = field(default_factory=set)
+    nbytes: int = 0  # read out of our pools, as reported by the consumers' notices
 
     def acquire(self, consumer_engine: str, block_ids: list[int], now_s: float) -> None:
         if self.state in TERMINAL:
@@ -57,10 +58,12 @@ class HeldRequest:
         if self.state not in TERMINAL:
             self.deadline_s = max(self.deadline_s, now_s + self.lease_s)
 
-    def notice(self, consumer_engine: str, reads: int, expected_reads: int) -> bool:
+    def notice(self, consumer_engine: str, reads: int, expected_reads: int,
+               nbytes: int = 0) -> bool:
         """Count a consumer's finished reads; True once every expected consumer is done."""
         if self.state in TERMINAL:
             return False
+        self.nbytes += max(nbytes, 0)
         got = self.reads_by_consumer.get(consumer_engine, 0) + reads
         self.reads_by_consumer[consumer_engine] = got
         if got >= expected_reads:

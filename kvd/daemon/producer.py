@@ -87,7 +87,7 @@ class Producer:
                         extra={"request_id": notice.request_id, "peer": agent})
             return
         expected = self.expected_reads(engine, consumer)
-        if held.notice(notice.consumer_engine_id, notice.reads, expected):
+        if held.notice(notice.consumer_engine_id, notice.reads, expected, notice.nbytes):
             self.finish(held, "ok")
 
     def expected_reads(self, engine: Engine, consumer: P.EngineDesc) -> int:
@@ -108,14 +108,15 @@ class Producer:
         m = self.d.metrics
         m.held_requests.set(len(self.held))
         duration_s = self.d.clock() - held.published_s
-        m.transfer_finished("producer", outcome, 0, duration_s)
+        m.transfer_finished("producer", outcome, held.nbytes, duration_s)
         if outcome == "expired":
             m.leases_expired.inc()
             log.warning("lease expired before every consumer read the request",
                         extra={"request_id": held.request_id, "engine_id": held.engine_id})
         self.d.events.push(held.engine_id, P.Event(
             kind="done_sending", request_id=held.request_id, ok=outcome == "ok",
-            error="" if outcome == "ok" else f"lease {outcome}", duration_s=duration_s))
+            error="" if outcome == "ok" else f"lease {outcome}",
+            nbytes=held.nbytes if outcome == "ok" else 0, duration_s=duration_s))
 
     def expire(self, now_s: float) -> None:
         for held in self.held.expired(now_s):
