@@ -108,9 +108,9 @@ class KvdClient:
         with self._lock:
             msg_id = next(self._ids)
             self._sock.send_multipart(P.encode(msg, msg_id, self.token))
-            deadline_ms = int(timeout_s * 1000)
+            deadline = time.monotonic() + timeout_s
             while True:
-                if not self._sock.poll(deadline_ms):
+                if not self._poll(deadline):
                     # The reply may still come; a fresh socket keeps later calls in step.
                     self._sock.close(0)
                     self._sock = _socket(self._ctx, self.address)
@@ -119,6 +119,18 @@ class KvdClient:
                 header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
                 if header.id == msg_id:
                     return _check(body)
+
+    def _poll(self, deadline: float) -> bool:
+        """Wait for a reply until ``deadline``, in slices, so close() never waits for a call
+        to a dead daemon (the pinger's) to time out: closing aborts it."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._sock.poll(max(1, int(min(left, 0.1) * 1000))):
+                return True
+            if self._stop.is_set():
+                raise KvdError("client closed")
 
     def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,

@@ -65,6 +65,7 @@ class PostGroup:
     agent: str
     daemon: str
     reads: int = 0
+    total_nbytes: int = 0
     local: list[np.ndarray] = field(default_factory=list)
     remote: list[np.ndarray] = field(default_factory=list)
     nbytes: list[np.ndarray] = field(default_factory=list)
@@ -102,12 +103,14 @@ class Consumer:
         try:
             await asyncio.wait_for(self._pull(job, engine), self.d.cfg.transfer_timeout_s)
             outcome, error = "ok", ""
+        except KvdError as exc:
+            # Before TimeoutError: KvdTimeoutError (a handshake or acquire that timed out) is
+            # one too, and must keep its own message rather than read as the whole pull's.
+            outcome, error = "failed", f"{exc.code}: {exc}"
         except asyncio.TimeoutError:
             outcome, error = "failed", f"pull timed out after {self.d.cfg.transfer_timeout_s}s"
         except asyncio.CancelledError:
             outcome, error = "cancelled", "pull cancelled (engine gone or daemon stopping)"
-        except KvdError as exc:
-            outcome, error = "failed", f"{exc.code}: {exc}"
         except Exception as exc:  # noqa: BLE001 - never let one pull take the daemon down
             log.exception("pull %s crashed", msg.request_id)
             outcome, error = "failed", f"internal error: {exc!r}"
@@ -172,18 +175,22 @@ class Consumer:
         groups: dict[str, PostGroup] = {
             agent: PostGroup(agent=agent, daemon=addr) for addr, agent in remote.daemons.items()
         }
-        if local_ids.size == 0:
-            return groups
         rpar = parallelism(remote.desc.tp_size, remote.desc.pp_size, remote.desc.layer_partition)
         for local_rank in engine.live_ranks():
             for read in plan.reads_for(local_rank.rank):
                 rr = remote.ranks[read.remote]
+                if local_ids.size == 0:
+                    # Notify only (vLLM: zero local blocks): no bytes move, but the producer
+                    # must still count this consumer's reads as done to release the request.
+                    groups[rr.agent].reads += 1
+                    continue
                 rcache, rfirst = rank_layout(remote.desc.model, remote.desc.layout, rpar,
                                              read.remote.pp_rank, rr.desc.num_blocks)
                 descs = build_read_descriptors(read, local_rank.cache, local_rank.first_layer,
                                                rcache, rfirst, local_ids, remote_ids)
                 g = groups[rr.agent]
                 g.reads += 1
+                g.total_nbytes += descs.total_nbytes
                 g.local.append(descs.local_offsets + local_rank.pool.addr)
                 g.remote.append(descs.remote_offsets + rr.desc.base_addr)
                 g.nbytes.append(descs.nbytes)
@@ -213,8 +220,8 @@ class Consumer:
         for g in groups.values():
             notice = P.encode_notice(P.ReadNotice(
                 request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
-                consumer_engine_id=msg.engine_id, reads=g.reads))
-            if g.reads == 0:
+                consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))
+            if not g.local:  # nothing to read from this daemon: notification only
                 notify_only.append((g.agent, notice))
                 continue
             posts.append((g.agent, np.concatenate(g.local), np.concatenate(g.remote),

@@ -113,7 +113,7 @@ class PeerTable:
         self.timeout_s = timeout_s
         self.conns: dict[str, PeerConnection] = {}
         self.remotes: dict[tuple[str, str], RemoteEngine] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Task] = {}
 
     def conn(self, address: str) -> PeerConnection:
         if not address.startswith("tcp://"):
@@ -143,19 +143,37 @@ class PeerTable:
         hello: Callable[[], Awaitable[P.Hello]],
         load_agent: Callable[[bytes], Awaitable[str]],
     ) -> tuple[RemoteEngine, bool]:
-        """Cached handshake; returns (remote engine, True if it was a cache hit)."""
+        """Cached handshake; returns (remote engine, True if it was a cache hit).
+
+        Single flight: pulls arriving while a handshake for the same pair runs wait for that
+        one and share its outcome, so a dead peer fails them all after one timeout (not one
+        timeout each, in turn). They count as cache hits; a failure is raised to each of them
+        as the same exception object.
+        """
         key = (local_engine, remote_engine)
         if key in self.remotes:
             return self.remotes[key], True
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            if key in self.remotes:
-                return self.remotes[key], True
-            start = time.monotonic()
-            remote = await self._handshake(remote_engine, address, hello, load_agent)
-            remote.handshake_s = time.monotonic() - start
-            self.remotes[key] = remote
-            return remote, False
+        task = self._inflight.get(key)
+        leader = task is None
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._handshake_and_cache(key, remote_engine, address, hello, load_agent))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t: (self._inflight.pop(key, None)
+                                              if self._inflight.get(key) is t else None,
+                                              t.cancelled() or t.exception()))
+        # shield: one pull being cancelled must not cancel the handshake others wait for.
+        return await asyncio.shield(task), not leader
+
+    async def _handshake_and_cache(self, key: tuple[str, str], remote_engine: str,
+                                   address: str, hello: Callable[[], Awaitable[P.Hello]],
+                                   load_agent: Callable[[bytes], Awaitable[str]]
+                                   ) -> RemoteEngine:
+        start = time.monotonic()
+        remote = await self._handshake(remote_engine, address, hello, load_agent)
+        remote.handshake_s = time.monotonic() - start
+        self.remotes[key] = remote
+        return remote
 
     async def _handshake(self, remote_engine: str, address: str,
                          hello: Callable[[], Awaitable[P.Hello]],
@@ -198,6 +216,8 @@ class PeerTable:
         return remote
 
     def close(self) -> None:
+        for t in self._inflight.values():
+            t.cancel()
         for c in self.conns.values():
             c.close()
         self.conns.clear()

@@ -62,6 +62,7 @@ class Daemon:
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
+        self._wake = asyncio.Event()  # publish/acquire: READ notices may come soon, poll now
         self.http = None
 
     # ------------------------------------------------------------ lifecycle
@@ -185,6 +186,13 @@ class Daemon:
             except ProtocolError as exc:
                 self.metrics.protocol_error(face, getattr(exc, "reason", "decode"))
                 reply = P.Error(code=exc.code, message=str(exc))
+                if not msg_id and len(payload) == 2:
+                    # Echo the id whenever the header itself decodes (another version, an
+                    # unknown kind, a bad body), so the sender can match the Error to its call.
+                    try:
+                        msg_id = P.decode_header(payload[0]).id
+                    except ProtocolError:
+                        pass
             except KvdError as exc:
                 if isinstance(exc, BusyError):
                     self.metrics.busy_rejections.inc()
@@ -284,6 +292,7 @@ class Daemon:
         if self.draining:
             raise DrainingError("daemon is draining; not accepting new publishes")
         self.producer.publish(msg)
+        self._wake.set()
         return P.Ok()
 
     async def _on_pull(self, msg: P.Pull, *_: Any) -> P.Ok:
@@ -329,7 +338,9 @@ class Daemon:
                             engine_daemons=list(engine.engine_daemons))
 
     async def _on_acquire(self, msg: P.Acquire, *_: Any) -> P.Acquired:
-        return self.producer.acquire(msg)
+        reply = self.producer.acquire(msg)
+        self._wake.set()
+        return reply
 
     async def _on_heartbeat(self, msg: P.Heartbeat, *_: Any) -> P.HeartbeatAck:
         return self.producer.heartbeat(msg)
@@ -347,14 +358,18 @@ class Daemon:
         try:
             remote, hit = await self.peers.remote_engine(
                 engine.engine_id, remote_engine_id, address, hello, self.datapath.add_peer)
-        except KvdTimeoutError:
-            self.metrics.handshakes.labels(outcome="timeout").inc()
-            self.peers.drop(address)
+        except KvdTimeoutError as exc:
+            if not getattr(exc, "counted", False):  # pulls sharing one handshake share its error
+                exc.counted = True  # type: ignore[attr-defined]
+                self.metrics.handshakes.labels(outcome="timeout").inc()
+                self.peers.drop(address)
             raise
         except (IncompatibleError, KvdError) as exc:
             outcome = "refused" if exc.code in ("incompatible", "not_found", "unauthorized") \
                 else "failed"
-            self.metrics.handshakes.labels(outcome=outcome).inc()
+            if not getattr(exc, "counted", False):
+                exc.counted = True  # type: ignore[attr-defined]
+                self.metrics.handshakes.labels(outcome=outcome).inc()
             raise
         if not hit:
             self.metrics.handshakes.labels(outcome="ok").inc()
@@ -372,8 +387,17 @@ class Daemon:
                     self.producer.on_notification(agent, raw)
             except Exception:  # noqa: BLE001
                 log.exception("notification poll failed")
-            busy = self.producer.held.items or self.consumer.jobs
-            await asyncio.sleep(0.0005 if busy else 0.005)
+            # A consumer's READ (it carries the notice) is not DONE on its side until
+            # we poll, so poll often while anything is held, and when idle wake at once
+            # on publish/acquire instead of finishing a 5 ms nap (1-block pull latency).
+            if self.producer.held.items or self.consumer.jobs:
+                await asyncio.sleep(0.0005)
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.005)
+                except asyncio.TimeoutError:
+                    pass
 
     async def _housekeeping(self) -> None:
         while True:

@@ -39,9 +39,9 @@ def test_engine_face_refuses_missing_or_wrong_token(tmp_path, token_file):
                             token=TOKEN)
     try:
         for bad in ("", "wrong-token-wrong-token"):
-            with KvdClient(d.engine_address, token=bad, ping_interval_s=0) as c:
-                with pytest.raises(AuthError):
-                    c.status()
+            with KvdClient(d.engine_address, token=bad, ping_interval_s=0) as c, \
+                    pytest.raises(AuthError):
+                c.status()
         assert _metric(d.metrics_port, "kvd_auth_failures_total", 'face="engine"') == 2
         with KvdClient(d.engine_address, token=TOKEN, ping_interval_s=0) as c:
             assert c.status().daemon_id

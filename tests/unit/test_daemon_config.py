@@ -1,0 +1,84 @@
+"""Configuration: flag > env > file > default, and a bad value names its field and source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvd.config import Config, load
+from kvd.errors import ConfigError
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "kvd.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_work_out_of_the_box() -> None:
+    cfg = load(env={})
+    assert cfg == Config()
+    assert cfg.peer_advertise == cfg.peer_address
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    f = toml(tmp_path, "[kvd]\nlease_s = 11.0\nhandshake_timeout_s = 7\nmax_engines = 9\n")
+    env = {"KVD_LEASE_S": "12", "KVD_HANDSHAKE_TIMEOUT_S": "8"}
+    cfg = load(f, env=env, overrides={"lease_s": "13", "engine_timeout_s": None})
+    assert cfg.lease_s == 13.0  # flag
+    assert cfg.handshake_timeout_s == 8.0  # env beats file
+    assert cfg.max_engines == 9  # file beats default
+    assert cfg.engine_timeout_s == Config().engine_timeout_s  # None = flag not given
+
+
+def test_file_without_table_and_bools(tmp_path: Path) -> None:
+    f = toml(tmp_path, "nixl_progress_thread = true\n")
+    assert load(f, env={}).nixl_progress_thread is True
+    assert load(f, env={"KVD_NIXL_PROGRESS_THREAD": "off"}).nixl_progress_thread is False
+
+
+@pytest.mark.parametrize("env,field", [
+    ({"KVD_LEASE_S": "soon"}, "lease_s"),
+    ({"KVD_MAX_ENGINES": "1.5"}, "max_engines"),
+    ({"KVD_INSECURE": "maybe"}, "insecure"),
+    ({"KVD_LEASE_S": "-1"}, "lease_s"),
+    ({"KVD_MAX_INFLIGHT_PULLS": "0"}, "max_inflight_pulls"),
+    ({"KVD_LOG_LEVEL": "loud"}, "log_level"),
+    ({"KVD_DEVICE": "tpu"}, "device"),
+    ({"KVD_METRICS_PORT": "70000"}, "metrics_port"),
+    ({"KVD_ENGINE_ADDRESS": "127.0.0.1:7100"}, "engine_address"),
+    ({"KVD_PEER_ADDRESS": "ipc:///tmp/x"}, "peer_address"),
+    ({"KVD_PEER_ADDRESS": "tcp://*:7101"}, "peer_address"),
+    ({"KVD_ADVERTISE_ADDRESS": "tcp://host"}, "advertise_address"),
+    ({"KVD_AUTH_TOKEN_FILE": "/nonexistent/token"}, "auth_token_file"),
+    ({"KVD_HEARTBEAT_INTERVAL_S": "40"}, "heartbeat_interval_s"),
+])
+def test_bad_env_values_name_the_field(env, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load(env=env)
+
+
+def test_bad_flag_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match="lease_s.*flag --lease-s"):
+        load(env={}, overrides={"lease_s": "x"})
+    with pytest.raises(ConfigError, match="unknown option 'nope'"):
+        load(env={}, overrides={"nope": "1"})
+
+
+def test_bad_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown key 'lease'"):
+        load(toml(tmp_path, "[kvd]\nlease = 3\n"), env={})
+    with pytest.raises(ConfigError, match="max_engines.*file"):
+        load(toml(tmp_path, '[kvd]\nmax_engines = "many"\n'), env={})
+    with pytest.raises(ConfigError, match="max_engines"):
+        load(toml(tmp_path, "[kvd]\nmax_engines = true\n"), env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "missing.toml", env={})
+    with pytest.raises(ConfigError, match="kvd.toml"):
+        load(toml(tmp_path, "[kvd\n"), env={})
+
+
+def test_ipc_engine_address_is_allowed() -> None:
+    assert load(env={"KVD_ENGINE_ADDRESS": "ipc:///tmp/kvd.sock"}).engine_address.startswith(
+        "ipc://")

@@ -1,0 +1,130 @@
+"""The producer's held-request state machine, driven by an explicit clock (no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.daemon.held import TERMINAL, HeldState, HeldTable
+from kvd.errors import BusyError, KvdError, NotFoundError
+
+
+def table(max_held: int = 100) -> HeldTable:
+    return HeldTable(max_held)
+
+
+def test_publish_holds_with_a_lease_from_now() -> None:
+    t = table()
+    h = t.publish("p", "r1", [1, 2, 3], lease_s=5.0, consumers=1, now_s=100.0)
+    assert h.state is HeldState.HELD
+    assert h.deadline_s == 105.0
+    assert t.get("p", "r1") is h
+    assert len(t) == 1
+
+
+def test_duplicate_publish_is_refused_but_other_engine_may_reuse_the_id() -> None:
+    t = table()
+    t.publish("p", "r1", [1], 5.0, 1, 0.0)
+    with pytest.raises(KvdError, match="already published"):
+        t.publish("p", "r1", [2], 5.0, 1, 0.0)
+    t.publish("q", "r1", [2], 5.0, 1, 0.0)
+    assert len(t) == 2
+
+
+def test_table_is_bounded() -> None:
+    t = table(max_held=2)
+    t.publish("p", "a", [1], 5.0, 1, 0.0)
+    t.publish("p", "b", [1], 5.0, 1, 0.0)
+    with pytest.raises(BusyError):
+        t.publish("p", "c", [1], 5.0, 1, 0.0)
+
+
+def test_unknown_request_is_not_found() -> None:
+    with pytest.raises(NotFoundError, match="never published"):
+        table().get("p", "nope")
+
+
+def test_acquire_checks_blocks_moves_to_reading_and_renews() -> None:
+    t = table()
+    h = t.publish("p", "r", [1, 2, 3], 5.0, 1, 0.0)
+    with pytest.raises(KvdError, match="not published"):
+        h.acquire("c", [3, 4], now_s=1.0)
+    assert h.state is HeldState.HELD  # a refused acquire changes nothing
+    h.acquire("c", [2, 3], now_s=4.0)
+    assert h.state is HeldState.READING
+    assert h.deadline_s == 9.0
+    assert h.reads_by_consumer == {"c": 0}
+
+
+def test_renew_never_shortens_a_lease() -> None:
+    h = table().publish("p", "r", [1], 10.0, 1, 0.0)
+    h.renew(now_s=-5.0)  # an older timestamp must not pull the deadline in
+    assert h.deadline_s == 10.0
+    h.renew(now_s=3.0)
+    assert h.deadline_s == 13.0
+
+
+def test_expiry_exactly_at_the_deadline() -> None:
+    t = table()
+    h = t.publish("p", "r", [1], 2.0, 1, 10.0)
+    assert not h.expired(11.999)
+    assert t.expired(11.999) == []
+    assert h.expired(12.0)
+    assert t.expired(12.0) == [h]
+
+
+def test_never_expires_while_heartbeats_renew_it() -> None:
+    h = table().publish("p", "r", [1], 1.0, 1, 0.0)
+    h.acquire("c", [1], 0.5)
+    now = 0.5
+    for _ in range(1000):  # 500 simulated seconds of heartbeats every 0.5 s
+        now += 0.5
+        assert not h.expired(now)
+        h.renew(now)
+    assert not h.expired(now + 0.99)
+    assert h.expired(now + 1.0)
+
+
+def test_notices_count_reads_per_consumer_engine() -> None:
+    h = table().publish("p", "r", [1], 5.0, consumers=2, now_s=0.0)
+    h.acquire("c1", [1], 0.0)
+    h.acquire("c2", [1], 0.0)
+    assert not h.notice("c1", reads=1, expected_reads=2, nbytes=100)
+    assert not h.notice("c1", reads=1, expected_reads=2, nbytes=100)  # c1 done
+    assert h.consumers_done == {"c1"}
+    assert not h.notice("c1", reads=1, expected_reads=2)  # c1 again does not count twice
+    assert h.state is HeldState.READING
+    assert h.notice("c2", reads=2, expected_reads=2, nbytes=300)
+    assert h.state is HeldState.DONE
+    assert h.nbytes == 500
+    assert not h.notice("c2", reads=2, expected_reads=2)  # terminal: ignored
+
+
+def test_a_notice_with_zero_reads_does_not_release_when_reads_were_expected() -> None:
+    h = table().publish("p", "r", [1], 5.0, 1, 0.0)
+    assert not h.notice("c", reads=0, expected_reads=2)
+    assert h.state is HeldState.HELD
+
+
+def test_terminal_states_refuse_acquire_and_do_not_expire() -> None:
+    t = table()
+    for state in TERMINAL:
+        h = t.publish("p", f"r-{state.value}", [1], 1.0, 1, 0.0)
+        h.state = state
+        with pytest.raises(NotFoundError, match="no longer held"):
+            h.acquire("c", [1], 0.0)
+        assert not h.expired(100.0)
+        before = h.deadline_s
+        h.renew(50.0)
+        assert h.deadline_s == before
+
+
+def test_pop_and_of_engine() -> None:
+    t = table()
+    a = t.publish("p", "a", [1], 1.0, 1, 0.0)
+    t.publish("q", "b", [1], 1.0, 1, 0.0)
+    assert t.of_engine("p") == [a]
+    t.pop(a)
+    t.pop(a)  # idempotent
+    assert t.of_engine("p") == []
+    with pytest.raises(NotFoundError):
+        t.get("p", "a")

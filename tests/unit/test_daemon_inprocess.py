@@ -1,0 +1,160 @@
+"""Two in-process daemons over LoopbackTransport, on an injected clock.
+
+Lease expiry without sleeping through the lease: the test moves the daemons'
+clock forward and the housekeeping loop (which runs on real time) expires the
+hold by the fake clock. Also a loopback pull checked byte for byte, and an
+injected READ failure that reports every local block invalid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from kvd import protocol as P
+from kvd.client import AsyncKvdClient
+from kvd.config import Config
+from kvd.daemon.server import Daemon
+from kvd.localcluster import free_port
+from kvd.pool import kvd_segments
+from kvd.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.transport.loopback import LoopbackTransport
+
+MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)
+SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 5000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def config(prefix: str) -> Config:
+    return Config(engine_address=f"tcp://127.0.0.1:{free_port()}",
+                  peer_address=f"tcp://127.0.0.1:{free_port()}", metrics_port=0,
+                  shm_prefix=prefix, lease_s=5.0, heartbeat_interval_s=1.0,
+                  handshake_timeout_s=2.0)
+
+
+def sample(d: Daemon, name: str) -> float:
+    return d.metrics.registry.get_sample_value(name) or 0.0
+
+
+async def with_daemons(body: Callable[..., Awaitable[None]]) -> None:
+    clock = FakeClock()
+    prefix = f"kvd-unit-{uuid.uuid4().hex[:8]}"
+    prefill = Daemon(config(prefix), transport_factory=LoopbackTransport, clock=clock)
+    decode = Daemon(config(prefix), transport_factory=LoopbackTransport, clock=clock)
+    await prefill.start()
+    await decode.start()
+    pc = AsyncKvdClient(prefill.cfg.engine_address, timeout_s=5)
+    dc = AsyncKvdClient(decode.cfg.engine_address, timeout_s=5)
+    try:
+        await body(prefill, decode, pc, dc, clock)
+    finally:
+        pc.close()
+        dc.close()
+        await prefill.stop()
+        await decode.stop()
+    assert kvd_segments(prefix) == [], "stop() must free every pool"
+
+
+async def wait_event(client: AsyncKvdClient, engine_id: str, request_id: str, kind: str
+                     ) -> P.Event:
+    for _ in range(50):
+        for ev in await client.poll(engine_id, timeout_s=0.0):
+            if ev.request_id == request_id and ev.kind == kind:
+                return ev
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {kind} for {request_id}")
+
+
+async def register(client: AsyncKvdClient, engine_id: str):
+    return await client.register(engine_id, MODEL, layout_spec(SHAPE), 0, 1)
+
+
+def test_lease_expires_on_the_injected_clock() -> None:
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        await register(pc, "pre")
+        await register(dc, "dec")
+        await pc.publish("pre", "r1", [0, 1])  # lease 5 s (config default)
+        await asyncio.sleep(0.3)  # several housekeeping rounds: real time is irrelevant
+        assert [h["request_id"] for h in (await pc.status()).held] == ["r1"]
+        clock.t += 4.9
+        await asyncio.sleep(0.2)
+        assert len((await pc.status()).held) == 1, "expired before its lease ended"
+        clock.t += 0.2
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert not sent.ok and sent.error == "lease expired"
+        assert (await pc.status()).held == []
+        assert sample(prefill, "kvd_leases_expired_total") == 1
+        assert sample(prefill, "kvd_held_requests") == 0
+        await dc.pull("dec", "r1", "pre", prefill.cfg.peer_address, [0, 1], [2, 3])
+        recv = await wait_event(dc, "dec", "r1", "done_recving")
+        assert not recv.ok and recv.invalid_block_ids == [2, 3]
+        assert "never published" in recv.error
+
+    asyncio.run(with_daemons(body))
+
+
+def test_acquire_renews_the_lease_by_the_daemon_clock() -> None:
+    """A peer's Acquire moves the deadline to now + lease on the producer's own clock."""
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        await register(pc, "pre")
+        await pc.publish("pre", "r1", [0])
+        clock.t += 4.0
+        prefill.producer.acquire(P.Acquire(request_id="r1", producer_engine_id="pre",
+                                           consumer_engine_id="dec", block_ids=[0]))
+        clock.t += 4.0  # 8 s after publish, 4 s after the acquire
+        await asyncio.sleep(0.2)
+        held = (await pc.status()).held
+        assert [h["state"] for h in held] == ["reading"]
+        assert held[0]["lease_remaining_s"] == pytest.approx(1.0)
+        clock.t += 1.0
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert not sent.ok
+
+    asyncio.run(with_daemons(body))
+
+
+def test_loopback_pull_is_byte_exact_and_releases_the_producer() -> None:
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        p = await register(pc, "pre")
+        d = await register(dc, "dec")
+        g = global_kv(MODEL, 64)
+        write_shard(p.kv, g, MODEL, SHAPE, 0, 0, [3, 5, 7, 9])
+        await pc.publish("pre", "r1", [3, 5, 7, 9])
+        await dc.pull("dec", "r1", "pre", prefill.cfg.peer_address, [3, 5, 7, 9], [0, 1, 2, 4])
+        recv = await wait_event(dc, "dec", "r1", "done_recving")
+        assert recv.ok, recv.error
+        assert check_shard(d.kv, g, MODEL, SHAPE, 0, 0, [0, 1, 2, 4]) == 0
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert sent.ok and sent.nbytes == recv.nbytes > 0
+
+    asyncio.run(with_daemons(body))
+
+
+def test_injected_read_failure_invalidates_every_local_block() -> None:
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        await register(pc, "pre")
+        await register(dc, "dec")
+        await pc.publish("pre", "r1", [0, 1])
+        decode.datapath.transport.fail_next_reads = 1
+        await dc.pull("dec", "r1", "pre", prefill.cfg.peer_address, [0, 1], [6, 7])
+        recv = await wait_event(dc, "dec", "r1", "done_recving")
+        assert not recv.ok and recv.invalid_block_ids == [6, 7]
+        assert "transfer_failed" in recv.error
+        assert (await dc.status()).pulls == []
+        assert decode.datapath.transport.counts().transfers == 0, "failed READ not released"
+        # No notice came: the producer frees the blocks when the lease ends.
+        clock.t += 6.0
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert not sent.ok and "expired" in sent.error
+
+    asyncio.run(with_daemons(body))
