@@ -157,5 +157,26 @@ def demo(
         _fail(str(exc))
 
 
+@app.command()
+def bench(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Request size in MiB."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
+    skip_hetero: bool = typer.Option(False, "--skip-hetero",
+                                     help="Skip the prefill TP1 -> decode TP2 scenario."),
+) -> None:
+    """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
+    from kvd.bench import main as bench_main
+    from kvd.errors import KvdError
+
+    if nbytes_mib < 1 or repeats < 1:
+        _fail("--nbytes-mib and --repeats must be >= 1")
+    try:
+        raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
+                                    skip_hetero=skip_hetero))
+    except KvdError as exc:
+        _fail(str(exc))
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
