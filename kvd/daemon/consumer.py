@@ -154,6 +154,8 @@ class Consumer:
         local_ids, remote_ids = match_blocks(msg.local_block_ids, msg.remote_block_ids,
                                              engine.layout.block_size_tokens,
                                              remote.desc.layout.block_size_tokens)
+        if not engine.live_ranks():
+            raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
         groups = self._descriptors(job, engine, remote, plan, local_ids, remote_ids)
         job.state = PullState.READING
         await self._post_and_wait(job, engine, remote, groups)

@@ -123,7 +123,9 @@ def test_consumer_engine_gone_mid_pull_keeps_pool_until_reads_end(tmp_path):
             pc.publish("p", "warm", ids[:1])
             dc.pull("d", "warm", "p", prefill.peer_address, ids[:1], ids[:1])
             assert dc.wait("d", "warm", "done_recving", timeout_s=30).ok
-            pc.publish("p", "big", ids)
+            # Short lease: if the engine left before the READs were posted, only the
+            # lease releases the producer (the consumer acquired it, then gave up).
+            pc.publish("p", "big", ids, lease_s=2)
             dc.pull("d", "big", "p", prefill.peer_address, ids, ids)
             dc.deregister(dr)  # the engine crashes while its READs may be running
             st = dc.status()
