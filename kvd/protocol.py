@@ -14,7 +14,7 @@ NIXL notifications (producer side) carry a ReadNotice, prefixed by NOTICE_MAGIC.
 
 Version history:
     1  initial protocol: engine face (register, publish, pull, poll, status),
-       peer face (hello, acquire, heartbeat), ReadNotice notifications.
+       peer face (hello, acquire, heartbeat, abandon), ReadNotice notifications.
 """
 
 from __future__ import annotations
@@ -233,6 +233,14 @@ class Acquired(msgspec.Struct, frozen=True):
     epoch: int
 
 
+class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The consumer gave up after Acquire and its READs are released: stop holding for it."""
+
+    request_id: str
+    producer_engine_id: str
+    consumer_engine_id: str
+
+
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     producer_engine_id: str
     request_ids: list[str]
@@ -265,7 +273,7 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)
-PEER_REQUESTS = (Hello, Acquire, Heartbeat)
+PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon)
 REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Error)
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 

@@ -52,6 +52,7 @@ class PullJob:
     descriptors: int = 0
     xfers: list[int] = field(default_factory=list)
     pinned: list[EngineRank] = field(default_factory=list)
+    acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
 
     @property
     def key(self) -> tuple[str, str]:
@@ -117,6 +118,10 @@ class Consumer:
         finally:
             await self._release(job)
         ok = outcome == "ok"
+        if not ok and job.acquired:
+            # Our READs are released: tell the producers not to hold the blocks for us
+            # until the lease ends (best effort; the lease still bounds the hold).
+            self.d.spawn(self._abandon(msg, job.acquired))
         job.state = PullState.DONE if ok else PullState.FAILED
         self.jobs.pop(job.key, None)
         m = self.d.metrics
@@ -138,13 +143,13 @@ class Consumer:
         job.state = PullState.HANDSHAKING
         remote = await self.d.handshake(engine, msg.remote_engine_id, msg.remote_address)
         job.state = PullState.ACQUIRING
-        if not await self._acquire(msg, remote):
+        if not await self._acquire(job, remote):
             # The producer's pools changed since we cached the handshake: redo it once.
             self.d.peers.forget(msg.engine_id, msg.remote_engine_id)
             job.state = PullState.HANDSHAKING
             remote = await self.d.handshake(engine, msg.remote_engine_id, msg.remote_address)
             job.state = PullState.ACQUIRING
-            if not await self._acquire(msg, remote):
+            if not await self._acquire(job, remote):
                 raise KvdError(f"engine {msg.remote_engine_id!r} keeps changing its pools")
         if compat_hash(remote.desc.model, remote.desc.layout) != engine.compat:
             raise IncompatibleError(
@@ -200,18 +205,25 @@ class Consumer:
                 job.descriptors += len(descs)
         return groups
 
-    async def _acquire(self, msg: P.Pull, remote: RemoteEngine) -> bool:
+    async def _acquire(self, job: PullJob, remote: RemoteEngine) -> bool:
         """Every producer daemon must still hold the request before any byte moves.
 
         Returns False when a daemon's pool epoch differs from the cached handshake.
         """
+        msg = job.msg
         acquire = P.Acquire(request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
                             consumer_engine_id=msg.engine_id,
                             block_ids=list(msg.remote_block_ids))
+        addrs = list(remote.daemons)
         replies = await asyncio.gather(*(
             self.d.peers.conn(addr).request(acquire, self.d.cfg.handshake_timeout_s)
-            for addr in remote.daemons
-        ))
+            for addr in addrs
+        ), return_exceptions=True)
+        job.acquired = [a for a, r in zip(addrs, replies, strict=True)
+                        if isinstance(r, P.Acquired)]
+        for r in replies:
+            if isinstance(r, BaseException):
+                raise r
         return all(r.epoch == remote.epochs.get(addr)
                    for addr, r in zip(remote.daemons, replies, strict=True))
 
@@ -263,6 +275,16 @@ class Consumer:
                 raise TransferError(failed[0])
             pending = [x for x, s in states.items() if s == "proc"]
             interval_s = min(interval_s * 2, 0.002)
+
+    async def _abandon(self, msg: P.Pull, addrs: list[str]) -> None:
+        note = P.Abandon(request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
+                         consumer_engine_id=msg.engine_id)
+        for addr in addrs:
+            try:
+                await self.d.peers.conn(addr).request(note, self.d.cfg.handshake_timeout_s)
+            except KvdError as exc:
+                log.info("abandon to %s not delivered (%s); the lease will release it", addr,
+                         exc, extra={"request_id": msg.request_id, "peer": addr})
 
     async def _heartbeat(self, msg: P.Pull, remote: RemoteEngine) -> None:
         """Keep the producer's lease alive while our READs run."""

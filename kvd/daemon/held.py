@@ -40,6 +40,7 @@ class HeldRequest:
     state: HeldState = HeldState.HELD
     reads_by_consumer: dict[str, int] = field(default_factory=dict)
     consumers_done: set[str] = field(default_factory=set)
+    abandoned: set[str] = field(default_factory=set)
     nbytes: int = 0  # read out of our pools, as reported by the consumers' notices
 
     def acquire(self, consumer_engine: str, block_ids: list[int], now_s: float) -> None:
@@ -70,6 +71,17 @@ class HeldRequest:
             self.consumers_done.add(consumer_engine)
         if len(self.consumers_done) >= self.consumers:
             self.state = HeldState.DONE
+            return True
+        return False
+
+    def abandon(self, consumer_engine: str) -> bool:
+        """A consumer gave up (its READs are released); True once no consumer is left."""
+        if self.state in TERMINAL:
+            return False
+        self.abandoned.add(consumer_engine)
+        self.consumers_done.add(consumer_engine)
+        if len(self.consumers_done) >= self.consumers:
+            self.state = HeldState.RELEASED
             return True
         return False
 

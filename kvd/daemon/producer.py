@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.producer")
 
+_END_REASONS = {
+    "ok": "",
+    "expired": "lease expired before every consumer read the request",
+    "cancelled": "released without a complete read (a consumer abandoned it, its engine left, "
+                 "or the daemon stopped)",
+}
+
 
 class Producer:
     def __init__(self, daemon: Daemon) -> None:
@@ -59,6 +66,12 @@ class Producer:
         held = self.held.get(msg.producer_engine_id, msg.request_id)
         held.acquire(msg.consumer_engine_id, msg.block_ids, self.d.clock())
         return P.Acquired(epoch=self.d.engines.engines[msg.producer_engine_id].epoch)
+
+    def abandon(self, msg: P.Abandon) -> P.Ok:
+        held = self.held.get(msg.producer_engine_id, msg.request_id)
+        if held.abandon(msg.consumer_engine_id):
+            self.finish(held, "cancelled")
+        return P.Ok()
 
     def heartbeat(self, msg: P.Heartbeat) -> P.HeartbeatAck:
         now, unknown = self.d.clock(), []
@@ -115,7 +128,7 @@ class Producer:
                         extra={"request_id": held.request_id, "engine_id": held.engine_id})
         self.d.events.push(held.engine_id, P.Event(
             kind="done_sending", request_id=held.request_id, ok=outcome == "ok",
-            error="" if outcome == "ok" else f"lease {outcome}",
+            error=_END_REASONS.get(outcome, outcome),
             nbytes=held.nbytes if outcome == "ok" else 0, duration_s=duration_s))
 
     def expire(self, now_s: float) -> None:

@@ -227,7 +227,7 @@ class Daemon:
     @property
     def _peer_handlers(self) -> dict[type, Callable]:
         return {P.Hello: self._on_hello, P.Acquire: self._on_acquire,
-                P.Heartbeat: self._on_heartbeat}
+                P.Heartbeat: self._on_heartbeat, P.Abandon: self._on_abandon}
 
     # ------------------------------------------------------------ engine face
 
@@ -344,6 +344,9 @@ class Daemon:
 
     async def _on_heartbeat(self, msg: P.Heartbeat, *_: Any) -> P.HeartbeatAck:
         return self.producer.heartbeat(msg)
+
+    async def _on_abandon(self, msg: P.Abandon, *_: Any) -> P.Ok:
+        return self.producer.abandon(msg)
 
     # ------------------------------------------------------------ consumer helpers
 

@@ -128,3 +128,15 @@ def test_pop_and_of_engine() -> None:
     assert t.of_engine("p") == []
     with pytest.raises(NotFoundError):
         t.get("p", "a")
+
+
+def test_abandon_releases_once_every_consumer_is_done_or_gave_up() -> None:
+    table = HeldTable(max_held=4)
+    held = table.publish("p", "r", [1, 2], lease_s=10.0, consumers=2, now_s=0.0)
+    held.acquire("c1", [1], now_s=1.0)
+    held.acquire("c2", [2], now_s=1.0)
+    assert not held.abandon("c1")  # c2 may still read
+    assert held.state is HeldState.READING
+    assert held.notice("c2", reads=1, expected_reads=1)
+    assert held.state is HeldState.DONE
+    assert not held.abandon("c2"), "a terminal hold never changes again"
