@@ -38,6 +38,12 @@ class Producer:
         self.held = HeldTable(daemon.cfg.max_held_requests)
         self.consumers: dict[str, P.EngineDesc] = {}  # consumer engines met at handshake
         self._pinned: dict[tuple[str, str], list] = {}
+        self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
+
+    @property
+    def reading(self) -> bool:
+        """Some consumer is reading from us now: the progress loop must poll often."""
+        return bool(self._reading)
 
     def publish(self, msg: P.Publish) -> None:
         cfg = self.d.cfg
@@ -65,6 +71,7 @@ class Producer:
     def acquire(self, msg: P.Acquire) -> P.Acquired:
         held = self.held.get(msg.producer_engine_id, msg.request_id)
         held.acquire(msg.consumer_engine_id, msg.block_ids, self.d.clock())
+        self._reading.add((held.engine_id, held.request_id))
         return P.Acquired(epoch=self.d.engines.engines[msg.producer_engine_id].epoch)
 
     def abandon(self, msg: P.Abandon) -> P.Ok:
@@ -116,6 +123,7 @@ class Producer:
         if held.state not in (HeldState.DONE, HeldState.EXPIRED, HeldState.RELEASED):
             held.state = HeldState.EXPIRED if outcome == "expired" else HeldState.RELEASED
         self.held.pop(held)
+        self._reading.discard((held.engine_id, held.request_id))
         for r in self._pinned.pop((held.engine_id, held.request_id), []):
             r.pins -= 1
         m = self.d.metrics
