@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,17 @@ class DaemonProcess:
                 time.sleep(0.1)
         raise KvdError(f"daemon {self.name} not ready after {timeout_s}s:\n"
                        f"{self.log_path.read_text()[-2000:]}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the scraped samples of ``name`` whose labels include ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        return sum(s.value for fam in text_string_to_metric_families(text)
+                   for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def client(self, **kw: object) -> KvdClient:
         kw.setdefault("token", self.token)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
@@ -19,12 +18,6 @@ pytestmark = pytest.mark.nixl
 MODEL = ModelSpec(name="auth", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, num_blocks=8)
 TOKEN = "s3cret-token-0123456789"
-
-
-def _metric(port: int, name: str, label: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and label in line)
 
 
 @pytest.fixture()
@@ -42,7 +35,7 @@ def test_engine_face_refuses_missing_or_wrong_token(tmp_path, token_file):
             with KvdClient(d.engine_address, token=bad, ping_interval_s=0) as c, \
                     pytest.raises(AuthError):
                 c.status()
-        assert _metric(d.metrics_port, "kvd_auth_failures_total", 'face="engine"') == 2
+        assert d.metric("kvd_auth_failures_total", face="engine") == 2
         with KvdClient(d.engine_address, token=TOKEN, ping_interval_s=0) as c:
             assert c.status().daemon_id
     finally:
@@ -70,7 +63,7 @@ def test_peer_face_requires_the_same_token(tmp_path, token_file):
                 ev = bc.wait("d", "r1", "done_recving", timeout_s=20)
                 assert not ev.ok and "unauthorized" in ev.error
                 assert ev.invalid_block_ids == [2, 3]
-            assert _metric(prefill.metrics_port, "kvd_auth_failures_total", 'face="peer"') >= 1
+            assert prefill.metric("kvd_auth_failures_total", face="peer") >= 1
             with KvdClient(good.engine_address, token=TOKEN) as gc:
                 dr = gc.register("d", MODEL, layout_spec(SHAPE))
                 gc.pull("d", "r1", "p", prefill.peer_address, [0, 1], [2, 3])

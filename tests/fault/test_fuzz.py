@@ -10,7 +10,6 @@ legitimate byte-exact transfer afterwards.
 from __future__ import annotations
 
 import random
-import urllib.request
 
 import msgspec
 import pytest
@@ -128,12 +127,6 @@ def _blast(address: str, count: int, seed: int) -> int:
     return replies
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 def _transfer(prefill: DaemonProcess, decode: DaemonProcess, tag: str) -> None:
     g = global_kv(MODEL, 40)
     ids = [3, 7, 1]
@@ -159,7 +152,7 @@ def test_fuzz_both_faces_then_transfer_is_exact(tmp_path):
         assert prefill.proc.poll() is None, "daemon died under fuzzing"
         # Nearly every message gets an answer; a few may be valid by chance or dropped.
         assert got_engine + got_peer >= 0.95 * TOTAL_MESSAGES
-        errors = _metric(prefill.metrics_port, "kvd_protocol_errors_total")
+        errors = prefill.metric("kvd_protocol_errors_total")
         assert errors >= 0.5 * TOTAL_MESSAGES, errors
 
         # Oversized frame: refused by the socket (MAXMSGSIZE) before any decoding.

@@ -10,9 +10,7 @@ rank and waits until the daemons have freed the pools.
 from __future__ import annotations
 
 import random
-import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,23 +60,9 @@ def stop_and_check_clean(d: DaemonProcess) -> None:
     assert not leftovers, f"{d.name} left shm segments {leftovers}"
 
 
-def metrics_text(d: DaemonProcess) -> str:
-    url = f"http://127.0.0.1:{d.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read().decode()
-
-
 def metric(d: DaemonProcess, name: str, **labels: str) -> float:
     """Sum of every sample of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in metrics_text(d).splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return d.metric(name, **labels)
 
 
 @dataclass
