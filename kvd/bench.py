@@ -24,8 +24,11 @@ the next one allocates; peak is ~2 GiB at the default 512 MiB):
    call to ``done_recving`` at the client), p50/p99.
 
 Geometry: a Llama-3-8B-like cache (32 layers, 8 KV heads, head_dim 128,
-bf16, 16-token blocks, kv_split HND) = 128 KiB per token, 2 MiB per block;
-512 MiB is a 4096-token request.
+bf16, 16-token blocks, HND; ``kv_layout`` kv_split by default, or any of
+``KV_LAYOUTS``, the same on both engines) = 128 KiB per token, 2 MiB per
+block; 512 MiB is a 4096-token request. With kv_split a random-block request
+is 16,384 descriptors of 32 KiB; with cross_layer it is 256 descriptors of
+2 MiB (one per block).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape, layout_spec
+from kvd.sim import EngineShape, _blocks_view, layout_spec
 
 MiB = 1 << 20
 TARGET_RATIO_KVD_MEMCPY = 0.7
@@ -354,20 +357,23 @@ def bench_nixl(local_nbytes: int, remote_nbytes: int,
 # ------------------------------------------------------------------ kvd
 
 
-def _zero_blocks(kvs: list[np.ndarray], block_ids: list[int]) -> None:
+def _zero_blocks(kvs: list[np.ndarray], geom: Geometry, block_ids: list[int]) -> None:
     for kv in kvs:
-        for layer in range(kv.shape[0]):
-            kv[layer][:, block_ids] = 0
+        view = _blocks_view(kv, geom.kv_layout, geom.head_layout)
+        for b in block_ids:
+            view[b] = 0
 
 
-def _check_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], p_ids: list[int],
+def _check_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids: list[int],
                   d_ids: list[int]) -> bool:
-    """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (HND)."""
+    """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (any layout)."""
+    pview = _blocks_view(pkv, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
     for t, dkv in enumerate(dkvs):
-        h = dkv.shape[3]
-        for layer in range(pkv.shape[0]):
-            want = pkv[layer][:, p_ids][:, :, t * h:(t + 1) * h]
-            if not np.array_equal(dkv[layer][:, d_ids], want):
+        dview = _blocks_view(dkv, geom.kv_layout, geom.head_layout)
+        h = dview.shape[4]
+        for i in range(0, len(p_ids), 64):  # a few blocks at a time: no 512 MiB temporaries
+            want = pview[p_ids[i:i + 64]][:, :, :, :, t * h:(t + 1) * h]
+            if not np.array_equal(dview[d_ids[i:i + 64]], want):
                 return False
     return True
 
@@ -415,7 +421,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-warm", p_ids,
                                  d_ids)
             r["warmup_ms"] = _ms(t)
-            r["verified_warmup"] = _check_blocks(prank.kv, dkvs, p_ids, d_ids)
+            r["verified_warmup"] = _check_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
             totals, daemon = [], []
             for i in range(repeats):
                 t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
@@ -433,9 +439,10 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
                                 consecutive, consecutive)[0] for i in range(repeats)]
             r["kvd_gbps_consecutive"] = _gbps(ev.nbytes, statistics.median(ctimes))
             # Final check: zero the destination, pull once more, compare.
-            _zero_blocks(dkvs, d_ids)
+            _zero_blocks(dkvs, geom, d_ids)
             _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-check", p_ids, d_ids)
-            r["verified"] = r["verified_warmup"] and _check_blocks(prank.kv, dkvs, p_ids, d_ids)
+            r["verified"] = r["verified_warmup"] and _check_blocks(prank.kv, dkvs, geom, p_ids,
+                                                                   d_ids)
             out["scenarios"][scn.name] = r
             if scn.decode_tp == 1 and latency_pulls > 0:
                 out["latency"] = _latency(pc, dc, prefill.peer_address, deng, p_ids[:1],
@@ -469,10 +476,11 @@ def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
 
 
 def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False,
-              latency_pulls: int = 200, seed: int = 7) -> dict[str, Any]:
+              latency_pulls: int = 200, seed: int = 7,
+              kv_layout: str = "kv_split") -> dict[str, Any]:
     started = time.perf_counter()
     machine = machine_info()
-    geom = Geometry()
+    geom = Geometry(kv_layout=kv_layout)
     blocks = max(1, nbytes_mib * MiB // geom.block_nbytes)
     nbytes = blocks * geom.block_nbytes
     pool_blocks = blocks + max(1, blocks // 4)
@@ -608,7 +616,7 @@ def render(result: dict[str, Any]) -> str:
         f"over {result['pull_1block_samples']} pulls",
         f"geometry: {g['layers']} layers, {g['kv_heads']} KV heads, head_dim {g['head_dim']}, "
         f"{g['dtype']}, {g['block_size_tokens']}-token blocks ({g['token_nbytes'] // 1024} "
-        "KiB/token)",
+        f"KiB/token), kv_layout {g['kv_layout']} {g['head_layout']}",
         f"machine: {m.get('cores')} cores, {m.get('mem_gib')} GiB, {m.get('cpu', '?')}, "
         f"nixl {m.get('nixl')}",
         f"targets: kvd >= {TARGET_RATIO_KVD_MEMCPY}x memcpy: "
@@ -621,7 +629,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(as_json: bool = False, nbytes_mib: int = 512, repeats: int = 5,
-         skip_hetero: bool = False) -> int:
-    result = run_bench(nbytes_mib=nbytes_mib, repeats=repeats, skip_hetero=skip_hetero)
+         skip_hetero: bool = False, kv_layout: str = "kv_split") -> int:
+    result = run_bench(nbytes_mib=nbytes_mib, repeats=repeats, skip_hetero=skip_hetero,
+                       kv_layout=kv_layout)
     print(json.dumps(result, indent=2) if as_json else render(result))
     return 0 if all(s["verified"] for s in result["scenarios"]) else 1

@@ -164,16 +164,22 @@ def bench(
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
     skip_hetero: bool = typer.Option(False, "--skip-hetero",
                                      help="Skip the prefill TP1 -> decode TP2 scenario."),
+    kv_layout: str = typer.Option("kv_split", "--kv-layout",
+                                  help="Pool layout of both engines: kv_split, blocks_first "
+                                       "or cross_layer."),
 ) -> None:
     """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
     from kvd.bench import main as bench_main
     from kvd.errors import KvdError
+    from kvd.planner.layout import KV_LAYOUTS
 
     if nbytes_mib < 1 or repeats < 1:
         _fail("--nbytes-mib and --repeats must be >= 1")
+    if kv_layout not in KV_LAYOUTS:
+        _fail(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
     try:
         raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
-                                    skip_hetero=skip_hetero))
+                                    skip_hetero=skip_hetero, kv_layout=kv_layout))
     except KvdError as exc:
         _fail(str(exc))
 

@@ -48,10 +48,14 @@ def _geom(model: ModelSpec) -> ModelGeometry:
 def _blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str) -> np.ndarray:
     """Pool as [block, layer, kv, token, head, dim] (a view, no copy)."""
     view = pool.view(np.uint16)
-    if kv_layout == "blocks_first":  # (L, nb, kv, ...)
+    if kv_layout == "cross_layer":  # (nb, L, kv, ...): already block-major
+        pass
+    elif kv_layout == "blocks_first":  # (L, nb, kv, ...)
         view = view.transpose(1, 0, 2, 3, 4, 5)
-    else:  # (L, kv, nb, ...)
+    elif kv_layout == "kv_split":  # (L, kv, nb, ...)
         view = view.transpose(2, 0, 1, 3, 4, 5)
+    else:
+        raise ValueError(f"unknown kv_layout {kv_layout!r}")
     if head_layout == "HND":  # body (H, T, D) -> (T, H, D)
         view = view.transpose(0, 1, 2, 4, 3, 5)
     return view

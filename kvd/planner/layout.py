@@ -15,7 +15,7 @@ import numpy as np
 from kvd.errors import LayoutError
 from kvd.planner.plan import Read
 
-KV_LAYOUTS = ("kv_split", "blocks_first")
+KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer")
 HEAD_LAYOUTS = ("HND", "NHD")
 
 
@@ -29,7 +29,9 @@ class CacheLayout:
     num_heads: int  # heads held by this rank (1 for MLA)
     head_dim: int
     dtype_nbytes: int
-    # "kv_split": [layer][kv][block][body]; "blocks_first": [layer][block][kv][body]
+    # "kv_split": [layer][kv][block][body]; "blocks_first": [layer][block][kv][body];
+    # "cross_layer": [block][layer][kv][body] (all layers' K and V of a block contiguous;
+    # an engine's layer l tensor is the strided view pool[:, l])
     kv_layout: str = "kv_split"
     # body "HND": [head][token][head_dim]; "NHD": [token][head][head_dim]
     head_layout: str = "HND"
@@ -56,6 +58,8 @@ class CacheLayout:
             body = (self.block_size_tokens, self.num_heads, self.head_dim)
         if self.kv_layout == "blocks_first":
             return (self.num_layers, self.num_blocks, self.kv_parts, *body)
+        if self.kv_layout == "cross_layer":
+            return (self.num_blocks, self.num_layers, self.kv_parts, *body)
         return (self.num_layers, self.kv_parts, self.num_blocks, *body)
 
     @property
@@ -86,11 +90,16 @@ class CacheLayout:
             head, token = elem, self.num_heads * elem
         else:
             head, token = self.block_size_tokens * elem, elem
-        if self.kv_layout == "blocks_first":
-            kv, block = self.block_nbytes, self.kv_parts * self.block_nbytes
+        kv = self.block_nbytes
+        if self.kv_layout == "cross_layer":
+            layer = self.kv_parts * self.block_nbytes
+            block = self.num_layers * layer
         else:
-            kv, block = self.num_blocks * self.block_nbytes, self.block_nbytes
-        layer = self.kv_parts * self.num_blocks * self.block_nbytes
+            layer = self.kv_parts * self.num_blocks * self.block_nbytes
+            if self.kv_layout == "blocks_first":
+                block = self.kv_parts * self.block_nbytes
+            else:
+                kv, block = self.num_blocks * self.block_nbytes, self.block_nbytes
         return {"layer": layer, "kv": kv, "block": block, "head": head, "token": token}
 
 
@@ -186,6 +195,14 @@ def _segments(local: CacheLayout, remote: CacheLayout, local_ids: np.ndarray,
     return lb, np.zeros_like(k), remote_ids[k // m], (k % m) * bs_l, valid, m, bs_l
 
 
+# Chunk enumeration order per local kv_layout, outermost first: its memory order.
+_AXIS_ORDER = {
+    "kv_split": ("layer", "kv", "big", "head", "sub"),
+    "blocks_first": ("layer", "big", "kv", "head", "sub"),
+    "cross_layer": ("big", "layer", "kv", "head", "sub"),
+}
+
+
 def _merge(lo: np.ndarray, ro: np.ndarray, chunk_nbytes: int) -> Descriptors:
     """Collapse runs of equal-size chunks that are contiguous on both sides."""
     if lo.size == 0:
@@ -206,7 +223,9 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     Chunks are one (layer, kv, segment) when the head range is contiguous on
     both sides (HND with equal block sizes, or whole-head NHD), else one
     (layer, kv, segment, head); the axis order follows the local pool so that
-    the merge finds its neighbours.
+    the merge finds its neighbours. Both cross_layer, equal block sizes and a
+    read of all layers and heads of both ranks: one descriptor per block (or
+    per run of consecutive blocks).
     """
     _check_pair(read, local, local_first_layer, remote, remote_first_layer)
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
@@ -245,18 +264,26 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
         head = (heads0 + head_idx) * s["head"]
         sides.append((layer, kv, seg, head))
 
-    if local.kv_layout == "blocks_first":  # axes (layer, big, kv, head, sub)
-        def grid(layer, kv, seg, head):
-            return (layer[:, None, None, None, None] + seg[None, :, None, None, :]
-                    + kv[None, None, :, None, None] + head[None, None, None, :, None])
-        mask = np.broadcast_to(valid.reshape(n_big, 1, 1, n_sub)[None, :, :, :, :],
-                               (n_layers, n_big, local.kv_parts, head_idx.size, n_sub))
-    else:  # axes (layer, kv, big, head, sub)
-        def grid(layer, kv, seg, head):
-            return (layer[:, None, None, None, None] + kv[None, :, None, None, None]
-                    + seg[None, None, :, None, :] + head[None, None, None, :, None])
-        mask = np.broadcast_to(valid.reshape(1, 1, n_big, 1, n_sub),
-                               (n_layers, local.kv_parts, n_big, head_idx.size, n_sub))
+    # Enumerate chunks in the local pool's memory order so that neighbours in memory
+    # are neighbours in the list. Any order is correct (each chunk pairs the same
+    # (layer, kv, segment, head) on both sides); only the merge depends on it.
+    order = _AXIS_ORDER[local.kv_layout]
+    sizes = {"layer": n_layers, "kv": local.kv_parts, "big": n_big, "head": head_idx.size,
+             "sub": n_sub}
+    full = tuple(sizes[a] for a in order)
+
+    def place(values: np.ndarray, *axes: str) -> np.ndarray:
+        # "big" precedes "sub" in every order, so a C-order (big, sub) array reshapes in place
+        shape = [1] * len(order)
+        for a in axes:
+            shape[order.index(a)] = sizes[a]
+        return values.reshape(shape)
+
+    def grid(layer, kv, seg, head):
+        return (place(layer, "layer") + place(kv, "kv") + place(seg, "big", "sub")
+                + place(head, "head"))
+
+    mask = np.broadcast_to(place(valid, "big", "sub"), full)
     lo = grid(*sides[0]).reshape(-1)
     ro = grid(*sides[1]).reshape(-1)
     if not valid.all():

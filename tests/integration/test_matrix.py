@@ -52,6 +52,10 @@ CASES = {
                          shape(1, kv_layout="blocks_first"), 256, 0),
     "blocks-first-1-2": (model(), shape(1, kv_layout="blocks_first"),
                          shape(2, kv_layout="blocks_first"), 256, 0),
+    "cross-layer-2-2": (model(), shape(2, kv_layout="cross_layer"),
+                        shape(2, kv_layout="cross_layer"), 256, 0),
+    "cross-layer-2-1": (model(), shape(2, kv_layout="cross_layer"),
+                        shape(1, kv_layout="cross_layer"), 256, 0),
     "nhd-homogeneous-2-2": (model(), shape(2, head_layout="NHD"), shape(2, head_layout="NHD"),
                             256, 0),
 }

@@ -24,6 +24,7 @@ def global_kv(num_layers: int, kv_parts: int, num_tokens: int, num_heads: int,
 def fill_pool(layout: CacheLayout, kv: np.ndarray, layers: tuple[int, int],
               heads: tuple[int, int], block_ids: np.ndarray) -> np.ndarray:
     """A rank's pool holding its (layers, heads) shard of the request in block_ids."""
+    assert layout.kv_layout in ("kv_split", "blocks_first", "cross_layer"), layout.kv_layout
     pool = np.full(layout.shape, -1, dtype=DTYPE)
     bs = layout.block_size_tokens
     num_tokens = kv.shape[2]
@@ -34,12 +35,16 @@ def fill_pool(layout: CacheLayout, kv: np.ndarray, layers: tuple[int, int],
             data = data.transpose(0, 1, 3, 2, 4)  # [l, kv, h, t, d]
             if layout.kv_layout == "kv_split":
                 pool[:, :, block, :, : t1 - t0, :] = data
-            else:
+            elif layout.kv_layout == "blocks_first":
                 pool[:, block, :, :, : t1 - t0, :] = data
+            else:  # cross_layer
+                pool[block, :, :, :, : t1 - t0, :] = data
         elif layout.kv_layout == "kv_split":
             pool[:, :, block, : t1 - t0, :, :] = data
-        else:
+        elif layout.kv_layout == "blocks_first":
             pool[:, block, :, : t1 - t0, :, :] = data
+        else:  # cross_layer
+            pool[block, :, :, : t1 - t0, :, :] = data
     return pool
 
 

@@ -133,3 +133,92 @@ def test_global_layers_map_to_stage_local_indices():
     desc = build_read_descriptors(read, lay, 8, lay, 10, np.array([0]), np.array([0]))
     assert desc.local_offsets[0] == 2 * 2 * 64 * lay.block_nbytes  # third local layer
     assert desc.remote_offsets[0] == 0
+
+
+# ---------------------------------------------------------------- cross_layer
+
+
+def test_cross_layer_shape_and_strides():
+    lay = layout(kv_layout="cross_layer")
+    assert lay.shape == (64, 4, 2, 8, 16, 128)
+    assert layout(kv_layout="cross_layer", head_layout="NHD").shape == (64, 4, 2, 16, 8, 128)
+    assert layout(kv_layout="cross_layer", mla=True, num_heads=1).shape == (64, 4, 1, 1, 16, 128)
+    body = 8 * 16 * 128 * 2
+    assert lay.strides_nbytes() == {"layer": 2 * body, "kv": body, "block": 4 * 2 * body,
+                                    "head": 16 * 128 * 2, "token": 128 * 2}
+    assert lay.total_nbytes == layout().total_nbytes == int(np.prod(lay.shape)) * 2
+    # the strides are those of the numpy view of the pool
+    view = np.zeros(lay.shape, dtype=np.int16)
+    s = lay.strides_nbytes()
+    assert view.strides[:5] == (s["block"], s["layer"], s["kv"], s["head"], s["token"])
+
+
+def test_homogeneous_cross_layer_read_is_one_descriptor_per_shuffled_block():
+    lay = layout(kv_layout="cross_layer", num_layers=32, num_blocks=300)
+    rng = np.random.default_rng(0)
+    n = 200
+    local_ids, remote_ids = rng.permutation(300)[:n], rng.permutation(300)[:n]
+    desc = build_read_descriptors(whole(layers=(0, 32)), lay, 0, lay, 0, local_ids, remote_ids)
+    block = 32 * 2 * lay.block_nbytes  # layers x kv x body: 2 MiB
+    assert block == 2 << 20
+    assert len(desc) == n
+    assert set(desc.nbytes.tolist()) == {block}
+    np.testing.assert_array_equal(desc.local_offsets, local_ids * block)
+    np.testing.assert_array_equal(desc.remote_offsets, remote_ids * block)
+    # the same request in kv_split: one 32 KiB descriptor per (layer, kv, block)
+    split = layout(num_layers=32, num_blocks=300)
+    assert len(build_read_descriptors(whole(layers=(0, 32)), split, 0, split, 0, local_ids,
+                                      remote_ids)) == 32 * 2 * n
+
+
+def test_cross_layer_consecutive_full_pools_become_one_descriptor():
+    lay = layout(kv_layout="cross_layer")
+    ids = np.arange(64)
+    desc = build_read_descriptors(whole(), lay, 0, lay, 0, ids, ids)
+    assert len(desc) == 1 and desc.nbytes[0] == lay.total_nbytes
+
+
+def test_cross_layer_pp_split_reads_a_layer_range_per_block():
+    # Decode holds layers [0, 4); prefill stage holds [2, 4): per block, the decode's
+    # layers 2..3 (second half of its block) are one run, the whole prefill block the other.
+    local = layout(kv_layout="cross_layer")
+    remote = layout(kv_layout="cross_layer", num_layers=2)
+    ids = np.array([5, 1, 9])
+    desc = build_read_descriptors(whole(layers=(2, 4)), local, 0, remote, 2, ids, ids[::-1])
+    half = 2 * 2 * local.block_nbytes
+    assert len(desc) == 3 and set(desc.nbytes.tolist()) == {half}
+    np.testing.assert_array_equal(desc.local_offsets, ids * 2 * half + half)
+    np.testing.assert_array_equal(desc.remote_offsets, ids[::-1] * half)
+
+
+def test_cross_layer_head_slice_is_one_descriptor_per_layer_kv_block():
+    local = layout(kv_layout="cross_layer", num_heads=4)
+    remote = layout(kv_layout="cross_layer", num_heads=8)
+    read = Read(RankId(1), (4, 8), (0, 4), (4, 8), (0, 4))
+    desc = build_read_descriptors(read, local, 0, remote, 0, np.arange(3), np.arange(3))
+    assert len(desc) == 3 * 4 * 2
+    assert set(desc.nbytes.tolist()) == {4 * 16 * 128 * 2}
+
+
+@pytest.mark.parametrize("other", ["kv_split", "blocks_first"])
+@pytest.mark.parametrize("cross_side", ["local", "remote"])
+def test_cross_layer_mixed_with_another_layout(other, cross_side):
+    """Mixed pairs stay correct; they merge only where the other side is contiguous."""
+    cross, plain = layout(kv_layout="cross_layer"), layout(kv_layout=other)
+    local, remote = (cross, plain) if cross_side == "local" else (plain, cross)
+    ids = np.array([7, 3, 11])
+    desc = build_read_descriptors(whole(), local, 0, remote, 0, ids, ids + 1)
+    # K and V of one (layer, block) are adjacent in both cross_layer and blocks_first
+    per = 4 if other == "blocks_first" else 4 * 2
+    assert len(desc) == 3 * per
+    assert desc.total_nbytes == 3 * 4 * 2 * local.block_nbytes
+    # every (layer, kv, block) body lands once, at its place in each layout
+    ls, rs = local.strides_nbytes(), remote.strides_nbytes()
+    want = {(int(lb) * ls["block"] + layer * ls["layer"] + kv * ls["kv"],
+             int(rb) * rs["block"] + layer * rs["layer"] + kv * rs["kv"])
+            for lb, rb in zip(ids, ids + 1, strict=True) for layer in range(4) for kv in range(2)}
+    got = set()
+    body = local.block_nbytes
+    for lo, ro, nb in zip(desc.local_offsets, desc.remote_offsets, desc.nbytes, strict=True):
+        got |= {(int(lo) + i * body, int(ro) + i * body) for i in range(int(nb) // body)}
+    assert got == want

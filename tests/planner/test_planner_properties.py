@@ -27,6 +27,7 @@ from kvd.planner import (
 )
 
 HEAD_DIM = 2
+KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer")
 
 
 def valid_tps(model: ModelGeometry) -> list[int]:
@@ -127,8 +128,7 @@ def byte_cases(draw):
     bs_d = draw(st.sampled_from([bs_p, bs_p, bs_p * 2, bs_p * 4, max(1, bs_p // 2),
                                  max(1, bs_p // 4)]))
     num_tokens = draw(st.integers(1, 13))
-    kv_layouts = draw(st.tuples(st.sampled_from(["kv_split", "blocks_first"]),
-                                st.sampled_from(["kv_split", "blocks_first"])))
+    kv_layouts = draw(st.tuples(st.sampled_from(KV_LAYOUTS), st.sampled_from(KV_LAYOUTS)))
     nhd = draw(st.booleans())
     seed = draw(st.integers(0, 2**32 - 1))
     return model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, nhd, seed
@@ -196,6 +196,22 @@ def test_bytes_land_where_the_decode_shard_expects(case):
     model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, nhd, seed = case
     head_layouts = ("NHD", "NHD") if nhd else ("HND", "HND")
     run_bytes(model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, head_layouts, seed)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(byte_cases(), st.sampled_from(["local", "remote", "both"]), st.booleans())
+def test_cross_layer_bytes_on_either_side(case, side, nhd):
+    """cross_layer on the decode side, the prefill side or both, against any other layout:
+    PP splits, head slices and block-size ratios all land byte-exact."""
+    model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, _, seed = case
+    p_layout, d_layout = kv_layouts
+    if side in ("remote", "both"):
+        p_layout = "cross_layer"
+    if side in ("local", "both"):
+        d_layout = "cross_layer"
+    head_layouts = ("NHD", "NHD") if nhd else ("HND", "HND")
+    run_bytes(model, prefill, decode, bs_p, bs_d, num_tokens, (p_layout, d_layout),
+              head_layouts, seed)
 
 
 @settings(max_examples=150, deadline=None)
