@@ -386,12 +386,12 @@ class Daemon:
         """Drive NIXL on the producer side: collect READ notices, adaptively.
 
         A consumer's READ (it carries the notice) is not DONE on its side until this
-        daemon polls, so poll every 0.25 ms right after a publish/acquire/notice, then
-        back off: to 2 ms while some acquired request is being read, to 50 ms when
+        daemon polls, so poll every 0.25 ms for 5 ms after a publish/acquire/notice,
+        then back off: to 2 ms while some acquired request is being read, to 50 ms when
         nothing is (an idle or merely holding daemon costs ~1% of a core, not one core).
         """
-        fast_s = 0.00025
-        interval_s = fast_s
+        fast_s, hot_window_s = 0.00025, 0.005
+        interval_s, last_activity_s = fast_s, time.monotonic()
         while True:
             try:
                 notices = await self.datapath.notifications()
@@ -400,12 +400,18 @@ class Daemon:
             except Exception:  # noqa: BLE001
                 log.exception("notification poll failed")
                 notices = []
-            cap_s = 0.002 if self.producer.reading else 0.05
-            interval_s = fast_s if notices else min(interval_s * 2, cap_s)
+            now_s = time.monotonic()
+            if notices:
+                last_activity_s = now_s
+            if now_s - last_activity_s < hot_window_s:
+                interval_s = fast_s  # a READ is likely landing right now
+            else:
+                cap_s = 0.002 if self.producer.reading else 0.05
+                interval_s = min(interval_s * 2, cap_s)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), interval_s)
-                interval_s = fast_s
+                interval_s, last_activity_s = fast_s, time.monotonic()
             except asyncio.TimeoutError:
                 pass
 
