@@ -31,6 +31,7 @@ class Config:
     metrics_port: int = 7102
     device: str = "cpu"
     shm_prefix: str = "kvd"
+    shm_dir: str = "/dev/shm"
     lease_s: float = 30.0
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 60.0
@@ -62,7 +63,9 @@ FIELD_HELP: dict[str, str] = {
     "metrics_host": "Host the Prometheus /metrics, /livez and /readyz server binds.",
     "metrics_port": "Port of the metrics and health server (0 disables it).",
     "device": "Where KV pools live: 'cpu' (POSIX shared memory) or 'cuda' (CUDA IPC).",
-    "shm_prefix": "Prefix of shared-memory segment names in /dev/shm.",
+    "shm_prefix": "Prefix of shared-memory segment names in shm_dir.",
+    "shm_dir": "Directory of the DRAM pools: /dev/shm, or a huge-page mount (hugetlbfs, tmpfs "
+               "huge=always) for faster READs; engines must see the same directory.",
     "lease_s": "Default lease of a published request before its blocks are released.",
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
@@ -168,6 +171,8 @@ def validate(cfg: Config) -> Config:
             f"heartbeat_interval_s ({cfg.heartbeat_interval_s}) must be shorter than "
             f"lease_s ({cfg.lease_s}) or leases expire between heartbeats"
         )
+    if not Path(cfg.shm_dir).is_absolute() or not Path(cfg.shm_dir).is_dir():
+        raise ConfigError(f"shm_dir: {cfg.shm_dir!r} is not an existing absolute directory")
     if cfg.auth_token_file and not Path(cfg.auth_token_file).is_file():
         raise ConfigError(f"auth_token_file: {cfg.auth_token_file!r} does not exist")
     return cfg

@@ -15,6 +15,7 @@ The daemon side (`ShmPool`) creates and unlinks; the engine side
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -48,6 +49,15 @@ def numpy_dtype(dtype: str) -> np.dtype:
         raise KvdError(f"unsupported dtype {dtype!r}; known: {sorted(DTYPE_NBYTES)}") from None
 
 
+# Mappings are rounded up to 2 MiB so that a huge-page filesystem (hugetlbfs, or
+# tmpfs mounted with huge=always) can back the pools; see Config.shm_dir.
+MAP_ALIGN = 2 * 1024 * 1024
+
+
+def mapped_nbytes(nbytes: int) -> int:
+    return -(-nbytes // MAP_ALIGN) * MAP_ALIGN
+
+
 @dataclass
 class ShmPool:
     """A daemon-owned shared-memory region; ``addr`` is what NIXL registers."""
@@ -56,35 +66,41 @@ class ShmPool:
     nbytes: int
     mm: mmap.mmap
     array: np.ndarray  # uint8 view keeping the mapping's address stable
+    directory: Path = SHM_DIR
 
     @property
     def addr(self) -> int:
         return int(self.array.ctypes.data)
 
     @classmethod
-    def create(cls, prefix: str, nbytes: int) -> ShmPool:
+    def create(cls, prefix: str, nbytes: int, directory: str | Path = SHM_DIR) -> ShmPool:
         if nbytes <= 0:
             raise KvdError(f"pool size must be > 0 bytes, got {nbytes}")
+        directory = Path(directory)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        path = SHM_DIR / name
+        path = directory / name
+        size = mapped_nbytes(nbytes)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                os.posix_fallocate(fd, 0, size)  # reserve now: fail here, not on a fault
             except OSError as exc:
-                os.unlink(path)
-                raise KvdError(
-                    f"cannot allocate {nbytes} bytes in {SHM_DIR} ({exc.strerror}); "
-                    "is /dev/shm large enough?"
-                ) from None
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    os.unlink(path)
+                    raise KvdError(
+                        f"cannot allocate {size} bytes in {directory} ({exc.strerror}); "
+                        "is it large enough?"
+                    ) from None
+                os.ftruncate(fd, size)  # filesystems without fallocate
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name=name, nbytes=nbytes, mm=mm, array=np.frombuffer(mm, dtype=np.uint8))
+        array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+        return cls(name=name, nbytes=nbytes, mm=mm, array=array, directory=directory)
 
     def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
         return PoolHandle(kind="shm", name=self.name, nbytes=self.nbytes, shape=list(shape),
-                          dtype=dtype)
+                          dtype=dtype, directory=str(self.directory))
 
     def close(self) -> None:
         """Unmap and unlink. Only call once no READ can touch the region any more."""
@@ -94,14 +110,14 @@ class ShmPool:
         except BufferError:
             pass  # a view is still exported; the mapping dies with the process
         try:
-            os.unlink(SHM_DIR / self.name)
+            os.unlink(self.directory / self.name)
         except FileNotFoundError:
             pass
 
 
-def kvd_segments(prefix: str) -> list[str]:
-    """Segments in /dev/shm carrying our prefix (leak checks, cleanup tooling)."""
-    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}-*"))
+def kvd_segments(prefix: str, directory: str | Path = SHM_DIR) -> list[str]:
+    """Segments carrying our prefix (leak checks, cleanup tooling)."""
+    return sorted(p.name for p in Path(directory).glob(f"{prefix}-*"))
 
 
 @dataclass
@@ -116,9 +132,9 @@ class MappedPool:
         """A torch tensor over the same bytes (no copy). Imports torch lazily."""
         import torch
 
-        flat = torch.frombuffer(self.mm, dtype=torch.uint8) if self.mm is not None else None
-        if flat is None:
+        if self.mm is None:
             raise KvdError("tensor() is only available for shm pools here")
+        flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.handle.nbytes)
         return flat.view(getattr(torch, self.handle.dtype)).view(self.handle.shape)
 
     def close(self) -> None:
@@ -138,10 +154,14 @@ def map_pool(handle: PoolHandle) -> MappedPool:
         return open_cuda_pool(handle)
     if "/" in handle.name or handle.name.startswith("."):
         raise KvdError(f"refusing suspicious shm name {handle.name!r}")
-    fd = os.open(SHM_DIR / handle.name, os.O_RDWR)
+    if not os.path.isabs(handle.directory):
+        raise KvdError(f"pool directory must be absolute, got {handle.directory!r}")
+    fd = os.open(Path(handle.directory) / handle.name, os.O_RDWR)
     try:
-        mm = mmap.mmap(fd, handle.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, mapped_nbytes(handle.nbytes), mmap.MAP_SHARED,
+                       mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    arr = np.frombuffer(mm, dtype=numpy_dtype(handle.dtype)).reshape(handle.shape)
+    arr = (np.frombuffer(mm, dtype=np.uint8)[:handle.nbytes]
+           .view(numpy_dtype(handle.dtype)).reshape(handle.shape))
     return MappedPool(handle=handle, mm=mm, array=arr)

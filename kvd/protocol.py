@@ -81,6 +81,7 @@ class PoolHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     ipc_handle: bytes = b""
     device_index: int = -1
+    directory: str = "/dev/shm"  # where the shm file lives (Config.shm_dir)
 
 
 class RankDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -262,7 +262,7 @@ class Daemon:
 
             return CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM", \
                 msg.device_index
-        return ShmPool.create(self.cfg.shm_prefix, nbytes), "DRAM", 0
+        return ShmPool.create(self.cfg.shm_prefix, nbytes, self.cfg.shm_dir), "DRAM", 0
 
     async def _on_deregister(self, msg: P.Deregister, *_: Any) -> P.Ok:
         self._rank_gone(msg.engine_id, RankId(msg.tp_rank, msg.pp_rank), "deregistered")
