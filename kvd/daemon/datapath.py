@@ -28,6 +28,10 @@ class DataPath:
     def __init__(self, transport: Transport, executor: ThreadPoolExecutor | None = None) -> None:
         self.transport = transport
         self._pool = executor or new_nixl_executor()
+        self._metadata: dict[str, bytes] = {}  # peer agent -> metadata loaded
+        self._gates: dict[str, asyncio.Event] = {}  # closed while a peer is reloaded
+        self._inflight: dict[str, int] = {}  # peer agent -> transfer handles not released
+        self._xfer_peer: dict[int, str] = {}
 
     @property
     def agent_name(self) -> str:
@@ -45,25 +49,68 @@ class DataPath:
     async def deregister(self, reg_id: int) -> None:
         await self.call(self.transport.deregister, reg_id)
 
-    async def add_peer(self, metadata: bytes) -> str:
-        return await self.call(self.transport.add_peer, metadata)
+    async def load_peer(self, metadata: bytes, agent_name: str,
+                        drain_timeout_s: float = 10.0) -> str:
+        """Load a peer's metadata, replacing what we knew of it.
+
+        NIXL keeps a peer's old memory sections when metadata is loaded again, and a
+        section the peer has since deregistered (its pool freed, the address reused by
+        a new pool) makes a later READ fail with NOT_FOUND. So a changed peer is
+        removed and loaded afresh, but only once no READ to it is in flight: new posts
+        to it wait at its gate meanwhile.
+        """
+        known = self._metadata.get(agent_name)
+        if known == metadata:
+            return agent_name
+        if known is None:
+            name = await self.call(self.transport.add_peer, metadata)
+            self._metadata[name] = metadata
+            return name
+        gate = self._gates.setdefault(agent_name, asyncio.Event())
+        gate.clear()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + drain_timeout_s
+            while self._inflight.get(agent_name, 0) and loop.time() < deadline:
+                await asyncio.sleep(0.001)
+
+            def reload() -> str:
+                self.transport.remove_peer(agent_name)
+                return self.transport.add_peer(metadata)
+
+            name = await self.call(reload)
+            self._metadata[name] = metadata
+            return name
+        finally:
+            gate.set()
 
     async def post_reads(
         self, posts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, str, bytes]]
     ) -> list[tuple[int | None, bool, str | None]]:
         """Post several READs in one hop; per post: (xfer id, done, error)."""
+        for peer, *_ in posts:
+            gate = self._gates.get(peer)
+            if gate is not None:
+                await gate.wait()
+        results = await self.call(self._post_reads, posts)
+        for (peer, *_), (xfer_id, _, _) in zip(posts, results, strict=True):
+            if xfer_id is not None:
+                self._xfer_peer[xfer_id] = peer
+                self._inflight[peer] = self._inflight.get(peer, 0) + 1
+        return results
 
-        def run() -> list[tuple[int | None, bool, str | None]]:
-            out: list[tuple[int | None, bool, str | None]] = []
-            for peer, loc, rem, nb, mem_type, notif in posts:
-                try:
-                    xfer_id, done = self.transport.post_read(peer, loc, rem, nb, mem_type, notif)
-                    out.append((xfer_id, done, None))
-                except TransferError as exc:
-                    out.append((None, False, str(exc)))
-            return out
+    def _post_reads(
+        self, posts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, str, bytes]]
+    ) -> list[tuple[int | None, bool, str | None]]:
 
-        return await self.call(run)
+        out: list[tuple[int | None, bool, str | None]] = []
+        for peer, loc, rem, nb, mem_type, notif in posts:
+            try:
+                xfer_id, done = self.transport.post_read(peer, loc, rem, nb, mem_type, notif)
+                out.append((xfer_id, done, None))
+            except TransferError as exc:
+                out.append((None, False, str(exc)))
+        return out
 
     async def poll_many(self, xfer_ids: list[int]) -> dict[int, str | None]:
         """States of many transfers in one hop: 'done', 'proc' or an error message."""
@@ -85,6 +132,10 @@ class DataPath:
                 self.transport.release(xfer_id)
 
         await self.call(run)
+        for xfer_id in xfer_ids:
+            peer = self._xfer_peer.pop(xfer_id, None)
+            if peer is not None:
+                self._inflight[peer] -= 1
 
     async def notifications(self) -> list[tuple[str, bytes]]:
         return await self.call(self.transport.notifications)

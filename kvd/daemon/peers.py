@@ -141,7 +141,7 @@ class PeerTable:
         remote_engine: str,
         address: str,
         hello: Callable[[], Awaitable[P.Hello]],
-        load_agent: Callable[[bytes], Awaitable[str]],
+        load_agent: Callable[[bytes, str], Awaitable[str]],
     ) -> tuple[RemoteEngine, bool]:
         """Cached handshake; returns (remote engine, True if it was a cache hit).
 
@@ -167,7 +167,7 @@ class PeerTable:
 
     async def _handshake_and_cache(self, key: tuple[str, str], remote_engine: str,
                                    address: str, hello: Callable[[], Awaitable[P.Hello]],
-                                   load_agent: Callable[[bytes], Awaitable[str]]
+                                   load_agent: Callable[[bytes, str], Awaitable[str]]
                                    ) -> RemoteEngine:
         start = time.monotonic()
         remote = await self._handshake(remote_engine, address, hello, load_agent)
@@ -177,7 +177,7 @@ class PeerTable:
 
     async def _handshake(self, remote_engine: str, address: str,
                          hello: Callable[[], Awaitable[P.Hello]],
-                         load_agent: Callable[[bytes], Awaitable[str]]) -> RemoteEngine:
+                         load_agent: Callable[[bytes, str], Awaitable[str]]) -> RemoteEngine:
         todo = [address]
         seen: set[str] = set()
         remote: RemoteEngine | None = None
@@ -192,7 +192,7 @@ class PeerTable:
             if reply.engine.engine_id != remote_engine:
                 raise IncompatibleError(f"peer {addr} answered for engine "
                                         f"{reply.engine.engine_id!r}, not {remote_engine!r}")
-            agent = await load_agent(reply.agent_metadata)
+            agent = await load_agent(reply.agent_metadata, reply.agent_name)
             if remote is None:
                 remote = RemoteEngine(desc=reply.engine, ranks={}, daemons={})
             elif _geometry(remote.desc) != _geometry(reply.engine):

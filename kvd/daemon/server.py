@@ -360,7 +360,7 @@ class Daemon:
         start = time.perf_counter()
         try:
             remote, hit = await self.peers.remote_engine(
-                engine.engine_id, remote_engine_id, address, hello, self.datapath.add_peer)
+                engine.engine_id, remote_engine_id, address, hello, self.datapath.load_peer)
         except KvdTimeoutError as exc:
             if not getattr(exc, "counted", False):  # pulls sharing one handshake share its error
                 exc.counted = True  # type: ignore[attr-defined]
