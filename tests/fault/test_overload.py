@@ -59,9 +59,9 @@ def test_thousands_of_pulls_are_bounded(tmp_path):
                 if i % 500 == 0:  # the daemon stays responsive while loaded
                     t = time.perf_counter()
                     probe.status()
-                    assert time.perf_counter() - t < 1.0
+                    assert time.perf_counter() - t < 2.0, "status took over 2 s under load"
             storm_s = time.perf_counter() - t0
-            assert busy > 0, "the bound was never reached"
+            assert busy > 0, f"the bound was never reached ({len(accepted)} accepted)"
             for rid in accepted:
                 ev = dc.wait("d", rid, "done_recving", timeout_s=60)
                 assert ev.ok, ev.error
