@@ -85,7 +85,6 @@ class Consumer:
         if (msg.engine_id, msg.request_id) in self.jobs:
             raise KvdError(f"request {msg.request_id!r} is already being pulled")
         if len(self.jobs) >= cfg.max_inflight_pulls:
-            self.d.metrics.busy_rejections.inc()
             raise BusyError(f"{len(self.jobs)} pulls in flight (max_inflight_pulls)")
         for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
             if len(ids) > cfg.max_blocks_per_request:

@@ -62,6 +62,7 @@ def test_thousands_of_pulls_are_bounded(tmp_path):
                     assert time.perf_counter() - t < 2.0, "status took over 2 s under load"
             storm_s = time.perf_counter() - t0
             assert busy > 0, f"the bound was never reached ({len(accepted)} accepted)"
+            assert decode.metric("kvd_busy_rejections_total") == busy  # counted once each
             for rid in accepted:
                 ev = dc.wait("d", rid, "done_recving", timeout_s=60)
                 assert ev.ok, ev.error
