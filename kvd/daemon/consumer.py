@@ -25,6 +25,7 @@ from kvd.daemon.engines import compat_hash, geometry, parallelism, rank_layout
 from kvd.errors import BusyError, IncompatibleError, KvdError, KvdTimeoutError, TransferError
 from kvd.planner import TransferPlan, build_read_descriptors, plan_transfer
 from kvd.planner.blocks import match_blocks
+from kvd.transport.base import ReadPost
 
 if TYPE_CHECKING:
     from kvd.daemon.engines import Engine, EngineRank
@@ -70,6 +71,9 @@ class PostGroup:
     local: list[np.ndarray] = field(default_factory=list)
     remote: list[np.ndarray] = field(default_factory=list)
     nbytes: list[np.ndarray] = field(default_factory=list)
+    # GPU index of each descriptor's memory on each side (0 for DRAM)
+    local_dev: list[np.ndarray] = field(default_factory=list)
+    remote_dev: list[np.ndarray] = field(default_factory=list)
 
 
 class Consumer:
@@ -200,6 +204,8 @@ class Consumer:
                 g.local.append(descs.local_offsets + local_rank.pool.addr)
                 g.remote.append(descs.remote_offsets + rr.desc.base_addr)
                 g.nbytes.append(descs.nbytes)
+                g.local_dev.append(np.full(len(descs), local_rank.device_id, dtype=np.int64))
+                g.remote_dev.append(np.full(len(descs), rr.desc.device_id, dtype=np.int64))
                 job.nbytes += descs.total_nbytes
                 job.descriptors += len(descs)
         return groups
@@ -237,8 +243,12 @@ class Consumer:
             if not g.local:  # nothing to read from this daemon: notification only
                 notify_only.append((g.agent, notice))
                 continue
-            posts.append((g.agent, np.concatenate(g.local), np.concatenate(g.remote),
-                          np.concatenate(g.nbytes), remote.desc.mem_type, notice))
+            posts.append(ReadPost(
+                peer=g.agent, local_addrs=np.concatenate(g.local),
+                remote_addrs=np.concatenate(g.remote), nbytes=np.concatenate(g.nbytes),
+                mem_type=remote.desc.mem_type, notif=notice,
+                local_devs=np.concatenate(g.local_dev),
+                remote_devs=np.concatenate(g.remote_dev)))
         if posts:
             for r in engine.live_ranks():
                 r.pins += 1

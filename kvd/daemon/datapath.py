@@ -12,10 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import numpy as np
-
 from kvd.errors import TransferError
-from kvd.transport.base import Transport, TransportCounts
+from kvd.transport.base import ReadPost, Transport, TransportCounts
 
 T = TypeVar("T")
 
@@ -84,29 +82,24 @@ class DataPath:
         finally:
             gate.set()
 
-    async def post_reads(
-        self, posts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, str, bytes]]
-    ) -> list[tuple[int | None, bool, str | None]]:
+    async def post_reads(self, posts: list[ReadPost]) -> list[tuple[int | None, bool, str | None]]:
         """Post several READs in one hop; per post: (xfer id, done, error)."""
-        for peer, *_ in posts:
-            gate = self._gates.get(peer)
+        for post in posts:
+            gate = self._gates.get(post.peer)
             if gate is not None:
                 await gate.wait()
         results = await self.call(self._post_reads, posts)
-        for (peer, *_), (xfer_id, _, _) in zip(posts, results, strict=True):
+        for post, (xfer_id, _, _) in zip(posts, results, strict=True):
             if xfer_id is not None:
-                self._xfer_peer[xfer_id] = peer
-                self._inflight[peer] = self._inflight.get(peer, 0) + 1
+                self._xfer_peer[xfer_id] = post.peer
+                self._inflight[post.peer] = self._inflight.get(post.peer, 0) + 1
         return results
 
-    def _post_reads(
-        self, posts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, str, bytes]]
-    ) -> list[tuple[int | None, bool, str | None]]:
-
+    def _post_reads(self, posts: list[ReadPost]) -> list[tuple[int | None, bool, str | None]]:
         out: list[tuple[int | None, bool, str | None]] = []
-        for peer, loc, rem, nb, mem_type, notif in posts:
+        for post in posts:
             try:
-                xfer_id, done = self.transport.post_read(peer, loc, rem, nb, mem_type, notif)
+                xfer_id, done = self.transport.post_read(post)
                 out.append((xfer_id, done, None))
             except TransferError as exc:
                 out.append((None, False, str(exc)))

@@ -24,6 +24,20 @@ class TransportCounts:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ReadPost:
+    """One READ of many descriptors from one peer: parallel arrays, one row each."""
+
+    peer: str
+    local_addrs: np.ndarray
+    remote_addrs: np.ndarray
+    nbytes: np.ndarray
+    mem_type: str
+    notif: bytes
+    local_devs: np.ndarray | None = None  # GPU index per descriptor (None: all 0, DRAM)
+    remote_devs: np.ndarray | None = None
+
+
 class Transport(Protocol):
     name: str
 
@@ -41,15 +55,7 @@ class Transport(Protocol):
 
     def remove_peer(self, agent_name: str) -> None: ...
 
-    def post_read(
-        self,
-        peer: str,
-        local_addrs: np.ndarray,
-        remote_addrs: np.ndarray,
-        nbytes: np.ndarray,
-        mem_type: str,
-        notif: bytes,
-    ) -> tuple[int, bool]:
+    def post_read(self, post: ReadPost) -> tuple[int, bool]:
         """Post one READ of many descriptors; returns (xfer id, already done)."""
         ...
 

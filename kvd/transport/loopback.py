@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from kvd.errors import TransferError
-from kvd.transport.base import TransportCounts
+from kvd.transport.base import ReadPost, TransportCounts
 
 _AGENTS: dict[str, LoopbackTransport] = {}
 _ids = itertools.count(1)
@@ -59,8 +59,9 @@ class LoopbackTransport:
     def remove_peer(self, agent_name: str) -> None:
         self._peers.discard(agent_name)
 
-    def post_read(self, peer: str, local_addrs: np.ndarray, remote_addrs: np.ndarray,
-                  nbytes: np.ndarray, mem_type: str, notif: bytes) -> tuple[int, bool]:
+    def post_read(self, post: ReadPost) -> tuple[int, bool]:
+        peer, notif = post.peer, post.notif
+        local_addrs, remote_addrs, nbytes = post.local_addrs, post.remote_addrs, post.nbytes
         remote = _AGENTS.get(peer)
         if peer not in self._peers or remote is None:
             raise TransferError(f"peer {peer} not loaded")

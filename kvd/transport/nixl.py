@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 
 from kvd.errors import KvdError, TransferError
-from kvd.transport.base import TransportCounts
+from kvd.transport.base import ReadPost, TransportCounts
 
 log = logging.getLogger("kvd.transport")
 
@@ -73,13 +73,15 @@ class NixlTransport:
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own types
                 log.warning("remove_remote_agent(%s) failed: %s", agent_name, exc)
 
-    def post_read(self, peer: str, local_addrs: np.ndarray, remote_addrs: np.ndarray,
-                  nbytes: np.ndarray, mem_type: str, notif: bytes) -> tuple[int, bool]:
-        n = len(nbytes)
+    def post_read(self, post: ReadPost) -> tuple[int, bool]:
+        peer, mem_type, notif = post.peer, post.mem_type, post.notif
+        n = len(post.nbytes)
         local = np.empty((n, 3), dtype=np.uint64)
         remote = np.empty((n, 3), dtype=np.uint64)
-        local[:, 0], local[:, 1], local[:, 2] = local_addrs, nbytes, 0
-        remote[:, 0], remote[:, 1], remote[:, 2] = remote_addrs, nbytes, 0
+        local[:, 0], local[:, 1] = post.local_addrs, post.nbytes
+        remote[:, 0], remote[:, 1] = post.remote_addrs, post.nbytes
+        local[:, 2] = 0 if post.local_devs is None else post.local_devs
+        remote[:, 2] = 0 if post.remote_devs is None else post.remote_devs
         agent = self._agent
         try:
             handle = agent.initialize_xfer(
