@@ -1,7 +1,7 @@
 """Transfer benchmark: memcpy vs raw NIXL READ vs kvd end to end; see benchmarks/README.md.
 
 Run: .venv/bin/python benchmarks/bench_transfer.py [--json] [--nbytes-mib 512] [--repeats 5]
-     [--skip-hetero] [--kv-layout cross_layer]   (same as `kvd bench`)
+     [--skip-hetero] [--kv-layout cross_layer] [--shm-dir /dev/shm]   (same as `kvd bench`)
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ if __name__ == "__main__":
     ap.add_argument("--skip-hetero", action="store_true")
     ap.add_argument("--kv-layout", default="kv_split",
                     choices=["kv_split", "blocks_first", "cross_layer"])
+    ap.add_argument("--shm-dir", default="/dev/shm",
+                    help="directory of the shm buffers and both daemons' pools")
     a = ap.parse_args()
     sys.exit(main(as_json=a.json, nbytes_mib=a.nbytes_mib, repeats=a.repeats,
-                  skip_hetero=a.skip_hetero, kv_layout=a.kv_layout))
+                  skip_hetero=a.skip_hetero, kv_layout=a.kv_layout,
+                  shm_dir=a.shm_dir))

@@ -167,6 +167,9 @@ def bench(
     kv_layout: str = typer.Option("kv_split", "--kv-layout",
                                   help="Pool layout of both engines: kv_split, blocks_first "
                                        "or cross_layer."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir",
+                                help="Directory of the shm buffers and of both daemons' pools "
+                                     "(e.g. a huge-page mount)."),
 ) -> None:
     """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
     from kvd.bench import main as bench_main
@@ -179,7 +182,8 @@ def bench(
         _fail(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
     try:
         raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
-                                    skip_hetero=skip_hetero, kv_layout=kv_layout))
+                                    skip_hetero=skip_hetero, kv_layout=kv_layout,
+                                    shm_dir=shm_dir))
     except KvdError as exc:
         _fail(str(exc))
 

@@ -1,0 +1,134 @@
+"""kvd end to end: two ``kvd serve`` processes, simulated engines, pulls timed at the client.
+
+Throughput of a ``nbytes`` request per scenario (random and consecutive block ids,
+checked byte for byte) and the latency of 1-block pulls.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.bench.geometry import DEFAULT_SHM_DIR, Geometry, Scenario, _gbps, _ms, _pct
+from kvd.bench.raw import _fill_pattern
+from kvd.sim import _blocks_view, layout_spec
+
+
+def _zero_blocks(kvs: list[np.ndarray], geom: Geometry, block_ids: list[int]) -> None:
+    for kv in kvs:
+        view = _blocks_view(kv, geom.kv_layout, geom.head_layout)
+        for b in block_ids:
+            view[b] = 0
+
+
+def _check_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids: list[int],
+                  d_ids: list[int]) -> bool:
+    """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (any layout)."""
+    pview = _blocks_view(pkv, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
+    for t, dkv in enumerate(dkvs):
+        dview = _blocks_view(dkv, geom.kv_layout, geom.head_layout)
+        h = dview.shape[4]
+        for i in range(0, len(p_ids), 64):  # a few blocks at a time: no 512 MiB temporaries
+            want = pview[p_ids[i:i + 64]][:, :, :, :, t * h:(t + 1) * h]
+            if not np.array_equal(dview[d_ids[i:i + 64]], want):
+                return False
+    return True
+
+
+def _one_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: list[int],
+              d_ids: list[int]) -> tuple[float, float, Any]:
+    """publish -> pull -> done_recving; returns (publish..done s, pull..done s, event)."""
+    t0 = time.perf_counter()
+    pc.publish("prefill", rid, p_ids)
+    t1 = time.perf_counter()
+    dc.pull(deng, rid, "prefill", prefill_addr, p_ids, d_ids)
+    ev = dc.wait(deng, rid, "done_recving", timeout_s=60)
+    t2 = time.perf_counter()
+    if not ev.ok:
+        raise RuntimeError(f"pull {rid} failed: {ev.error}")
+    sent = pc.wait("prefill", rid, "done_sending", timeout_s=10)
+    if not sent.ok:
+        raise RuntimeError(f"producer did not release {rid}: {sent.error}")
+    return t2 - t0, t2 - t1, ev
+
+
+def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_blocks: int,
+              p_ids: list[int], d_ids: list[int], repeats: int, latency_pulls: int,
+              log_dir: Path, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    from kvd.localcluster import DaemonProcess
+
+    model = geom.model()
+    out: dict[str, Any] = {"scenarios": {}}
+    pools = ["--set", f"shm_dir={shm_dir}"]
+    prefill = DaemonProcess.start("bench-prefill", log_dir, extra_args=pools)
+    decode = DaemonProcess.start("bench-decode", log_dir, extra_args=pools)
+    pc, dc = prefill.client(timeout_s=30), decode.client(timeout_s=30)
+    try:
+        pshape = geom.shape(1, pool_blocks)
+        prank = pc.register("prefill", model, layout_spec(pshape), 0, 1)
+        _fill_pattern(prank.kv.reshape(-1).view(np.uint8))
+        consecutive = list(range(blocks))
+        for scn in scenarios:
+            deng = f"decode-tp{scn.decode_tp}"
+            dshape = geom.shape(scn.decode_tp, pool_blocks)
+            dranks = [dc.register(deng, model, layout_spec(dshape), t, scn.decode_tp)
+                      for t in range(scn.decode_tp)]
+            dkvs = [r.kv for r in dranks]
+            r: dict[str, Any] = {}
+            # Warm-up: handshake, NIXL connection, page faults on both sides.
+            t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-warm", p_ids,
+                                 d_ids)
+            r["warmup_ms"] = _ms(t)
+            r["verified_warmup"] = _check_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
+            totals, daemon = [], []
+            for i in range(repeats):
+                t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
+                                     d_ids)
+                totals.append(t)
+                daemon.append(ev.duration_s)
+            r["nbytes"] = ev.nbytes
+            r["kvd_ms"] = [_ms(x) for x in totals]
+            r["kvd_gbps"] = _gbps(ev.nbytes, statistics.median(totals))
+            r["kvd_daemon_gbps"] = _gbps(ev.nbytes, statistics.median(daemon))
+            # Consecutive blocks on both sides: kvd's best case (descriptors merge).
+            _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-cwarm", consecutive,
+                      consecutive)
+            ctimes = [_one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-c{i}",
+                                consecutive, consecutive)[0] for i in range(repeats)]
+            r["kvd_gbps_consecutive"] = _gbps(ev.nbytes, statistics.median(ctimes))
+            # Final check: zero the destination, pull once more, compare.
+            _zero_blocks(dkvs, geom, d_ids)
+            _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-check", p_ids, d_ids)
+            r["verified"] = r["verified_warmup"] and _check_blocks(prank.kv, dkvs, geom, p_ids,
+                                                                   d_ids)
+            out["scenarios"][scn.name] = r
+            if scn.decode_tp == 1 and latency_pulls > 0:
+                out["latency"] = _latency(pc, dc, prefill.peer_address, deng, p_ids[:1],
+                                          d_ids[:1], latency_pulls)
+            for h in dranks:
+                dc.deregister(h)
+        return out
+    finally:
+        pc.close()
+        dc.close()
+        prefill.stop()
+        decode.stop()
+
+
+def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
+             d_ids: list[int], pulls: int) -> dict[str, Any]:
+    for i in range(max(10, pulls // 10)):
+        _one_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids)
+    pull_s, total_s = [], []
+    for i in range(pulls):
+        total, pull, ev = _one_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids)
+        pull_s.append(pull)
+        total_s.append(total)
+    return {"pull_1block_p50_ms": _ms(_pct(pull_s, 50)),
+            "pull_1block_p99_ms": _ms(_pct(pull_s, 99)),
+            "pull_1block_with_publish_p50_ms": _ms(_pct(total_s, 50)),
+            "pull_1block_nbytes": ev.nbytes, "pull_1block_samples": pulls}

@@ -1,0 +1,111 @@
+"""Bench geometry (a Llama-3-8B-like cache), scenarios, targets and small stats helpers.
+
+Also the descriptors kvd builds for one pull of a scenario, so that raw NIXL can be
+timed moving exactly the same ones (``kvd_descriptors``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvd.protocol import ModelSpec
+from kvd.sim import EngineShape, layout_spec
+
+MiB = 1 << 20
+TARGET_RATIO_KVD_MEMCPY = 0.7
+TARGET_P50_MS = 2.0
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    block_size_tokens: int = 16
+    kv_layout: str = "kv_split"
+    head_layout: str = "HND"
+
+    def model(self) -> ModelSpec:
+        return ModelSpec(name="bench-model", num_kv_heads=self.kv_heads, num_layers=self.layers,
+                         head_dim=self.head_dim, dtype=self.dtype, mla=False)
+
+    @property
+    def token_nbytes(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.token_nbytes * self.block_size_tokens
+
+    def shape(self, tp: int, num_blocks: int) -> EngineShape:
+        return EngineShape(tp, 1, self.block_size_tokens, num_blocks=num_blocks,
+                           kv_layout=self.kv_layout, head_layout=self.head_layout)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "dtype": self.dtype, "block_size_tokens": self.block_size_tokens,
+                "kv_layout": self.kv_layout, "head_layout": self.head_layout,
+                "token_nbytes": self.token_nbytes, "block_nbytes": self.block_nbytes}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    prefill_tp: int
+    decode_tp: int
+
+
+HOMOGENEOUS = Scenario("homogeneous", 1, 1)
+HETERO = Scenario("hetero", 1, 2)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else 0.0
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(np.ceil(q / 100 * len(s))) - 1))
+    return s[k]
+
+
+def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,
+                    p_ids: list[int], d_ids: list[int]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """The descriptors kvd builds for one pull, as offsets into the concatenated pools.
+
+    Returns (local offsets, remote offsets, sizes, local bytes, remote bytes): local
+    offsets index the decode ranks' pools laid end to end, remote ones the prefill's.
+    """
+    from kvd.daemon.engines import geometry, parallelism, rank_layout
+    from kvd.planner import RankId, build_read_descriptors, plan_transfer
+    from kvd.planner.blocks import match_blocks
+
+    model = geom.model()
+    lspec = layout_spec(geom.shape(scn.decode_tp, d_blocks))
+    rspec = layout_spec(geom.shape(scn.prefill_tp, p_blocks))
+    lpar, rpar = parallelism(scn.decode_tp, 1, None), parallelism(scn.prefill_tp, 1, None)
+    plan = plan_transfer(geometry(model), rpar, lpar)
+    lcache, lfirst = rank_layout(model, lspec, lpar, 0)
+    rcache, rfirst = rank_layout(model, rspec, rpar, 0)
+    local_ids, remote_ids = match_blocks(d_ids, p_ids, geom.block_size_tokens,
+                                         geom.block_size_tokens)
+    lo, ro, nb = [], [], []
+    for t in range(scn.decode_tp):
+        for read in plan.reads_for(RankId(t, 0)):
+            d = build_read_descriptors(read, lcache, lfirst, rcache, rfirst, local_ids, remote_ids)
+            lo.append(d.local_offsets + t * lcache.total_nbytes)
+            ro.append(d.remote_offsets + read.remote.tp_rank * rcache.total_nbytes)
+            nb.append(d.nbytes)
+    return (np.concatenate(lo), np.concatenate(ro), np.concatenate(nb),
+            scn.decode_tp * lcache.total_nbytes, scn.prefill_tp * rcache.total_nbytes)

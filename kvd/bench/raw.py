@@ -1,0 +1,202 @@
+"""The ceilings: memcpy in this process and raw NIXL READ between two spawned processes.
+
+Both run on numpy heap memory ("anon") and on shm pools allocated exactly like kvd's
+("shm", in ``shm_dir``), so that kvd can be compared like for like.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvd.bench.geometry import DEFAULT_SHM_DIR, _gbps
+
+MEMORY_KINDS = ("anon", "shm")
+
+# (name, memory kind, local offsets, remote offsets, sizes)
+DescSet = tuple[str, str, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _alloc(kind: str, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> tuple[np.ndarray, Any]:
+    """anon: numpy heap memory (numpy asks for transparent huge pages on big arrays);
+    shm: a shared-memory pool in ``shm_dir`` exactly like the ones kvd allocates (4 KiB
+    pages unless that directory is a huge-page mount). Unlinked at once: nothing can leak."""
+    if kind == "anon":
+        return np.empty(nbytes, dtype=np.uint8), None
+    from kvd.pool import ShmPool
+
+    pool = ShmPool.create("kvd-bench", nbytes, shm_dir)
+    os.unlink(pool.directory / pool.name)
+    return pool.array, pool
+
+
+# ------------------------------------------------------------------ memcpy
+
+
+def _copy_times(src: np.ndarray, dst: np.ndarray, repeats: int) -> list[float]:
+    src.fill(1)  # pre-fault both buffers
+    dst.fill(0)
+    np.copyto(dst, src)  # warm
+    times = []
+    for _ in range(max(repeats, 3)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, float]:
+    """Heap-to-heap (numpy asks for huge pages) and shm-to-shm (the pools kvd uses)."""
+    times = _copy_times(np.empty(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8),
+                        repeats)
+    src, src_pool = _alloc("shm", nbytes, shm_dir)
+    dst, dst_pool = _alloc("shm", nbytes, shm_dir)
+    shm_times = _copy_times(src, dst, repeats)
+    del src, dst
+    src_pool.close()
+    dst_pool.close()
+    return {"memcpy_gbps": _gbps(nbytes, statistics.median(times)),
+            "memcpy_gbps_best": _gbps(nbytes, min(times)),
+            "memcpy_gbps_shm": _gbps(nbytes, statistics.median(shm_times))}
+
+
+# ------------------------------------------------------------------ raw NIXL
+
+
+def _fill_pattern(buf: np.ndarray) -> None:
+    """Unique 8-byte words (offset / 8), written in chunks to avoid a big temporary."""
+    words = buf.view(np.uint64)
+    step = 1 << 20
+    for i in range(0, words.size, step):
+        n = min(step, words.size - i)
+        words[i:i + n] = np.arange(i, i + n, dtype=np.uint64)
+
+
+def _check_pattern(buf: np.ndarray) -> bool:
+    words = buf.view(np.uint64)
+    step = 1 << 20
+    for i in range(0, words.size, step):
+        n = min(step, words.size - i)
+        if not np.array_equal(words[i:i + n], np.arange(i, i + n, dtype=np.uint64)):
+            return False
+    return True
+
+
+def _new_agent(name: str) -> Any:
+    import logging
+
+    from kvd.transport.nixl import import_nixl
+
+    api = import_nixl()
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
+                                                      backends=["UCX"]))
+
+
+def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str) -> None:
+    """Spawned: owns the source buffers and polls notifications until told to stop."""
+    agent = _new_agent(f"bench-target-{os.getpid()}")
+    bases, keep = {}, []
+    for kind in MEMORY_KINDS:
+        buf, owner = _alloc(kind, nbytes, shm_dir)
+        _fill_pattern(buf)  # also pre-faults
+        agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+        bases[kind] = int(buf.ctypes.data)
+        keep.append((buf, owner))
+    conn.send((bytes(agent.get_agent_metadata()), bases))
+    notifs = 0
+    while not stop.is_set():
+        for _ in range(256):
+            for msgs in agent.get_new_notifs().values():
+                notifs += len(msgs)
+    conn.send(notifs)
+
+
+def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes: int,
+                    sets: list[DescSet], repeats: int, check_set: str, shm_dir: str) -> None:
+    """Spawned: READs each descriptor set (1 warm-up + repeats) and reports seconds.
+
+    A set is (name, memory kind, local offsets, remote offsets, sizes); timed from
+    building the transfer (descriptors, initialize_xfer) to DONE, like kvd's post.
+    """
+    agent = _new_agent(f"bench-initiator-{os.getpid()}")
+    bufs, keep = {}, []
+    for kind in MEMORY_KINDS:
+        buf, owner = _alloc(kind, nbytes, shm_dir)
+        buf.fill(0xFF)  # pre-fault
+        agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+        bufs[kind] = buf
+        keep.append(owner)
+    peer = agent.add_remote_agent(meta)
+    out: dict[str, Any] = {}
+    for name, kind, lo, ro, nb in sets:
+        n = len(nb)
+        buf = bufs[kind]
+        buf.fill(0xFF)
+        local = np.empty((n, 3), dtype=np.uint64)
+        remote = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = lo + int(buf.ctypes.data), nb, 0
+        remote[:, 0], remote[:, 1], remote[:, 2] = ro + remote_bases[kind], nb, 0
+        totals, posts = [], []
+        for i in range(1 + repeats):
+            t0 = time.perf_counter()
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "DRAM"), peer, b"bench")
+            state = agent.transfer(handle)
+            t1 = time.perf_counter()
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError(f"raw NIXL READ {name} failed")
+                state = agent.check_xfer_state(handle)
+            t2 = time.perf_counter()
+            agent.release_xfer_handle(handle)
+            if i == 0:
+                out[name + ":first_s"] = t2 - t0
+            else:
+                totals.append(t2 - t0)
+                posts.append(t1 - t0)
+        out[name] = totals
+        out[name + ":post"] = posts
+        if name == check_set:
+            out["verified"] = _check_pattern(buf[: int(nb.sum())])
+    conn.send(out)
+
+
+def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repeats: int,
+               check_set: str, timeout_s: float = 120.0,
+               shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    t_parent, t_child = ctx.Pipe()
+    i_parent, i_child = ctx.Pipe()
+    stop = ctx.Event()
+    target = ctx.Process(target=_nixl_target, args=(t_child, stop, remote_nbytes, shm_dir),
+                         daemon=True)
+    target.start()
+    initiator = None
+    try:
+        if not t_parent.poll(timeout_s):
+            raise RuntimeError("NIXL target process did not start")
+        meta, remote_bases = t_parent.recv()
+        initiator = ctx.Process(target=_nixl_initiator, daemon=True,
+                                args=(i_child, meta, remote_bases, local_nbytes, sets, repeats,
+                                      check_set, shm_dir))
+        initiator.start()
+        if not i_parent.poll(timeout_s):
+            raise RuntimeError("NIXL initiator did not report")
+        res = i_parent.recv()
+        stop.set()
+        res["target_notifs"] = t_parent.recv() if t_parent.poll(10) else None
+        return res
+    finally:
+        stop.set()
+        for p in (initiator, target):
+            if p is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()

@@ -1,0 +1,191 @@
+"""The bench's output: machine description, the JSON result, targets, the text table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.bench.geometry import (
+    DEFAULT_SHM_DIR,
+    TARGET_P50_MS,
+    TARGET_RATIO_KVD_MEMCPY,
+    Geometry,
+    MiB,
+    Scenario,
+    _gbps,
+    _ms,
+)
+
+
+def _mount_of(path: str) -> str | None:
+    """``fstype options`` of the mount holding ``path`` (huge pages or not), from /proc/mounts."""
+    real, best, found = os.path.realpath(path), "", None
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            mnt = parts[1]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, found = mnt, f"{parts[2]} {parts[3]}"
+    except OSError:
+        return None
+    return found
+
+
+def machine_info(shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = version("nixl-cu12")
+    except Exception:  # noqa: BLE001
+        info["nixl"] = None
+    info["ucx_tls"] = os.environ.get("UCX_TLS", "(default)")
+    info["shm_dir"] = shm_dir  # where every "shm" buffer and both daemons' pools live
+    info["shm_mount"] = _mount_of(shm_dir)
+    info["loadavg_1m_start"] = round(os.getloadavg()[0], 2)
+    return info
+
+
+def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats: int,
+                 memcpy: dict[str, float], nixl: dict[str, Any], kvd: dict[str, Any],
+                 ndesc: dict[str, int], desc_nbytes: dict[str, int],
+                 machine: dict[str, Any], logs: Path, started: float) -> dict[str, Any]:
+    """The JSON of one run from the raw measurements of each phase."""
+    nixl_best = _gbps(nbytes, statistics.median(nixl["single"]))
+    out_scn = []
+    for scn in scenarios:
+        k = kvd["scenarios"][scn.name]
+        same = statistics.median(nixl[scn.name])
+        out_scn.append({
+            "name": scn.name,
+            "prefill_tp": scn.prefill_tp,
+            "decode_tp": scn.decode_tp,
+            "nbytes": nbytes,
+            "memcpy_gbps": memcpy["memcpy_gbps"],
+            "nixl_gbps": nixl_best,
+            "kvd_gbps": k["kvd_gbps"],
+            "ratio_kvd_memcpy": round(k["kvd_gbps"] / memcpy["memcpy_gbps"], 3),
+            "ratio_kvd_nixl": round(k["kvd_gbps"] / nixl_best, 3),
+            "block_ids": "random sample (fragmented cache)",
+            "descriptors": ndesc[scn.name],
+            "descriptor_nbytes_median": desc_nbytes[scn.name],
+            "nixl_descriptors": 1,
+            "nixl_gbps_shm": _gbps(nbytes, statistics.median(nixl["single:shm"])),
+            "nixl_gbps_kvd_descriptors": _gbps(nbytes, same),
+            "nixl_gbps_kvd_descriptors_shm": _gbps(
+                nbytes, statistics.median(nixl[scn.name + ":shm"])),
+            "nixl_post_ms_kvd_descriptors": _ms(statistics.median(nixl[scn.name + ":post"])),
+            # kvd against raw NIXL moving the same descriptors on the same kind of memory:
+            # what kvd itself costs (the rest is NIXL/UCX and 4 KiB shm pages).
+            "ratio_kvd_nixl_same_descriptors_shm": round(
+                k["kvd_gbps"] / _gbps(nbytes, statistics.median(nixl[scn.name + ":shm"])), 3),
+            "kvd_gbps_daemon": k["kvd_daemon_gbps"],
+            "kvd_gbps_consecutive": k["kvd_gbps_consecutive"],
+            "descriptors_consecutive": ndesc[scn.name + ":consecutive"],
+            "memcpy_gbps_best": memcpy["memcpy_gbps_best"],
+            # Same copy between two shm pools (4 KiB pages, like kvd's): the memory kind
+            # kvd actually moves, for a like-for-like ceiling.
+            "memcpy_gbps_shm": memcpy["memcpy_gbps_shm"],
+            "ratio_kvd_memcpy_shm": round(k["kvd_gbps"] / memcpy["memcpy_gbps_shm"], 3),
+            "kvd_ms": k["kvd_ms"],
+            "nixl_ms": [_ms(x) for x in nixl["single"]],
+            "nixl_ms_kvd_descriptors": [_ms(x) for x in nixl[scn.name]],
+            "kvd_warmup_ms": k["warmup_ms"],
+            "verified": k["verified"],
+        })
+    lat = kvd.get("latency", {})
+    result: dict[str, Any] = {
+        "scenarios": out_scn,
+        "pull_1block_p50_ms": lat.get("pull_1block_p50_ms"),
+        "pull_1block_p99_ms": lat.get("pull_1block_p99_ms"),
+        "pull_1block_with_publish_p50_ms": lat.get("pull_1block_with_publish_p50_ms"),
+        "pull_1block_nbytes": lat.get("pull_1block_nbytes"),
+        "pull_1block_samples": lat.get("pull_1block_samples"),
+        "geometry": geom.to_json(),
+        "repeats": repeats,
+        "targets": {"ratio_kvd_memcpy_min": TARGET_RATIO_KVD_MEMCPY,
+                    "pull_1block_p50_ms_max": TARGET_P50_MS},
+        "machine": machine,
+        "logs": str(logs),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    # Other processes on the box distort everything here (2 cores): say how busy it was.
+    result["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    homog = out_scn[0]
+    result["targets"]["met"] = {
+        "ratio_kvd_memcpy": homog["ratio_kvd_memcpy"] >= TARGET_RATIO_KVD_MEMCPY,
+        "pull_1block_p50_ms": (result["pull_1block_p50_ms"] is not None
+                               and result["pull_1block_p50_ms"] <= TARGET_P50_MS),
+    }
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    cols = [("scenario", "name", "{}"), ("MiB", "nbytes", "{:.0f}"),
+            ("memcpy", "memcpy_gbps", "{:.2f}"), ("memcpy shm", "memcpy_gbps_shm", "{:.2f}"),
+            ("nixl", "nixl_gbps", "{:.2f}"),
+            ("nixl shm", "nixl_gbps_shm", "{:.2f}"),
+            ("nixl kvd-descs", "nixl_gbps_kvd_descriptors", "{:.2f}"),
+            ("nixl kvd-descs shm", "nixl_gbps_kvd_descriptors_shm", "{:.2f}"),
+            ("kvd", "kvd_gbps", "{:.2f}"), ("kvd/memcpy", "ratio_kvd_memcpy", "{:.2f}"),
+            ("kvd consec.", "kvd_gbps_consecutive", "{:.2f}"), ("descs", "descriptors", "{}")]
+    rows = [[c[0] for c in cols]]
+    for s in result["scenarios"]:
+        row = []
+        for _, key, fmt in cols:
+            v = s[key] / MiB if key == "nbytes" else s[key]
+            row.append(fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    m = result["machine"]
+    g = result["geometry"]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        "GB/s, medians of "
+        f"{result['repeats']}. nixl: one descriptor; kvd-descs: the descriptors kvd posts; "
+        f"shm: on {m.get('shm_dir', DEFAULT_SHM_DIR)} pools like kvd's (else numpy heap "
+        "memory, huge pages)",
+        "kvd: publish -> pull -> done_recving at the client, random block ids "
+        "(consec.: consecutive ids, kvd's best case)",
+        f"1-block pull ({(result['pull_1block_nbytes'] or 0) / MiB:.1f} MiB): "
+        f"p50 {result['pull_1block_p50_ms']} ms, p99 {result['pull_1block_p99_ms']} ms "
+        f"over {result['pull_1block_samples']} pulls",
+        f"geometry: {g['layers']} layers, {g['kv_heads']} KV heads, head_dim {g['head_dim']}, "
+        f"{g['dtype']}, {g['block_size_tokens']}-token blocks ({g['token_nbytes'] // 1024} "
+        f"KiB/token), kv_layout {g['kv_layout']} {g['head_layout']}",
+        f"machine: {m.get('cores')} cores, {m.get('mem_gib')} GiB, {m.get('cpu', '?')}, "
+        f"nixl {m.get('nixl')}",
+        f"targets: kvd >= {TARGET_RATIO_KVD_MEMCPY}x memcpy: "
+        f"{'met' if result['targets']['met']['ratio_kvd_memcpy'] else 'MISSED'}; "
+        f"1-block p50 <= {TARGET_P50_MS} ms: "
+        f"{'met' if result['targets']['met']['pull_1block_p50_ms'] else 'MISSED'}",
+        f"({result['seconds']} s; daemon logs in {result['logs']})",
+    ]
+    return "\n".join(lines)
