@@ -29,6 +29,8 @@ class LoopbackTransport:
         self._peers: set[str] = set()
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
         self.fail_next_reads = 0
+        self.hold_reads = False  # tests: READs stay in flight until this is cleared
+        self._held_copies: dict[int, tuple] = {}
         _AGENTS[self.name] = self
 
     def metadata(self) -> bytes:
@@ -75,20 +77,33 @@ class LoopbackTransport:
             self.fail_next_reads -= 1
             self._xfers[xfer_id] = False
             return xfer_id, False
-        triples = zip(local_addrs.tolist(), remote_addrs.tolist(), nbytes.tolist(), strict=True)
-        for dst, src, n in triples:
-            ctypes.memmove(dst, src, n)
+        copy = (remote, local_addrs.tolist(), remote_addrs.tolist(), nbytes.tolist(), notif)
+        if self.hold_reads:  # a slow READ: it completes on a poll once hold_reads is off
+            self._held_copies[xfer_id] = copy
+            self._xfers[xfer_id] = True
+            return xfer_id, False
+        self._copy(*copy)
         self._xfers[xfer_id] = True
-        remote._inbox[self.name].append(notif)
         return xfer_id, True
+
+    def _copy(self, remote: LoopbackTransport, dsts: list[int], srcs: list[int],
+              sizes: list[int], notif: bytes) -> None:
+        for dst, src, n in zip(dsts, srcs, sizes, strict=True):
+            ctypes.memmove(dst, src, n)
+        remote._inbox[self.name].append(notif)
 
     def poll(self, xfer_id: int) -> bool:
         if not self._xfers[xfer_id]:
             raise TransferError("injected transfer failure")
+        if xfer_id in self._held_copies:
+            if self.hold_reads:
+                return False
+            self._copy(*self._held_copies.pop(xfer_id))
         return True
 
     def release(self, xfer_id: int) -> None:
         self._xfers.pop(xfer_id, None)
+        self._held_copies.pop(xfer_id, None)  # aborted: the copy never happens
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out = [(peer, m) for peer, msgs in self._inbox.items() for m in msgs]

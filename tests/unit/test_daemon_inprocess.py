@@ -35,22 +35,25 @@ class FakeClock:
         return self.t
 
 
-def config(prefix: str) -> Config:
+def config(prefix: str, **overrides: float) -> Config:
+    settings = {"lease_s": 5.0, "heartbeat_interval_s": 1.0, "handshake_timeout_s": 2.0,
+                **overrides}
     return Config(engine_address=f"tcp://127.0.0.1:{free_port()}",
                   peer_address=f"tcp://127.0.0.1:{free_port()}", metrics_port=0,
-                  shm_prefix=prefix, lease_s=5.0, heartbeat_interval_s=1.0,
-                  handshake_timeout_s=2.0)
+                  shm_prefix=prefix, **settings)
 
 
 def sample(d: Daemon, name: str) -> float:
     return d.metrics.registry.get_sample_value(name) or 0.0
 
 
-async def with_daemons(body: Callable[..., Awaitable[None]]) -> None:
+async def with_daemons(body: Callable[..., Awaitable[None]], **overrides: float) -> None:
     clock = FakeClock()
     prefix = f"kvd-unit-{uuid.uuid4().hex[:8]}"
-    prefill = Daemon(config(prefix), transport_factory=LoopbackTransport, clock=clock)
-    decode = Daemon(config(prefix), transport_factory=LoopbackTransport, clock=clock)
+    prefill = Daemon(config(prefix, **overrides), transport_factory=LoopbackTransport,
+                     clock=clock)
+    decode = Daemon(config(prefix, **overrides), transport_factory=LoopbackTransport,
+                    clock=clock)
     await prefill.start()
     await decode.start()
     pc = AsyncKvdClient(prefill.cfg.engine_address, timeout_s=5)
@@ -159,3 +162,61 @@ def test_injected_read_failure_invalidates_every_local_block() -> None:
         assert (await pc.status()).held == []
 
     asyncio.run(with_daemons(body))
+
+
+def test_heartbeats_keep_a_slow_pull_alive_past_its_lease() -> None:
+    """The consumer renews the lease while its READ runs; the producer never expires it."""
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        p = await register(pc, "pre")
+        d = await register(dc, "dec")
+        g = global_kv(MODEL, 32)
+        write_shard(p.kv, g, MODEL, SHAPE, 0, 0, [1, 2])
+        await pc.publish("pre", "r1", [1, 2])  # lease 5 s on the fake clock
+        decode.datapath.transport.hold_reads = True
+        await dc.pull("dec", "r1", "pre", prefill.cfg.peer_address, [1, 2], [5, 6])
+        for _ in range(50):  # until the READ is posted and in flight
+            if [j["state"] for j in (await dc.status()).pulls] == ["reading"]:
+                break
+            await asyncio.sleep(0.02)
+        for _ in range(5):  # 20 s of fake time, 4 s per heartbeat period
+            clock.t += 4.0
+            await asyncio.sleep(0.35)  # > heartbeat_interval_s of real time
+            assert [h["state"] for h in (await pc.status()).held] == ["reading"], \
+                "the lease expired although the consumer kept heartbeating"
+        decode.datapath.transport.hold_reads = False
+        recv = await wait_event(dc, "dec", "r1", "done_recving")
+        assert recv.ok, recv.error
+        assert check_shard(d.kv, g, MODEL, SHAPE, 0, 0, [5, 6]) == 0
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert sent.ok
+        assert sample(prefill, "kvd_leases_expired_total") == 0
+
+    asyncio.run(with_daemons(body, heartbeat_interval_s=0.2))
+
+
+def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
+    """No heartbeats (consumer daemon stopped mid-read): the producer's lease ends the hold."""
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        await register(pc, "pre")
+        await register(dc, "dec")
+        await pc.publish("pre", "r1", [1, 2])
+
+        async def silent(*_: object) -> None:  # a consumer that went away says nothing
+            return None
+
+        decode.consumer._heartbeat = silent
+        decode.consumer._abandon = silent
+        decode.datapath.transport.hold_reads = True
+        await dc.pull("dec", "r1", "pre", prefill.cfg.peer_address, [1, 2], [5, 6])
+        for _ in range(50):
+            if [h["state"] for h in (await pc.status()).held] == ["reading"]:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # heartbeat periods pass in real time: nothing renews
+        assert [h["state"] for h in (await pc.status()).held] == ["reading"]
+        clock.t += 5.5
+        sent = await wait_event(pc, "pre", "r1", "done_sending")
+        assert not sent.ok and sent.error.startswith("lease expired")
+        assert sample(prefill, "kvd_leases_expired_total") == 1
+
+    asyncio.run(with_daemons(body, heartbeat_interval_s=0.2))
