@@ -343,7 +343,7 @@ def decode_notice(raw: bytes) -> ReadNotice:
 
 def schema() -> dict[str, Any]:
     """JSON Schema of every message, the language-neutral form kept in proto/."""
-    (defs_refs, components) = msgspec.json.schema_components(
+    _, components = msgspec.json.schema_components(
         (Header, ReadNotice, *ALL_MESSAGES), ref_template="#/$defs/{name}"
     )
     return {

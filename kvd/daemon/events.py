@@ -7,11 +7,14 @@ never lost because no poll happened to be waiting.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd import protocol as P
+
+log = logging.getLogger("kvd.events")
 
 MAX_EVENTS_PER_ENGINE = 100_000
 
@@ -36,8 +39,10 @@ class EventHub:
     def push(self, engine_id: str, event: P.Event) -> None:
         q = self.queues.setdefault(engine_id, deque())
         if len(q) >= MAX_EVENTS_PER_ENGINE:
-            q.popleft()
+            lost = q.popleft()
             self.dropped += 1
+            log.warning("engine %s does not poll its events: dropped the oldest (%s %s)",
+                        engine_id, lost.kind, lost.request_id, extra={"engine_id": engine_id})
         q.append(event)
         self._deliver(engine_id)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +98,6 @@ class RemoteEngine:
     ranks: dict[RankId, RemoteRank]
     daemons: dict[str, str]  # peer address -> agent name
     epochs: dict[str, int] = field(default_factory=dict)  # peer address -> engine epoch
-    handshake_s: float = 0.0
 
 
 class PeerTable:
@@ -169,9 +167,7 @@ class PeerTable:
                                    address: str, hello: Callable[[], Awaitable[P.Hello]],
                                    load_agent: Callable[[bytes, str], Awaitable[str]]
                                    ) -> RemoteEngine:
-        start = time.monotonic()
         remote = await self._handshake(remote_engine, address, hello, load_agent)
-        remote.handshake_s = time.monotonic() - start
         self.remotes[key] = remote
         return remote
 

@@ -128,9 +128,6 @@ class Daemon:
             await asyncio.sleep(0.05)
         self._stopped.set()
 
-    def request_stop(self) -> None:
-        self._stopped.set()
-
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 

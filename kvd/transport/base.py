@@ -8,7 +8,7 @@ implementations need no locking.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -21,7 +21,6 @@ class TransportCounts:
     registrations: int = 0
     transfers: int = 0
     peers: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
