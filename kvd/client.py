@@ -225,7 +225,8 @@ class AsyncKvdClient:
     """asyncio client for engines that run an event loop (one call in flight per id)."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 10.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, ping_interval_s: float = 5.0,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self.token = default_token() if token is None else token
@@ -234,6 +235,10 @@ class AsyncKvdClient:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
+        self._ranks: list[RankHandle] = []
+        self._ping_interval_s = ping_interval_s
+        self._on_lost = on_lost
+        self._pinger: asyncio.Task | None = None
 
     async def _read(self) -> None:
         while True:
@@ -268,11 +273,30 @@ class AsyncKvdClient:
                        engine_daemons: Sequence[str] = ()) -> RankHandle:
         msg = _register_msg(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
                             layer_partition, engine_daemons)
-        return _handle(msg, await self.call(msg))
+        handle = _handle(msg, await self.call(msg))
+        self._ranks.append(handle)
+        if self._pinger is None and self._ping_interval_s > 0:
+            self._pinger = asyncio.get_running_loop().create_task(self._ping_loop())
+        return handle
 
-    async def ping(self, handle: RankHandle) -> None:
-        await self.call(P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
-                               pp_rank=handle.pp_rank))
+    async def _ping_loop(self) -> None:
+        """Keep registered ranks alive (engine_timeout_s), like the sync client's thread."""
+        while True:
+            await asyncio.sleep(self._ping_interval_s)
+            for r in list(self._ranks):
+                try:
+                    await self.call(P.Ping(engine_id=r.engine_id, tp_rank=r.tp_rank,
+                                           pp_rank=r.pp_rank))
+                except KvdError as exc:
+                    if self._on_lost is not None:
+                        self._on_lost(str(exc))
+
+    async def deregister(self, handle: RankHandle) -> None:
+        await self.call(P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
+                                     pp_rank=handle.pp_rank))
+        if handle in self._ranks:
+            self._ranks.remove(handle)
+        handle.pool.close()
 
     async def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
                       lease_s: float | None = None, consumers: int = 1) -> None:
@@ -297,6 +321,11 @@ class AsyncKvdClient:
         return await self.call(P.StatusQuery())
 
     def close(self) -> None:
+        if self._pinger is not None:
+            self._pinger.cancel()
+        for r in self._ranks:
+            r.pool.close()
+        self._ranks.clear()
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(0)

@@ -220,3 +220,26 @@ def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
         assert sample(prefill, "kvd_leases_expired_total") == 1
 
     asyncio.run(with_daemons(body, heartbeat_interval_s=0.2))
+
+
+def test_async_client_pings_and_hears_a_lost_registration() -> None:
+    async def body(prefill, decode, pc, dc, clock) -> None:
+        lost: list[str] = []
+        client = AsyncKvdClient(prefill.cfg.engine_address, timeout_s=5, ping_interval_s=0.05,
+                                on_lost=lost.append)
+        try:
+            await register(client, "pinged")
+            await asyncio.sleep(0.3)
+            clock.t += prefill.cfg.engine_timeout_s - 1  # pings kept it alive on our clock
+            await asyncio.sleep(0.2)
+            assert [e["engine_id"] for e in (await client.status()).engines] == ["pinged"]
+            prefill.engines.mark_gone("pinged", prefill.engines.get("pinged").live_ranks()[0].rank)
+            for _ in range(40):
+                if lost:
+                    break
+                await asyncio.sleep(0.05)
+            assert lost and "not registered" in lost[0]
+        finally:
+            client.close()
+
+    asyncio.run(with_daemons(body))
