@@ -83,23 +83,31 @@ def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-class KvdClient:
+class _ClientSettings:
+    """What both clients share: where the daemon is, how long to wait, how to stay alive."""
+
+    def __init__(self, address: str | None, timeout_s: float, token: str | None,
+                 ping_interval_s: float, on_lost: Callable[[str], None] | None) -> None:
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self.token = default_token() if token is None else token
+        self._ids = itertools.count(1)
+        self._ranks: list[RankHandle] = []
+        self._ping_interval_s = ping_interval_s
+        self._on_lost = on_lost
+
+
+class KvdClient(_ClientSettings):
     """Blocking client; safe to share between threads (calls are serialized)."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 10.0,
                  token: str | None = None, ping_interval_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None) -> None:
-        self.address = address or default_address()
-        self.timeout_s = timeout_s
-        self.token = default_token() if token is None else token
+        super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, self.address)
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._ranks: list[RankHandle] = []
-        self._on_lost = on_lost
         self._stop = threading.Event()
-        self._ping_interval_s = ping_interval_s
         self._pinger: threading.Thread | None = None
         self._stash: dict[str, list[P.Event]] = {}
 
@@ -221,23 +229,17 @@ class KvdClient:
         self.close()
 
 
-class AsyncKvdClient:
+class AsyncKvdClient(_ClientSettings):
     """asyncio client for engines that run an event loop (one call in flight per id)."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 10.0,
                  token: str | None = None, ping_interval_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None) -> None:
-        self.address = address or default_address()
-        self.timeout_s = timeout_s
-        self.token = default_token() if token is None else token
+        super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.asyncio.Context()
         self._sock = _socket(self._ctx, self.address)
-        self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
-        self._ranks: list[RankHandle] = []
-        self._ping_interval_s = ping_interval_s
-        self._on_lost = on_lost
         self._pinger: asyncio.Task | None = None
 
     async def _read(self) -> None:
