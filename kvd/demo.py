@@ -50,31 +50,39 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
                    for p in range(decode_pp) for t in range(decode_tp)]
         for r in p_ranks:
             write_shard(r.kv, g, model, pshape, r.tp_rank, r.pp_rank, p_ids)
-        pc.publish("prefill-0", "req-1", p_ids)
-        t0 = time.perf_counter()
-        dc.pull("decode-0", "req-1", "prefill-0", prefill.peer_address, p_ids, d_ids)
-        ev = dc.wait("decode-0", "req-1", "done_recving", timeout_s=60)
-        elapsed_s = time.perf_counter() - t0
-        sent = pc.wait("prefill-0", "req-1", "done_sending", timeout_s=10)
-        if not ev.ok:
-            print(f"FAILED: pull did not complete: {ev.error}")
-            return 1
-        bad = sum(check_shard(r.kv, g, model, dshape, r.tp_rank, r.pp_rank, d_ids)
-                  for r in d_ranks)
-        result = {
-            "ok": bad == 0 and sent.ok,
-            "mismatched_elements": bad,
-            "nbytes": ev.nbytes,
-            "seconds": round(elapsed_s, 4),
-            "gbps": round(ev.nbytes / elapsed_s / 1e9, 2),
-            "daemon_seconds": round(ev.duration_s, 4),
-            "producer_released": sent.ok,
-        }
-        print(json.dumps(result))
-        if result["ok"]:
-            print(f"OK: {ev.nbytes / 2**20:.1f} MiB pulled from prefill TP{prefill_tp} "
-                  f"to decode TP{decode_tp} in {elapsed_s * 1e3:.1f} ms "
-                  f"({result['gbps']} GB/s end to end), byte-exact")
+        # Two pulls: the first pays the handshake, NIXL connection setup and first-touch
+        # page faults; the second is the steady state. Both are checked byte for byte.
+        runs = []
+        for rid in ("req-1", "req-2"):
+            for r in d_ranks:
+                r.kv.fill(0)
+            pc.publish("prefill-0", rid, p_ids)
+            t0 = time.perf_counter()
+            dc.pull("decode-0", rid, "prefill-0", prefill.peer_address, p_ids, d_ids)
+            ev = dc.wait("decode-0", rid, "done_recving", timeout_s=60)
+            elapsed_s = time.perf_counter() - t0
+            sent = pc.wait("prefill-0", rid, "done_sending", timeout_s=10)
+            if not ev.ok:
+                print(f"FAILED: pull {rid} did not complete: {ev.error}")
+                return 1
+            bad = sum(check_shard(r.kv, g, model, dshape, r.tp_rank, r.pp_rank, d_ids)
+                      for r in d_ranks)
+            runs.append({
+                "request": rid,
+                "ok": bad == 0 and sent.ok,
+                "mismatched_elements": bad,
+                "nbytes": ev.nbytes,
+                "seconds": round(elapsed_s, 4),
+                "gbps": round(ev.nbytes / elapsed_s / 1e9, 2),
+                "producer_released": sent.ok,
+            })
+            print(json.dumps(runs[-1]))
+        if all(r["ok"] for r in runs):
+            cold, warm = runs
+            print(f"OK: {cold['nbytes'] / 2**20:.1f} MiB pulled from prefill TP{prefill_tp}xPP"
+                  f"{prefill_pp} to decode TP{decode_tp}xPP{decode_pp}, byte-exact: first pull "
+                  f"{cold['seconds'] * 1e3:.1f} ms incl. handshake ({cold['gbps']} GB/s), "
+                  f"second {warm['seconds'] * 1e3:.1f} ms ({warm['gbps']} GB/s) end to end")
             return 0
         print("FAILED: decode pools differ from the expected shards")
         return 1
