@@ -1,7 +1,7 @@
 """Transfer benchmark: memcpy vs raw NIXL READ vs kvd end to end; see benchmarks/README.md.
 
 Run: .venv/bin/python benchmarks/bench_transfer.py [--json] [--nbytes-mib 512] [--repeats 5]
-     [--skip-hetero] [--kv-layout cross_layer] [--shm-dir /dev/shm]   (same as `kvd bench`)
+     [--skip-hetero] [--kv-layout head_major] [--shm-dir /dev/shm]   (same as `kvd bench`)
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from kvd.bench import main
+from kvd.planner.layout import KV_LAYOUTS
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -18,7 +19,7 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-hetero", action="store_true")
     ap.add_argument("--kv-layout", default="kv_split",
-                    choices=["kv_split", "blocks_first", "cross_layer"])
+                    choices=list(KV_LAYOUTS))
     ap.add_argument("--shm-dir", default="/dev/shm",
                     help="directory of the shm buffers and both daemons' pools")
     a = ap.parse_args()

@@ -165,8 +165,8 @@ def bench(
     skip_hetero: bool = typer.Option(False, "--skip-hetero",
                                      help="Skip the prefill TP1 -> decode TP2 scenario."),
     kv_layout: str = typer.Option("kv_split", "--kv-layout",
-                                  help="Pool layout of both engines: kv_split, blocks_first "
-                                       "or cross_layer."),
+                                  help="Pool layout of both engines: kv_split, blocks_first, "
+                                       "cross_layer or head_major."),
     shm_dir: str = typer.Option("/dev/shm", "--shm-dir",
                                 help="Directory of the shm buffers and of both daemons' pools "
                                      "(e.g. a huge-page mount)."),

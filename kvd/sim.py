@@ -48,6 +48,8 @@ def _geom(model: ModelSpec) -> ModelGeometry:
 def _blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str) -> np.ndarray:
     """Pool as [block, layer, kv, token, head, dim] (a view, no copy)."""
     view = pool.view(np.uint16)
+    if kv_layout == "head_major":  # (nb, H, L, kv, T, D); HND is implied
+        return view.transpose(0, 2, 3, 4, 1, 5)
     if kv_layout == "cross_layer":  # (nb, L, kv, ...): already block-major
         pass
     elif kv_layout == "blocks_first":  # (L, nb, kv, ...)

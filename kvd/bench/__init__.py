@@ -33,7 +33,8 @@ bf16, 16-token blocks, HND; ``kv_layout`` kv_split by default, or any of
 ``KV_LAYOUTS``, the same on both engines) = 128 KiB per token, 2 MiB per
 block; 512 MiB is a 4096-token request. With kv_split a random-block request
 is 16,384 descriptors of 32 KiB; with cross_layer it is 256 descriptors of
-2 MiB (one per block).
+2 MiB (one per block). The hetero (TP1 -> TP2) pull is 32,768 descriptors of
+16 KiB with either; with head_major it is 256 of 1 MiB per decode rank.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ Descriptor size decides transfer speed (4 KiB descriptors move ~10x slower than
 1 MiB ones), so the output is merged: every run of chunks that is contiguous on
 both sides becomes one descriptor. Chunks are emitted in the local pool's
 memory order, which is what makes neighbours adjacent for the merge.
+
+"head_major" puts heads outermost inside a block ([block][head][layer][kv][token]
+[dim]): one decode rank's head range of a prefill block, all layers and K/V, is
+one contiguous region, so a TP1 -> TP2 pull is one descriptor per block per rank.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 from kvd.errors import LayoutError
 from kvd.planner.plan import Read
 
-KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer")
+KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer", "head_major")
 HEAD_LAYOUTS = ("HND", "NHD")
 
 
@@ -31,9 +35,12 @@ class CacheLayout:
     dtype_nbytes: int
     # "kv_split": [layer][kv][block][body]; "blocks_first": [layer][block][kv][body];
     # "cross_layer": [block][layer][kv][body] (all layers' K and V of a block contiguous;
-    # an engine's layer l tensor is the strided view pool[:, l])
+    # an engine's layer l tensor is the strided view pool[:, l]);
+    # "head_major": [block][head][layer][kv][token][head_dim] (a block's heads outermost,
+    # each head's layers and K/V contiguous; layer l is the strided view pool[:, :, l])
     kv_layout: str = "kv_split"
-    # body "HND": [head][token][head_dim]; "NHD": [token][head][head_dim]
+    # body "HND": [head][token][head_dim]; "NHD": [token][head][head_dim].
+    # head_major has no separate body (heads are above layers): it requires "HND".
     head_layout: str = "HND"
     mla: bool = False  # one latent cache per layer, i.e. kv_parts == 1
 
@@ -43,7 +50,7 @@ class CacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one kv part of one block (the body)."""
+        """Bytes of one kv part of one block (the body; strided across heads in head_major)."""
         return self.num_heads * self.block_size_tokens * self.head_dim * self.dtype_nbytes
 
     @property
@@ -53,6 +60,9 @@ class CacheLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         """Element shape of the whole pool, for a numpy/torch view."""
+        if self.kv_layout == "head_major":
+            return (self.num_blocks, self.num_heads, self.num_layers, self.kv_parts,
+                    self.block_size_tokens, self.head_dim)
         body = (self.num_heads, self.block_size_tokens, self.head_dim)
         if self.head_layout == "NHD":
             body = (self.block_size_tokens, self.num_heads, self.head_dim)
@@ -80,12 +90,23 @@ class CacheLayout:
             raise LayoutError(
                 f"unknown head_layout {self.head_layout!r}, expected one of {HEAD_LAYOUTS}"
             )
+        if self.kv_layout == "head_major" and self.head_layout != "HND":
+            raise LayoutError(
+                f"kv_layout head_major needs head_layout HND, got {self.head_layout!r}"
+            )
         if self.mla and self.num_heads != 1:
             raise LayoutError(f"MLA cache holds one latent head, got num_heads={self.num_heads}")
 
     # Byte strides of each logical axis; these are the whole layout definition.
     def strides_nbytes(self) -> dict[str, int]:
         elem = self.head_dim * self.dtype_nbytes
+        if self.kv_layout == "head_major":
+            token = elem
+            kv = self.block_size_tokens * elem
+            layer = self.kv_parts * kv
+            head = self.num_layers * layer
+            return {"layer": layer, "kv": kv, "block": self.num_heads * head, "head": head,
+                    "token": token}
         if self.head_layout == "NHD":
             head, token = elem, self.num_heads * elem
         else:
@@ -200,6 +221,7 @@ _AXIS_ORDER = {
     "kv_split": ("layer", "kv", "big", "head", "sub"),
     "blocks_first": ("layer", "big", "kv", "head", "sub"),
     "cross_layer": ("big", "layer", "kv", "head", "sub"),
+    "head_major": ("big", "head", "layer", "kv", "sub"),
 }
 
 
@@ -222,10 +244,14 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
 
     Chunks are one (layer, kv, segment) when the head range is contiguous on
     both sides (HND with equal block sizes, or whole-head NHD), else one
-    (layer, kv, segment, head); the axis order follows the local pool so that
-    the merge finds its neighbours. Both cross_layer, equal block sizes and a
-    read of all layers and heads of both ranks: one descriptor per block (or
-    per run of consecutive blocks).
+    (layer, kv, segment, head) (always when a side is head_major; both
+    head_major with equal block sizes: one (head, block) spanning the read's
+    layers and K/V); the axis order follows the local pool so that the merge
+    finds its neighbours. Both cross_layer (or both head_major), equal block
+    sizes and a read of all layers and heads of both ranks: one descriptor per
+    block (or per run of consecutive blocks). Both head_major and all layers
+    of both ranks: one descriptor per block for any head range (a TP1 -> TP2
+    pull included).
     """
     _check_pair(read, local, local_first_layer, remote, remote_first_layer)
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
@@ -243,23 +269,30 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     n_heads = read.local_heads[1] - read.local_heads[0]
     elem = local.head_dim * local.dtype_nbytes
     equal_blocks = local.block_size_tokens == remote.block_size_tokens
+    head_major = "head_major" in (local.kv_layout, remote.kv_layout)
     if local.effective_head_layout == "NHD":  # whole heads, checked: token rows are contiguous
         per_head, chunk = False, seg_tokens * local.num_heads * elem
-    elif equal_blocks:  # HND: [head][token] of a whole block, heads adjacent
+    elif equal_blocks and not head_major:  # HND: [head][token] of a whole block, heads adjacent
         per_head, chunk = False, n_heads * seg_tokens * elem
-    else:  # HND with a block-size ratio: one head's tokens at a time
+    else:  # HND with a block-size ratio, or head_major: one head's tokens at a time
         per_head, chunk = True, seg_tokens * elem
     head_idx = np.arange(n_heads if per_head else 1, dtype=np.int64)
 
     n_layers = read.layers[1] - read.layers[0]
+    # Both head_major, equal blocks: one head's layer range x K/V x tokens is one run on
+    # both sides, so make it the chunk (n_layers * kv_parts fewer chunks to merge).
+    fold = local.kv_layout == remote.kv_layout == "head_major" and equal_blocks
+    if fold:
+        chunk *= n_layers * local.kv_parts
+    n_layer_idx, n_kv_idx = (1, 1) if fold else (n_layers, local.kv_parts)
     n_big = lb.size // n_sub
     sides = []
     for s, first, blocks, tokens, heads0 in (
         (ls, local_first_layer, lb, lt, read.local_heads[0]),
         (rs, remote_first_layer, rb, rt, read.remote_heads[0]),
     ):
-        layer = (read.layers[0] - first + np.arange(n_layers, dtype=np.int64)) * s["layer"]
-        kv = np.arange(local.kv_parts, dtype=np.int64) * s["kv"]
+        layer = (read.layers[0] - first + np.arange(n_layer_idx, dtype=np.int64)) * s["layer"]
+        kv = np.arange(n_kv_idx, dtype=np.int64) * s["kv"]
         seg = (blocks * s["block"] + tokens * s["token"]).reshape(n_big, n_sub)
         head = (heads0 + head_idx) * s["head"]
         sides.append((layer, kv, seg, head))
@@ -268,7 +301,7 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     # are neighbours in the list. Any order is correct (each chunk pairs the same
     # (layer, kv, segment, head) on both sides); only the merge depends on it.
     order = _AXIS_ORDER[local.kv_layout]
-    sizes = {"layer": n_layers, "kv": local.kv_parts, "big": n_big, "head": head_idx.size,
+    sizes = {"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": head_idx.size,
              "sub": n_sub}
     full = tuple(sizes[a] for a in order)
 

@@ -56,6 +56,12 @@ CASES = {
                         shape(2, kv_layout="cross_layer"), 256, 0),
     "cross-layer-2-1": (model(), shape(2, kv_layout="cross_layer"),
                         shape(1, kv_layout="cross_layer"), 256, 0),
+    "head-major-1-2": (model(), shape(1, kv_layout="head_major"),
+                       shape(2, kv_layout="head_major"), 256, 0),
+    "head-major-2-2": (model(), shape(2, kv_layout="head_major"),
+                       shape(2, kv_layout="head_major"), 256, 0),
+    "head-major-4-2-pp2": (model(), shape(4, pp=2, kv_layout="head_major"),
+                           shape(2, kv_layout="head_major"), 256, 0),
     "nhd-homogeneous-2-2": (model(), shape(2, head_layout="NHD"), shape(2, head_layout="NHD"),
                             256, 0),
 }

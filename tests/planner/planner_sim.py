@@ -24,14 +24,17 @@ def global_kv(num_layers: int, kv_parts: int, num_tokens: int, num_heads: int,
 def fill_pool(layout: CacheLayout, kv: np.ndarray, layers: tuple[int, int],
               heads: tuple[int, int], block_ids: np.ndarray) -> np.ndarray:
     """A rank's pool holding its (layers, heads) shard of the request in block_ids."""
-    assert layout.kv_layout in ("kv_split", "blocks_first", "cross_layer"), layout.kv_layout
+    assert layout.kv_layout in ("kv_split", "blocks_first", "cross_layer", "head_major"), \
+        layout.kv_layout
     pool = np.full(layout.shape, -1, dtype=DTYPE)
     bs = layout.block_size_tokens
     num_tokens = kv.shape[2]
     for i, block in enumerate(block_ids):
         t0, t1 = i * bs, min(num_tokens, (i + 1) * bs)
         data = kv[layers[0]:layers[1], :, t0:t1, heads[0]:heads[1], :]  # [l, kv, t, h, d]
-        if layout.head_layout == "HND":
+        if layout.kv_layout == "head_major":  # pool [block, h, l, kv, t, d]
+            pool[block, :, :, :, : t1 - t0, :] = data.transpose(3, 0, 1, 2, 4)
+        elif layout.head_layout == "HND":
             data = data.transpose(0, 1, 3, 2, 4)  # [l, kv, h, t, d]
             if layout.kv_layout == "kv_split":
                 pool[:, :, block, :, : t1 - t0, :] = data

@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 
 from kvd.errors import LayoutError
-from kvd.planner import CacheLayout, RankId, Read, build_read_descriptors
+from kvd.planner import (
+    CacheLayout,
+    ModelGeometry,
+    Parallelism,
+    RankId,
+    Read,
+    build_read_descriptors,
+    heads_per_rank,
+    plan_transfer,
+    stage_layers,
+)
 
 
 def layout(**kw) -> CacheLayout:
@@ -222,3 +232,153 @@ def test_cross_layer_mixed_with_another_layout(other, cross_side):
     for lo, ro, nb in zip(desc.local_offsets, desc.remote_offsets, desc.nbytes, strict=True):
         got |= {(int(lo) + i * body, int(ro) + i * body) for i in range(int(nb) // body)}
     assert got == want
+
+
+# ---------------------------------------------------------------- head_major
+
+
+def _rank_reads(model: ModelGeometry, prefill: Parallelism, decode: Parallelism, bs: int = 16,
+                num_blocks: int = 300, head_dim: int = 128):
+    """(decode rank, read, local layout, local first layer, remote layout, remote first)."""
+    plan = plan_transfer(model, prefill, decode)
+
+    def lay(par: Parallelism, pp_rank: int) -> tuple[CacheLayout, int]:
+        l0, l1 = stage_layers(model, par, pp_rank)
+        return CacheLayout(num_layers=l1 - l0, num_blocks=num_blocks, block_size_tokens=bs,
+                           num_heads=heads_per_rank(model, par), head_dim=head_dim,
+                           dtype_nbytes=2, kv_layout="head_major", mla=model.mla), l0
+
+    for d_rank, reads in plan.reads.items():
+        for read in reads:
+            yield (d_rank, read, *lay(decode, d_rank.pp_rank),
+                   *lay(prefill, read.remote.pp_rank))
+
+
+def _head_body(lay: CacheLayout) -> int:
+    """Bytes of one head's tokens of one (layer, kv, block)."""
+    return lay.block_size_tokens * lay.head_dim * lay.dtype_nbytes
+
+
+def test_head_major_shape_and_strides():
+    lay = layout(kv_layout="head_major")
+    assert lay.shape == (64, 8, 4, 2, 16, 128)
+    assert layout(kv_layout="head_major", mla=True, num_heads=1).shape == (64, 1, 4, 1, 16, 128)
+    body = 16 * 128 * 2
+    assert lay.strides_nbytes() == {"layer": 2 * body, "kv": body, "head": 4 * 2 * body,
+                                    "block": 8 * 4 * 2 * body, "token": 128 * 2}
+    assert lay.total_nbytes == layout().total_nbytes == int(np.prod(lay.shape)) * 2
+    view = np.zeros(lay.shape, dtype=np.int16)  # the strides are those of the numpy view
+    s = lay.strides_nbytes()
+    assert view.strides[:5] == (s["block"], s["head"], s["layer"], s["kv"], s["token"])
+
+
+@pytest.mark.parametrize("kw", [{}, {"mla": True, "num_heads": 1}])
+def test_head_major_refuses_nhd_in_one_line(kw):
+    with pytest.raises(LayoutError, match="head_major needs head_layout HND") as info:
+        layout(kv_layout="head_major", head_layout="NHD", **kw).validate()
+    assert "\n" not in str(info.value)
+
+
+def test_homogeneous_head_major_read_is_one_descriptor_per_shuffled_block():
+    lay = layout(kv_layout="head_major", num_layers=32, num_blocks=300)
+    rng = np.random.default_rng(0)
+    local_ids, remote_ids = rng.permutation(300)[:200], rng.permutation(300)[:200]
+    desc = build_read_descriptors(whole(layers=(0, 32)), lay, 0, lay, 0, local_ids, remote_ids)
+    block = 32 * 2 * lay.block_nbytes
+    assert len(desc) == 200 and set(desc.nbytes.tolist()) == {block}
+    np.testing.assert_array_equal(desc.local_offsets, local_ids * block)
+    np.testing.assert_array_equal(desc.remote_offsets, remote_ids * block)
+    ids = np.arange(64)  # consecutive full pools: one descriptor
+    small = layout(kv_layout="head_major")
+    assert len(build_read_descriptors(whole(), small, 0, small, 0, ids, ids)) == 1
+
+
+@pytest.mark.parametrize(("k", "tp_p", "tp_d"), [(8, 1, 2), (8, 2, 4), (8, 1, 8), (16, 2, 4)])
+def test_head_major_hetero_tp_is_one_descriptor_per_block_per_decode_rank(k, tp_p, tp_d):
+    """TP1 -> TP2 (and friends), N shuffled blocks: N descriptors per decode rank, each its
+    heads x all layers x K/V of one block; cross_layer needs one per (layer, kv, block)."""
+    model, n = ModelGeometry(k, 32), 200
+    rng = np.random.default_rng(1)
+    local_ids, remote_ids = rng.permutation(300)[:n], rng.permutation(300)[:n]
+    per_rank: dict[RankId, int] = {}
+    for d_rank, read, lay, lfirst, rlay, rfirst in _rank_reads(model, Parallelism(tp_p),
+                                                               Parallelism(tp_d)):
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, local_ids, remote_ids)
+        heads = read.heads[1] - read.heads[0]
+        region = heads * 32 * 2 * _head_body(lay)
+        assert heads == k // tp_d
+        assert len(desc) == n and set(desc.nbytes.tolist()) == {region}
+        np.testing.assert_array_equal(desc.local_offsets, local_ids * lay.strides_nbytes()["block"])
+        rs = rlay.strides_nbytes()
+        np.testing.assert_array_equal(
+            desc.remote_offsets, remote_ids * rs["block"] + read.remote_heads[0] * rs["head"])
+        per_rank[d_rank] = per_rank.get(d_rank, 0) + len(desc)
+    assert per_rank == {RankId(t): n for t in range(tp_d)}
+
+
+def test_head_major_pp_split_is_one_descriptor_per_block_and_head_per_stage():
+    """Decode TP2 PP1 (4 layers) <- prefill TP1 PP2 (2 + 2 layers): a head's layers of one
+    stage are contiguous on both sides, but the decode's heads are 4 layers apart and the
+    prefill stage's 2 layers apart, so each (block, head) of each stage part is its own
+    descriptor (cross_layer: one per block per stage part)."""
+    model, n = ModelGeometry(8, 4), 10
+    rng = np.random.default_rng(2)
+    local_ids, remote_ids = rng.permutation(64)[:n], rng.permutation(64)[:n]
+    reads = list(_rank_reads(model, Parallelism(1, 2), Parallelism(2), num_blocks=64))
+    assert len(reads) == 2 * 2  # each decode rank reads both prefill stages
+    for _, read, lay, lfirst, rlay, rfirst in reads:
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, local_ids, remote_ids)
+        assert len(desc) == n * 4  # blocks x the decode rank's 4 heads
+        assert set(desc.nbytes.tolist()) == {2 * 2 * _head_body(lay)}  # 2 layers x K/V
+    # PP on the decode side only, equal heads: the decode stage's layers of every head
+    # are no longer adjacent on the prefill side either
+    for _, read, lay, lfirst, rlay, rfirst in _rank_reads(model, Parallelism(1),
+                                                          Parallelism(1, 2), num_blocks=64):
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, local_ids, remote_ids)
+        assert len(desc) == n * 8 and desc.total_nbytes == n * 8 * 2 * 2 * _head_body(lay)
+    # the same PP on both sides: whole stages, one descriptor per block
+    for _, read, lay, lfirst, rlay, rfirst in _rank_reads(model, Parallelism(1, 2),
+                                                          Parallelism(1, 2), num_blocks=64):
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, local_ids, remote_ids)
+        assert len(desc) == n
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 4), (4, 1), (4, 8)])
+def test_head_major_gqa_replication_reads_one_head_region_per_block(tp_p, tp_d):
+    """K=2: replicated single-head ranks on either side. Every read is one head, all
+    layers and K/V of a block: one descriptor per block per read."""
+    model, n = ModelGeometry(2, 6), 12
+    rng = np.random.default_rng(3)
+    local_ids, remote_ids = rng.permutation(40)[:n], rng.permutation(40)[:n]
+    total = 0
+    for _, read, lay, lfirst, rlay, rfirst in _rank_reads(model, Parallelism(tp_p),
+                                                          Parallelism(tp_d), num_blocks=40):
+        assert read.heads[1] - read.heads[0] == 1
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, local_ids, remote_ids)
+        assert len(desc) == n and set(desc.nbytes.tolist()) == {6 * 2 * _head_body(lay)}
+        ls, rs = lay.strides_nbytes(), rlay.strides_nbytes()
+        np.testing.assert_array_equal(
+            desc.local_offsets, local_ids * ls["block"] + read.local_heads[0] * ls["head"])
+        np.testing.assert_array_equal(
+            desc.remote_offsets, remote_ids * rs["block"] + read.remote_heads[0] * rs["head"])
+        total += len(desc)
+    assert total == n * max(tp_d, 2)  # one read per decode rank per head it holds
+
+
+def test_head_major_mixed_with_cross_layer_is_per_head_layer_kv():
+    """Mixed with cross_layer (heads innermost there), a head slice can merge nothing
+    beyond one head's (layer, kv) body per block; bytes still land right (property tests)."""
+    local = layout(kv_layout="head_major", num_heads=4)
+    remote = layout(kv_layout="cross_layer", num_heads=8)
+    read = Read(RankId(0), (4, 8), (0, 4), (4, 8), (0, 4))
+    desc = build_read_descriptors(read, local, 0, remote, 0, np.arange(3), np.arange(3))
+    assert len(desc) == 3 * 4 * 4 * 2 and set(desc.nbytes.tolist()) == {_head_body(local)}
+
+
+def test_head_major_mla_is_one_descriptor_per_block():
+    model = ModelGeometry(1, 5, mla=True)
+    ids = np.array([9, 2, 5])
+    for _, read, lay, lfirst, rlay, rfirst in _rank_reads(model, Parallelism(2),
+                                                          Parallelism(3), num_blocks=12):
+        desc = build_read_descriptors(read, lay, lfirst, rlay, rfirst, ids, ids[::-1])
+        assert len(desc) == 3 and set(desc.nbytes.tolist()) == {5 * _head_body(lay)}

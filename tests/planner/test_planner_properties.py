@@ -27,7 +27,7 @@ from kvd.planner import (
 )
 
 HEAD_DIM = 2
-KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer")
+KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer", "head_major")
 
 
 def valid_tps(model: ModelGeometry) -> list[int]:
@@ -135,7 +135,10 @@ def byte_cases(draw):
 
 
 def _layout(model, par, pp_rank, bs, num_blocks, kv_layout, head_layout) -> CacheLayout:
+    """head_major has no NHD form (it is refused): an NHD case gives such a side HND."""
     l0, l1 = stage_layers(model, par, pp_rank)
+    if kv_layout == "head_major":
+        head_layout = "HND"
     return CacheLayout(
         num_layers=l1 - l0, num_blocks=num_blocks, block_size_tokens=bs,
         num_heads=heads_per_rank(model, par), head_dim=HEAD_DIM, dtype_nbytes=4,
@@ -198,17 +201,18 @@ def test_bytes_land_where_the_decode_shard_expects(case):
     run_bytes(model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, head_layouts, seed)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(byte_cases(), st.sampled_from(["local", "remote", "both"]), st.booleans())
-def test_cross_layer_bytes_on_either_side(case, side, nhd):
-    """cross_layer on the decode side, the prefill side or both, against any other layout:
-    PP splits, head slices and block-size ratios all land byte-exact."""
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(byte_cases(), st.sampled_from(["cross_layer", "head_major"]),
+       st.sampled_from(["local", "remote", "both"]), st.booleans())
+def test_block_major_layouts_bytes_on_either_side(case, forced, side, nhd):
+    """cross_layer or head_major on the decode side, the prefill side or both, against any
+    other layout: PP splits, head slices and block-size ratios all land byte-exact."""
     model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, _, seed = case
     p_layout, d_layout = kv_layouts
     if side in ("remote", "both"):
-        p_layout = "cross_layer"
+        p_layout = forced
     if side in ("local", "both"):
-        d_layout = "cross_layer"
+        d_layout = forced
     head_layouts = ("NHD", "NHD") if nhd else ("HND", "HND")
     run_bytes(model, prefill, decode, bs_p, bs_d, num_tokens, (p_layout, d_layout),
               head_layouts, seed)
@@ -219,6 +223,8 @@ def test_cross_layer_bytes_on_either_side(case, side, nhd):
 def test_nhd_whole_head_reads_work_with_equal_tp(case):
     model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, _, seed = case
     decode = Parallelism(prefill.tp_size, decode.pp_size, decode.layer_partition)
+    # head_major is HND only: pairing it with multi-head NHD is a refused transpose
+    kv_layouts = tuple("cross_layer" if k == "head_major" else k for k in kv_layouts)
     refused = run_bytes(model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts,
                         ("NHD", "NHD"), seed)
     assert refused == 0
