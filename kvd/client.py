@@ -181,11 +181,14 @@ class KvdClient(_ClientSettings):
                             block_ids=list(block_ids), lease_s=lease_s, consumers=consumers))
 
     def pull(self, engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
-             remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> None:
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             remote_request_id: str = "") -> None:
+        """Queue a pull; ``remote_request_id`` is the producer's id when it differs."""
         self.call(P.Pull(engine_id=engine_id, request_id=request_id,
                          remote_engine_id=remote_engine_id, remote_address=remote_address,
                          remote_block_ids=list(remote_block_ids),
-                         local_block_ids=list(local_block_ids)))
+                         local_block_ids=list(local_block_ids),
+                         remote_request_id=remote_request_id))
 
     def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
         """Wait up to timeout_s for completion events of an engine (long poll)."""
@@ -308,11 +311,12 @@ class AsyncKvdClient(_ClientSettings):
 
     async def pull(self, engine_id: str, request_id: str, remote_engine_id: str,
                    remote_address: str, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int]) -> None:
+                   local_block_ids: Sequence[int], remote_request_id: str = "") -> None:
         await self.call(P.Pull(engine_id=engine_id, request_id=request_id,
                                remote_engine_id=remote_engine_id, remote_address=remote_address,
                                remote_block_ids=list(remote_block_ids),
-                               local_block_ids=list(local_block_ids)))
+                               local_block_ids=list(local_block_ids),
+                               remote_request_id=remote_request_id))
 
     async def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
         reply = await self.call(P.Poll(engine_id=engine_id, timeout_s=timeout_s),

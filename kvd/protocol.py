@@ -154,12 +154,25 @@ class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Read a published request into local blocks.
+
+    ``request_id`` names the pull on this engine (its done_recving event carries
+    it); ``remote_request_id`` is the id the producer published under, when it
+    differs (vLLM gives prefill and decode requests different ids; two prefill
+    engines may publish the same id). Empty means "the same as request_id".
+    """
+
     engine_id: str
     request_id: str
     remote_engine_id: str
     remote_address: str
     remote_block_ids: list[int]
     local_block_ids: list[int]
+    remote_request_id: str = ""
+
+    @property
+    def producer_request_id(self) -> str:
+        return self.remote_request_id or self.request_id
 
 
 class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

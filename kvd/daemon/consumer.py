@@ -216,7 +216,8 @@ class Consumer:
         Returns False when a daemon's pool epoch differs from the cached handshake.
         """
         msg = job.msg
-        acquire = P.Acquire(request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
+        acquire = P.Acquire(request_id=msg.producer_request_id,
+                            producer_engine_id=msg.remote_engine_id,
                             consumer_engine_id=msg.engine_id,
                             block_ids=list(msg.remote_block_ids))
         addrs = list(remote.daemons)
@@ -238,7 +239,7 @@ class Consumer:
         posts, notify_only = [], []
         for g in groups.values():
             notice = P.encode_notice(P.ReadNotice(
-                request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
+                request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
                 consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))
             if not g.local:  # nothing to read from this daemon: notification only
                 notify_only.append((g.agent, notice))
@@ -286,7 +287,8 @@ class Consumer:
             interval_s = min(interval_s * 2, 0.002)
 
     async def _abandon(self, msg: P.Pull, addrs: list[str]) -> None:
-        note = P.Abandon(request_id=msg.request_id, producer_engine_id=msg.remote_engine_id,
+        note = P.Abandon(request_id=msg.producer_request_id,
+                         producer_engine_id=msg.remote_engine_id,
                          consumer_engine_id=msg.engine_id)
         for addr in addrs:
             try:
@@ -297,7 +299,8 @@ class Consumer:
 
     async def _heartbeat(self, msg: P.Pull, remote: RemoteEngine) -> None:
         """Keep the producer's lease alive while our READs run."""
-        beat = P.Heartbeat(producer_engine_id=msg.remote_engine_id, request_ids=[msg.request_id])
+        beat = P.Heartbeat(producer_engine_id=msg.remote_engine_id,
+                           request_ids=[msg.producer_request_id])
         while True:
             await asyncio.sleep(self.d.cfg.heartbeat_interval_s)
             for addr in remote.daemons:
