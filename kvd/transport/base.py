@@ -4,6 +4,19 @@ The daemon talks only to this protocol; `NixlTransport` implements it with the
 real agent, `LoopbackTransport` (tests) with memcpy inside one process. Every
 method is called from one dedicated thread (see kvd.daemon.datapath), so
 implementations need no locking.
+
+Two ways to post a READ:
+
+* ``post_read(ReadPost)``: a fresh descriptor list per READ (NIXL
+  ``initialize_xfer``): every descriptor is validated on every post and adjacent
+  descriptors are never merged.
+* prepared lists: ``prepare_local(rows)`` / ``prepare_remote(peer, rows)`` once per
+  (pool, peer), then ``post_prepped_read(PreppedRead)`` with two index arrays per
+  READ (NIXL ``prep_xfer_dlist`` + ``make_prepped_xfer``). Validation happens once
+  at prepare time, and NIXL merges consecutive indices whose descriptors are
+  adjacent in memory on both sides, so consecutive blocks become one descriptor.
+  Lists are described by strided rows (``DescRows``), so preparing a whole pool as
+  a grid of chunks costs one row, not one tuple per chunk.
 """
 
 from __future__ import annotations
@@ -21,6 +34,21 @@ class TransportCounts:
     registrations: int = 0
     transfers: int = 0
     peers: int = 0
+    prepared_lists: int = 0
+
+
+@dataclass(frozen=True)
+class PostTiming:
+    """Where the last post's time went, for "µs per descriptor" and the posting share.
+
+    ``build_s``: descriptors and the NIXL request (``initialize_xfer`` or
+    ``make_prepped_xfer``); ``transfer_s``: ``transfer()``, which on UCX cma may copy
+    the whole READ inline. ``descriptors``: as posted, before NIXL merges any.
+    """
+
+    descriptors: int
+    build_s: float
+    transfer_s: float
 
 
 @dataclass(frozen=True)
@@ -37,8 +65,119 @@ class ReadPost:
     remote_devs: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class DescRows:
+    """Descriptors of a list to prepare, as strided rows (NIXL 1.5's compressed form).
+
+    Row ``r`` stands for ``counts[r]`` descriptors of ``nbytes[r]`` bytes each, the
+    ``k``-th at ``addrs[r] + k * strides[r]`` (``strides == nbytes``: dense). A list
+    index counts descriptors in that order: row 0's ``counts[0]`` first, then row 1's.
+    ``devs`` is the device (GPU index) per row, None for all 0 (DRAM).
+    """
+
+    addrs: np.ndarray
+    nbytes: np.ndarray
+    strides: np.ndarray
+    counts: np.ndarray
+    mem_type: str = "DRAM"
+    devs: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        arrays = [np.asarray(a, dtype=np.int64).reshape(-1)
+                  for a in (self.addrs, self.nbytes, self.strides, self.counts)]
+        if len({len(a) for a in arrays}) != 1:
+            raise ValueError("DescRows: addrs, nbytes, strides and counts differ in length")
+        if len(arrays[0]) == 0:
+            raise ValueError("DescRows: no rows")
+        if (arrays[1] <= 0).any() or (arrays[3] <= 0).any() or (arrays[2] < 0).any():
+            raise ValueError("DescRows: nbytes and counts must be > 0, strides >= 0")
+        if (arrays[0] < 0).any():
+            raise ValueError("DescRows: negative address")
+        if int(arrays[3].sum()) >= 2**31:
+            raise ValueError("DescRows: more than 2**31 - 1 descriptors (indices are int32)")
+        for field, arr in zip(("addrs", "nbytes", "strides", "counts"), arrays, strict=True):
+            object.__setattr__(self, field, arr)
+        if self.devs is not None:
+            devs = np.broadcast_to(np.asarray(self.devs, dtype=np.int64), arrays[0].shape)
+            object.__setattr__(self, "devs", devs)
+
+    @classmethod
+    def grid(cls, addr: int, chunk_nbytes: int, count: int, stride_nbytes: int | None = None,
+             mem_type: str = "DRAM", dev: int = 0) -> DescRows:
+        """One row: ``count`` chunks of ``chunk_nbytes`` from ``addr`` (dense by default)."""
+        stride = chunk_nbytes if stride_nbytes is None else stride_nbytes
+        return cls(addrs=np.array([addr]), nbytes=np.array([chunk_nbytes]),
+                   strides=np.array([stride]), counts=np.array([count]), mem_type=mem_type,
+                   devs=np.array([dev]))
+
+    @classmethod
+    def of_descriptors(cls, addrs: np.ndarray, nbytes: np.ndarray, mem_type: str = "DRAM",
+                       devs: np.ndarray | None = None) -> DescRows:
+        """Irregular descriptors, one row each (list index = position)."""
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        return cls(addrs=np.asarray(addrs), nbytes=nbytes, strides=nbytes,
+                   counts=np.ones(len(nbytes), dtype=np.int64), mem_type=mem_type, devs=devs)
+
+    def __len__(self) -> int:
+        return int(self.counts.sum())
+
+    def nixl_rows(self) -> np.ndarray:
+        """The (N, 5) uint64 array NIXL's ``prep_xfer_dlist`` takes as a strided list."""
+        out = np.empty((len(self.addrs), 5), dtype=np.uint64)
+        out[:, 0], out[:, 1], out[:, 3], out[:, 4] = (self.addrs, self.nbytes, self.strides,
+                                                      self.counts)
+        out[:, 2] = 0 if self.devs is None else self.devs
+        return out
+
+    def expand(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(addrs, nbytes, devs), one entry per descriptor, in list-index order."""
+        rows = np.repeat(np.arange(len(self.counts)), self.counts)
+        starts = np.cumsum(self.counts) - self.counts
+        k = np.arange(len(rows), dtype=np.int64) - np.repeat(starts, self.counts)
+        addrs = self.addrs[rows] + k * self.strides[rows]
+        devs = (np.zeros(len(rows), dtype=np.int64) if self.devs is None
+                else np.asarray(self.devs)[rows])
+        return addrs, self.nbytes[rows], devs
+
+    def extent(self) -> tuple[int, int]:
+        """[lowest, highest) byte address any descriptor touches."""
+        last = self.addrs + (self.counts - 1) * self.strides + self.nbytes
+        return int(self.addrs.min()), int(last.max())
+
+
+@dataclass(frozen=True)
+class PreppedRead:
+    """One READ by index into two prepared lists: local[i] <- remote[i] for each i.
+
+    Index arrays are int32 (what NIXL takes without a copy); descriptor sizes must
+    match pairwise. Consecutive indices adjacent in memory on both sides merge.
+    """
+
+    peer: str
+    local_list: int
+    remote_list: int
+    local_indices: np.ndarray
+    remote_indices: np.ndarray
+    notif: bytes
+
+
+def merged_count(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray) -> int:
+    """Descriptors left once consecutive ones adjacent in memory on both sides merge.
+
+    What NIXL's prepared path does to a READ's index pairs (measured: 256 consecutive
+    4 KiB indices -> 1 descriptor, every other index -> 128); fresh lists never merge.
+    """
+    n = len(nbytes)
+    if n == 0:
+        return 0
+    la, ra, nb = (np.asarray(a, dtype=np.int64) for a in (local_addrs, remote_addrs, nbytes))
+    joined = (la[1:] == la[:-1] + nb[:-1]) & (ra[1:] == ra[:-1] + nb[:-1])
+    return n - int(joined.sum())
+
+
 class Transport(Protocol):
     name: str
+    last_post: PostTiming | None  # timing of the most recent successful post
 
     def metadata(self) -> bytes:
         """Agent metadata including every registered region (refresh after registering)."""
@@ -56,6 +195,36 @@ class Transport(Protocol):
 
     def post_read(self, post: ReadPost) -> tuple[int, bool]:
         """Post one READ of many descriptors; returns (xfer id, already done)."""
+        ...
+
+    def prepare_local(self, rows: DescRows) -> int:
+        """Prepare a list over this agent's registered memory; returns a list id.
+
+        Raises TransferError when a descriptor lies outside registered memory.
+        """
+        ...
+
+    def prepare_remote(self, peer: str, rows: DescRows) -> int:
+        """Prepare a list over a loaded peer's registered memory; returns a list id.
+
+        Removing (or reloading) the peer releases its lists: prepare them again.
+        """
+        ...
+
+    def release_prepared(self, list_id: int) -> None:
+        """Release a prepared list (unknown ids are ignored). Posted READs are unaffected."""
+        ...
+
+    def post_prepped_read(self, post: PreppedRead) -> tuple[int, bool]:
+        """Post one READ by indices into two prepared lists; returns (xfer id, done).
+
+        Raises TransferError for an unknown list, a list of another peer, indices out
+        of range or of different lengths, or sizes that differ pairwise.
+        """
+        ...
+
+    def xfer_descriptors(self, xfer_id: int) -> int | None:
+        """Descriptors of a finished transfer after NIXL merged them (None: not known)."""
         ...
 
     def poll(self, xfer_id: int) -> bool:

@@ -15,7 +15,14 @@ from collections import defaultdict
 import numpy as np
 
 from kvd.errors import TransferError
-from kvd.transport.base import ReadPost, TransportCounts
+from kvd.transport.base import (
+    DescRows,
+    PostTiming,
+    PreppedRead,
+    ReadPost,
+    TransportCounts,
+    merged_count,
+)
 
 _AGENTS: dict[str, LoopbackTransport] = {}
 _ids = itertools.count(1)
@@ -31,6 +38,10 @@ class LoopbackTransport:
         self.fail_next_reads = 0
         self.hold_reads = False  # tests: READs stay in flight until this is cleared
         self._held_copies: dict[int, tuple] = {}
+        # list id -> (peer or None for local, descriptor addrs, sizes), expanded from rows
+        self._prepared: dict[int, tuple[str | None, np.ndarray, np.ndarray]] = {}
+        self.last_post: PostTiming | None = None
+        self._merged: dict[int, int] = {}  # xfer id -> descriptors after merging
         _AGENTS[self.name] = self
 
     def metadata(self) -> bytes:
@@ -42,7 +53,11 @@ class LoopbackTransport:
         return reg_id
 
     def deregister(self, reg_id: int) -> None:
-        del self._regs[reg_id]
+        """Like NixlTransport: local prepared lists over that memory are released."""
+        base, size = self._regs.pop(reg_id)
+        for list_id, (peer, addrs, nbytes) in list(self._prepared.items()):
+            if peer is None and ((addrs < base + size) & (addrs + nbytes > base)).any():
+                del self._prepared[list_id]
 
     def _covers(self, addrs: np.ndarray, nbytes: np.ndarray) -> bool:
         ends = addrs + nbytes
@@ -60,6 +75,9 @@ class LoopbackTransport:
 
     def remove_peer(self, agent_name: str) -> None:
         self._peers.discard(agent_name)
+        for list_id, (peer, _, _) in list(self._prepared.items()):
+            if peer == agent_name:
+                del self._prepared[list_id]
 
     def post_read(self, post: ReadPost) -> tuple[int, bool]:
         peer, notif = post.peer, post.notif
@@ -72,7 +90,16 @@ class LoopbackTransport:
         nbytes = np.asarray(nbytes, dtype=np.int64)
         if not self._covers(local_addrs, nbytes) or not remote._covers(remote_addrs, nbytes):
             raise TransferError("descriptor outside registered memory")
+        return self._start(remote, local_addrs, remote_addrs, nbytes, notif, merges=False)
+
+    def _start(self, remote: LoopbackTransport, local_addrs: np.ndarray,
+               remote_addrs: np.ndarray, nbytes: np.ndarray, notif: bytes,
+               merges: bool) -> tuple[int, bool]:
+        """``merges``: prepared lists merge adjacent descriptors in NIXL, fresh ones don't."""
+        self.last_post = PostTiming(descriptors=len(nbytes), build_s=0.0, transfer_s=0.0)
         xfer_id = next(_ids)
+        self._merged[xfer_id] = (merged_count(local_addrs, remote_addrs, nbytes) if merges
+                                 else len(nbytes))
         if self.fail_next_reads > 0:
             self.fail_next_reads -= 1
             self._xfers[xfer_id] = False
@@ -86,11 +113,64 @@ class LoopbackTransport:
         self._xfers[xfer_id] = True
         return xfer_id, True
 
+    def prepare_local(self, rows: DescRows) -> int:
+        addrs, nbytes, _ = rows.expand()
+        if not self._covers(addrs, nbytes):
+            raise TransferError("cannot prepare local descriptors: outside registered memory")
+        return self._add_prepared(None, addrs, nbytes)
+
+    def prepare_remote(self, peer: str, rows: DescRows) -> int:
+        remote = _AGENTS.get(peer)
+        if peer not in self._peers or remote is None:
+            raise TransferError(f"cannot prepare descriptors of {peer}: peer not loaded")
+        addrs, nbytes, _ = rows.expand()
+        if not remote._covers(addrs, nbytes):
+            raise TransferError(f"cannot prepare descriptors of {peer}: outside its "
+                                "registered memory")
+        return self._add_prepared(peer, addrs, nbytes)
+
+    def _add_prepared(self, peer: str | None, addrs: np.ndarray, nbytes: np.ndarray) -> int:
+        list_id = next(_ids)
+        self._prepared[list_id] = (peer, addrs, nbytes)
+        return list_id
+
+    def release_prepared(self, list_id: int) -> None:
+        self._prepared.pop(list_id, None)
+
+    def post_prepped_read(self, post: PreppedRead) -> tuple[int, bool]:
+        """Checks what NIXL's make_prepped_xfer checks, then copies like post_read."""
+        local, remote_list = self._prepared.get(post.local_list), self._prepared.get(
+            post.remote_list)
+        remote = _AGENTS.get(post.peer)
+        if local is None or local[0] is not None:
+            raise TransferError(f"READ to {post.peer}: no local prepared list {post.local_list}")
+        if remote_list is None or remote_list[0] != post.peer or remote is None:
+            raise TransferError(f"READ to {post.peer}: no prepared list {post.remote_list} of "
+                                "that peer (released when the peer was reloaded?)")
+        li = np.asarray(post.local_indices, dtype=np.int64)
+        ri = np.asarray(post.remote_indices, dtype=np.int64)
+        if len(li) == 0 or len(li) != len(ri):
+            raise TransferError(f"READ to {post.peer}: {len(li)} local vs {len(ri)} remote "
+                                "indices")
+        for idx, (_, addrs, _) in ((li, local), (ri, remote_list)):
+            if idx.min() < 0 or idx.max() >= len(addrs):
+                raise TransferError(f"READ to {post.peer}: index out of range "
+                                    f"[0, {len(addrs)})")
+        nbytes = local[2][li]
+        if not np.array_equal(nbytes, remote_list[2][ri]):
+            raise TransferError(f"READ to {post.peer}: descriptor sizes differ pairwise")
+        return self._start(remote, local[1][li], remote_list[1][ri], nbytes, post.notif,
+                           merges=True)
+
     def _copy(self, remote: LoopbackTransport, dsts: list[int], srcs: list[int],
               sizes: list[int], notif: bytes) -> None:
         for dst, src, n in zip(dsts, srcs, sizes, strict=True):
             ctypes.memmove(dst, src, n)
         remote._inbox[self.name].append(notif)
+
+    def xfer_descriptors(self, xfer_id: int) -> int | None:
+        """As NIXL would merge them (loopback copies them unmerged: same bytes)."""
+        return self._merged.get(xfer_id)
 
     def poll(self, xfer_id: int) -> bool:
         if not self._xfers[xfer_id]:
@@ -103,6 +183,7 @@ class LoopbackTransport:
 
     def release(self, xfer_id: int) -> None:
         self._xfers.pop(xfer_id, None)
+        self._merged.pop(xfer_id, None)
         self._held_copies.pop(xfer_id, None)  # aborted: the copy never happens
 
     def notifications(self) -> list[tuple[str, bytes]]:
@@ -118,7 +199,7 @@ class LoopbackTransport:
 
     def counts(self) -> TransportCounts:
         return TransportCounts(registrations=len(self._regs), transfers=len(self._xfers),
-                               peers=len(self._peers))
+                               peers=len(self._peers), prepared_lists=len(self._prepared))
 
     def close(self) -> None:
         _AGENTS.pop(self.name, None)
