@@ -63,6 +63,7 @@ class Daemon:
         self._tasks: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._wake = asyncio.Event()  # publish/acquire: READ notices may come soon, poll now
+        self._collect_lock = asyncio.Lock()
         self.http = None
 
     # ------------------------------------------------------------ lifecycle
@@ -433,6 +434,19 @@ class Daemon:
                                     f"silent for {timeout_s}s: treated as gone")
 
     async def _collect_pools(self) -> None:
+        """Free retired, unpinned pools, shielded from cancellation.
+
+        A rank leaves the retired list before its pool is deregistered; if stop() cancelled
+        housekeeping during that await, the rank was lost and its pool never freed. The
+        shielded collection finishes anyway, and stop() waits for it on the lock.
+        """
+        await asyncio.shield(self._collect_locked())
+
+    async def _collect_locked(self) -> None:
+        async with self._collect_lock:
+            await self._collect_once()
+
+    async def _collect_once(self) -> None:
         for rank in self.engines.collectable():
             await self.datapath.deregister(rank.reg_id)
             rank.pool.close()

@@ -243,3 +243,45 @@ def test_async_client_pings_and_hears_a_lost_registration() -> None:
             client.close()
 
     asyncio.run(with_daemons(body))
+
+
+class _SlowDeregister(LoopbackTransport):
+    """Deregistration takes a while on the NIXL thread, like a real agent's can."""
+
+    started = None  # threading.Event, set when a deregistration begins
+
+    def deregister(self, reg_id: int) -> None:
+        import time
+
+        assert _SlowDeregister.started is not None
+        _SlowDeregister.started.set()
+        time.sleep(0.2)
+        super().deregister(reg_id)
+
+
+def test_stop_during_pool_collection_still_frees_the_pool() -> None:
+    """Regression: stop() cancelled housekeeping while it deregistered a retired rank's
+    pool; the rank was already off the retired list, so its segment leaked."""
+    import threading
+
+    async def body() -> None:
+        _SlowDeregister.started = threading.Event()
+        prefix = f"kvd-unit-{uuid.uuid4().hex[:8]}"
+        d = Daemon(config(prefix), transport_factory=_SlowDeregister, clock=FakeClock())
+        await d.start()
+        client = AsyncKvdClient(d.cfg.engine_address, timeout_s=5, ping_interval_s=0)
+        try:
+            handle = await register(client, "e")
+            handle.pool.close()
+            d.engines.mark_gone("e", d.engines.get("e").live_ranks()[0].rank)
+            for _ in range(100):  # housekeeping picks the retired rank up
+                if _SlowDeregister.started.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert _SlowDeregister.started.is_set()
+        finally:
+            client.close()
+            await d.stop()  # cancels housekeeping mid-deregistration
+        assert kvd_segments(prefix) == [], "stop() must free every pool"
+
+    asyncio.run(body())
