@@ -1,0 +1,169 @@
+"""``KvdConnector``: vLLM's KV connector API, delegated to the local kvd.
+
+One class because vLLM loads one by name; it holds either the scheduler
+half (engine-core process) or the worker half (each worker process) and
+forwards to it. Everything with logic lives in scheduler.py, worker.py and
+the vLLM-free ``kvd.integrations.vllm_core``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvd.integrations.vllm.metadata import KvdConnectorMetadata
+from kvd.integrations.vllm.scheduler import KvdScheduler
+from kvd.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings
+from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
+from kvd.integrations.vllm.vllm_geometry import geometry_from_vllm, is_multi_group
+from kvd.integrations.vllm.worker import KvdWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvd.vllm")
+
+# The layout kvd asks vLLM for, where the attention backend offers it. BHLNC keeps a
+# rank's heads of a block, all layers, in one region: a hetero-TP pull is one
+# descriptor per block per source rank. CPU attention takes only LBHNC.
+DEFAULT_LAYOUT = "BHLNC"
+CPU_LAYOUT = "LBHNC"
+
+
+class KvdConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_vllm(vllm_config.kv_transfer_config)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            raise ConnectorConfigError("KvdConnector does not support vLLM sleep mode: kvd owns "
+                                       "the KV pool and cannot release it while asleep")
+        self._scheduler: KvdScheduler | None = None
+        self._worker: KvdWorker | None = None
+        self._invalid: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KvdScheduler(self.settings,
+                                           vllm_config.cache_config.block_size)
+        else:
+            geom = geometry_from_vllm(vllm_config, kv_cache_config, self.settings.model_name)
+            self._worker = KvdWorker(self.settings, geom,
+                                     multi_group=is_multi_group(kv_cache_config))
+
+    # ------------------------------------------------------------ class-level
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        extra = (vllm_config.kv_transfer_config.kv_connector_extra_config
+                 if vllm_config.kv_transfer_config else {}) or {}
+        if extra.get("kvd_kv_layout"):
+            return str(extra["kvd_kv_layout"])
+        from vllm.platforms import current_platform
+
+        return CPU_LAYOUT if current_platform.device_type == "cpu" else DEFAULT_LAYOUT
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvdConnectorStats | None:
+        return KvdConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvdPromMetrics:
+        return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_finished_count(self) -> int | None:
+        return 1  # kvd reports each transfer once per engine, from the rank-0 worker
+
+    # ------------------------------------------------------------ worker side
+
+    def get_mem_pool_context(self) -> Any:
+        assert self._worker is not None
+        return self._worker.allocation_context()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.check_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
+            self._worker.on_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing to start: the scheduler queued the pull and kvd writes the blocks."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole requests are loaded before vLLM schedules them (WAITING_FOR_REMOTE_KVS)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Nothing to save: the KV is already in kvd's pool, read in place."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for (see save_kv_layer)."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        report = self._worker.step(finished_req_ids)
+        self._invalid |= set(report.invalid_block_ids)
+        return KVConnectorTransferResults(finished_sending=set(report.finished_sending),
+                                          finished_recving=set(report.finished_recving),
+                                          failed_recving=set(report.failed_recving))
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def get_kv_connector_stats(self) -> KvdConnectorStats | None:
+        if self._worker is None or not self._worker.reports:
+            return None
+        totals = self._worker.book.take_totals()
+        return None if totals.is_empty() else KvdConnectorStats(data=totals_to_dict(totals))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake(metadata)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta()
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)

@@ -1,0 +1,181 @@
+"""Scheduler side: publish finished prefills, queue pulls, tell the workers.
+
+Runs in vLLM's engine-core process. It talks to the local kvd directly
+(publish and pull are one small control message each); the bytes move
+between the daemons, and completions come back through the rank-0 worker,
+which is where vLLM expects them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvd.client import KvdClient
+from kvd.errors import KvdError
+from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
+from kvd.integrations.vllm.settings import ConnectorSettings
+from kvd.integrations.vllm_core.params import (
+    ParamsError,
+    RemotePrefill,
+    blocks_to_pull,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+log = logging.getLogger("kvd.vllm")
+
+# How long past its lease the worker waits for a publish's done_sending before it
+# frees the blocks anyway (the daemon that held them must have died).
+SEND_GRACE_S = 30.0
+FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+@dataclass(frozen=True)
+class _Pull:
+    remote: RemotePrefill
+    local_block_ids: list[int]
+    num_tokens: int
+    quiet: bool  # notify only: vLLM does not wait for it
+
+
+class KvdScheduler:
+    def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
+                 default_lease_s: float = 30.0) -> None:
+        self.settings = settings
+        self.block_size_tokens = block_size_tokens
+        self.lease_s = settings.lease_s if settings.lease_s is not None else default_lease_s
+        self.peer_address: str | None = None
+        self._client: KvdClient | None = None
+        self._pending: dict[str, _Pull] = {}
+        self._meta = KvdConnectorMetadata()
+
+    @property
+    def client(self) -> KvdClient:
+        if self._client is None:
+            self._client = KvdClient(self.settings.address, token=self.settings.token,
+                                     timeout_s=self.settings.request_timeout_s,
+                                     ping_interval_s=0)
+        return self._client
+
+    def set_handshake(self, metadata: dict[Any, Any]) -> None:
+        for meta in metadata.values():
+            if isinstance(meta, KvdHandshake) and meta.peer_address:
+                self.peer_address = meta.peer_address
+                return
+
+    # ------------------------------------------------------------ decode side
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                               ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        try:
+            remote = parse_remote_prefill(params)
+        except ParamsError as exc:
+            log.warning("request %s: ignoring kv_transfer_params (%s); computing the prompt "
+                        "locally", request.request_id, exc)
+            return 0, False
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        params["do_remote_prefill"] = False  # one pull per request, whatever happens
+        try:
+            remote = parse_remote_prefill(params)
+        except ParamsError:
+            return  # warned in num_new_matched_tokens
+        num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
+        if num_external_tokens <= 0:
+            # Full local prefix hit: nothing to read, but P must release its blocks now.
+            self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
+            return
+        new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
+        hit_tokens = num_tokens - num_external_tokens
+        local = blocks_to_pull(num_tokens, hit_tokens, self.block_size_tokens, new_ids)
+        self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
+
+    # ------------------------------------------------------------ prefill side
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            # A decode request aborted before it was scheduled: release P's blocks.
+            params["do_remote_prefill"] = False
+            try:
+                remote = parse_remote_prefill(params)
+            except ParamsError:
+                return False, None
+            self._pending[request.request_id] = _Pull(remote, [], 0, quiet=True)
+            return False, None
+        if not wants_remote_decode(params) or request.status.name not in FINISHED_OK:
+            return False, None
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
+        if not blocks:
+            return False, None
+        if self.peer_address is None:
+            log.error("request %s: no kvd peer address from the workers; not publishing",
+                      request.request_id)
+            return False, None
+        consumers = int(params.get("kvd_consumers", self.settings.consumers))
+        try:
+            self.client.publish(self.settings.engine_id, request.request_id, blocks,
+                                lease_s=self.lease_s, consumers=consumers)
+        except KvdError as exc:
+            log.error("request %s: kvd refused the publish (%s); the decode side will "
+                      "compute the prompt itself", request.request_id, exc)
+            return False, None
+        self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
+        remote = RemotePrefill(engine_id=self.settings.engine_id,
+                               request_id=request.request_id, address=self.peer_address,
+                               block_ids=tuple(blocks), num_tokens=num_tokens)
+        return True, remote.to_params()
+
+    # ------------------------------------------------------------ every step
+
+    def build_meta(self) -> KvdConnectorMetadata:
+        for request_id, pull in self._pending.items():
+            self._start(request_id, pull)
+        self._pending.clear()
+        meta, self._meta = self._meta, KvdConnectorMetadata()
+        return meta
+
+    def _start(self, request_id: str, pull: _Pull) -> None:
+        try:
+            self.client.pull(self.settings.engine_id, request_id,
+                             remote_engine_id=pull.remote.engine_id,
+                             remote_address=pull.remote.address,
+                             remote_block_ids=list(pull.remote.block_ids),
+                             local_block_ids=pull.local_block_ids,
+                             remote_request_id=pull.remote.request_id,
+                             **_num_tokens_kw(pull.num_tokens))
+        except KvdError as exc:
+            log.warning("request %s: kvd refused the pull (%s)", request_id, exc)
+            if not pull.quiet:
+                self._meta.failed[request_id] = pull.local_block_ids
+            return
+        if pull.quiet:
+            self._meta.quiet.append(request_id)
+        else:
+            self._meta.recv[request_id] = pull.local_block_ids
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _num_tokens_kw(num_tokens: int) -> dict[str, int]:
+    """Pass the prompt token count where this kvd's Pull carries it (exact placement)."""
+    import inspect
+
+    return ({"num_tokens": num_tokens}
+            if "num_tokens" in inspect.signature(KvdClient.pull).parameters else {})

@@ -1,0 +1,65 @@
+"""The connector's settings, read once from vLLM's kv_transfer_config.
+
+Everything a user can set lives in ``kv_connector_extra_config`` under a
+``kvd_`` prefix, so it never collides with vLLM's own keys or another
+connector's in a MultiConnector.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvd.client import default_address
+
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+
+
+class ConnectorConfigError(ValueError):
+    """A kv_transfer_config kvd cannot run with; the message says what to set."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    engine_id: str
+    address: str  # the local kvd's engine face
+    token: str
+    lease_s: float | None  # None: the daemon's default lease
+    consumers: int  # decode engines that read each published request (fan-out)
+    pull_timeout_s: float  # the worker gives up on a pull the daemon never answers
+    kv_layout: str | None  # forced layout name, else the connector's default
+    model_name: str | None
+    request_timeout_s: float
+
+    @classmethod
+    def from_vllm(cls, kv_transfer_config: Any) -> ConnectorSettings:
+        extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
+        engine_id = kv_transfer_config.engine_id or ""
+        if not engine_id or _UUID.match(engine_id):
+            raise ConnectorConfigError(
+                "KvdConnector needs an explicit, stable engine_id in --kv-transfer-config "
+                "(e.g. \"engine_id\":\"prefill-0\"); vLLM's default is a random uuid, which "
+                "breaks pulls across engine restarts")
+        token = extra.get("kvd_token")
+        if token is None:
+            path = extra.get("kvd_token_file") or os.environ.get("KVD_AUTH_TOKEN_FILE", "")
+            token = Path(path).read_text().strip() if path else ""
+        try:
+            lease = extra.get("kvd_lease_s")
+            return cls(
+                engine_id=engine_id,
+                address=str(extra.get("kvd_address") or default_address()),
+                token=str(token),
+                lease_s=None if lease is None else float(lease),
+                consumers=int(extra.get("kvd_consumers", 1)),
+                pull_timeout_s=float(extra.get("kvd_pull_timeout_s", 120.0)),
+                kv_layout=extra.get("kvd_kv_layout"),
+                model_name=extra.get("kvd_model_name"),
+                request_timeout_s=float(extra.get("kvd_request_timeout_s", 10.0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConnectorConfigError(f"bad kvd_* value in kv_connector_extra_config: "
+                                       f"{exc}") from None

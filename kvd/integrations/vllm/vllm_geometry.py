@@ -1,0 +1,93 @@
+"""Read a vLLM worker's KV cache facts into kvd's plain description.
+
+The only module that knows where vLLM keeps these facts (kv_cache_config,
+model and parallel configs, the distributed state); everything it returns is
+a plain VllmKvGeometry, checked by vLLM-free code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvd.errors import LayoutError
+from kvd.integrations.vllm_core.geometry import VllmKvGeometry
+
+
+def is_multi_group(kv_cache_config: Any) -> bool:
+    return kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+
+
+def _ranks(parallel_config: Any) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size) of this worker."""
+    tp_size = parallel_config.tensor_parallel_size
+    pp_size = parallel_config.pipeline_parallel_size
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return (ps.get_tensor_model_parallel_rank(), tp_size,
+                ps.get_pp_group().rank_in_group, pp_size)
+    return 0, tp_size, 0, pp_size
+
+
+def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
+    """Layer names in memory order of their block 0, and the one backing size."""
+    starts: dict[str, int] = {}
+    sizes = set()
+    for tensor in kv_cache_config.kv_cache_tensors:
+        sizes.add(tensor.size)
+        for i, name in enumerate(tensor.layers):
+            starts[name] = getattr(tensor, "offset", 0) + i * getattr(tensor, "layer_stride", 0)
+    if len(sizes) != 1:
+        raise LayoutError(f"vLLM KV cache tensors of several sizes {sorted(sizes)}: kvd "
+                          "serves one backing allocation")
+    return sorted(starts, key=lambda n: starts[n]), sizes.pop()
+
+
+def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
+                       model_name: str | None = None) -> VllmKvGeometry:
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if kv_cache_config is None:
+        raise LayoutError("KvdConnector needs vLLM's kv_cache_config (vLLM 0.32 or newer)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise LayoutError(f"this model has {len(groups)} KV-cache groups (hybrid or "
+                          "sliding-window layers); kvd's vLLM connector carries one full "
+                          "attention group so far")
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec) or isinstance(spec, SlidingWindowSpec):
+        raise LayoutError(f"KV cache spec {type(spec).__name__} is not full attention: not "
+                          "supported by kvd's vLLM connector yet")
+    mla = isinstance(spec, MLAAttentionSpec)
+    model_config = vllm_config.model_config
+    tp_rank, tp_size, pp_rank, pp_size = _ranks(vllm_config.parallel_config)
+    names, buf_nbytes = _layer_order(kv_cache_config)
+    partition = None
+    total_layers = len(names)
+    if pp_size > 1:
+        from vllm.distributed.utils import get_pp_indices
+
+        total_layers = model_config.get_total_num_hidden_layers()
+        partition = tuple(stop - start for start, stop in (
+            get_pp_indices(total_layers, r, pp_size) for r in range(pp_size)))
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    name = model_name or os.path.basename(str(model_config.served_model_name
+                                              or model_config.model).rstrip("/"))
+    return VllmKvGeometry(
+        model_name=name,
+        total_kv_heads=1 if mla else model_config.get_total_num_kv_heads(),
+        total_layers=total_layers,
+        heads_on_rank=spec.num_kv_heads,
+        layer_names=tuple(names),
+        head_size=spec.head_size,
+        head_size_v=getattr(spec, "head_size_v", spec.head_size),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        mla=mla,
+        block_size_tokens=spec.block_size,
+        num_blocks=kv_cache_config.num_blocks,
+        kv_layout=layout,
+        buf_nbytes=buf_nbytes,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+        layer_partition=partition,
+    )

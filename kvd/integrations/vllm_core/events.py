@@ -1,0 +1,193 @@
+"""From kvd's completion events to what vLLM's worker connector must report each step.
+
+vLLM's rules (scheduler side of 0.32/0.33), which this book enforces:
+
+* a finished send may be reported only for a request vLLM has already passed
+  in as finished (``finished_req_ids``); kvd may report it earlier, so it waits;
+* a finished receive may be reported only for a pull the scheduler announced
+  (metadata), since vLLM asserts it knows the id; the daemon's event can
+  overtake the metadata under async scheduling, so it waits too;
+* notify-only pulls (full local prefix hit, decode aborted before it was
+  scheduled) are vLLM-invisible: their events are dropped;
+* a failed receive is reported as finished AND as failed (per request for
+  multi-group models, per block otherwise, so a valid local prefix survives).
+
+Nothing here talks to a socket or reads a clock: the caller passes ``now_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvd.protocol import Event
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one worker step hands back to vLLM."""
+
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    failed_recving: frozenset[str] = frozenset()  # per request (multi-group models)
+    invalid_block_ids: frozenset[int] = frozenset()  # per block (single-group models)
+
+
+@dataclass
+class TransferTotals:
+    """Counters since the last stats collection (vLLM's connector stats)."""
+
+    pulls_ok: int = 0
+    pulls_failed: int = 0
+    sends_ok: int = 0
+    sends_expired: int = 0
+    nbytes: int = 0
+    duration_s: float = 0.0
+    durations_s: list[float] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.pulls_ok or self.pulls_failed or self.sends_ok or self.sends_expired)
+
+
+@dataclass
+class _Recv:
+    block_ids: tuple[int, ...]
+    deadline_s: float
+
+
+class EventBook:
+    """Pairs scheduler announcements with daemon events; one per engine (rank 0 worker)."""
+
+    def __init__(self, multi_group: bool = False) -> None:
+        self.multi_group = multi_group
+        self._recving: dict[str, _Recv] = {}
+        self._quiet: set[str] = set()
+        self._sending: dict[str, float] = {}  # published request -> deadline_s
+        self._finished: set[str] = set()  # ids vLLM passed in as finished
+        self._early: dict[str, Event] = {}  # done_recving that overtook its announcement
+        self._sent_done: set[str] = set()
+        self._report_send: set[str] = set()
+        self._report_recv: dict[str, bool] = {}  # id -> ok
+        self._invalid: set[int] = set()
+        self.totals = TransferTotals()
+
+    # ------------------------------------------------------------ announcements
+
+    def announce_recv(self, request_id: str, block_ids: list[int], deadline_s: float) -> None:
+        self._recving[request_id] = _Recv(tuple(block_ids), deadline_s)
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            self._on_recv(early)
+
+    def announce_quiet(self, request_id: str) -> None:
+        """A notify-only pull vLLM knows nothing about: drop its event."""
+        if self._early.pop(request_id, None) is None:
+            self._quiet.add(request_id)
+
+    def announce_failed_submit(self, request_id: str, block_ids: list[int]) -> None:
+        """The scheduler could not even queue the pull: fail it now."""
+        self._recving.pop(request_id, None)
+        self._fail_recv(request_id, block_ids)
+
+    def announce_send(self, request_id: str, deadline_s: float) -> None:
+        self._sending[request_id] = deadline_s
+        if request_id in self._sent_done:
+            self._sent_done.discard(request_id)
+            self._sending.pop(request_id, None)
+            self._maybe_report_send(request_id)
+
+    def vllm_finished(self, request_ids: set[str]) -> None:
+        self._finished |= request_ids
+        for rid in list(request_ids):
+            self._maybe_report_send(rid)
+
+    # ------------------------------------------------------------ daemon events
+
+    def on_event(self, ev: Event) -> None:
+        if ev.kind == "done_sending":
+            self._count_send(ev)
+            self._sending.pop(ev.request_id, None)
+            self._sent_done.add(ev.request_id)
+            self._maybe_report_send(ev.request_id)
+            return
+        if ev.request_id in self._quiet:
+            self._quiet.discard(ev.request_id)
+            return
+        if ev.request_id not in self._recving:
+            self._early[ev.request_id] = ev
+            return
+        self._on_recv(ev)
+
+    def _on_recv(self, ev: Event) -> None:
+        recv = self._recving.pop(ev.request_id)
+        if ev.ok:
+            self.totals.pulls_ok += 1
+            self.totals.nbytes += ev.nbytes
+            self.totals.duration_s += ev.duration_s
+            self.totals.durations_s.append(ev.duration_s)
+            self._report_recv[ev.request_id] = True
+        else:
+            self._fail_recv(ev.request_id, list(ev.invalid_block_ids) or list(recv.block_ids))
+
+    def _fail_recv(self, request_id: str, block_ids: list[int]) -> None:
+        self.totals.pulls_failed += 1
+        self._report_recv[request_id] = False
+        if not self.multi_group:
+            self._invalid.update(block_ids)
+
+    def _count_send(self, ev: Event) -> None:
+        if ev.ok:
+            self.totals.sends_ok += 1
+        else:
+            self.totals.sends_expired += 1
+
+    def _maybe_report_send(self, request_id: str) -> None:
+        if request_id in self._sent_done and request_id in self._finished:
+            self._sent_done.discard(request_id)
+            self._finished.discard(request_id)
+            self._report_send.add(request_id)
+
+    # ------------------------------------------------------------ per step
+
+    def expire(self, now_s: float) -> list[str]:
+        """Give up on pulls and sends the daemon never answered (it died with them).
+
+        A lost pull is reported failed; a lost send is reported finished, since
+        no daemon that could still read the blocks is left. Returns the ids.
+        """
+        lost = []
+        for rid, recv in list(self._recving.items()):
+            if now_s >= recv.deadline_s:
+                del self._recving[rid]
+                self._fail_recv(rid, list(recv.block_ids))
+                lost.append(rid)
+        for rid, deadline_s in list(self._sending.items()):
+            if now_s >= deadline_s:
+                del self._sending[rid]
+                self.totals.sends_expired += 1
+                self._sent_done.add(rid)
+                self._maybe_report_send(rid)
+                lost.append(rid)
+        return lost
+
+    @property
+    def waiting_on_daemon(self) -> bool:
+        """Whether polling the daemon can change anything (skip the round trip if not)."""
+        return bool(self._recving or self._sending or self._quiet or self._early)
+
+    def take(self) -> StepReport:
+        recv = frozenset(self._report_recv)
+        failed = frozenset(r for r, ok in self._report_recv.items() if not ok)
+        report = StepReport(
+            finished_sending=frozenset(self._report_send),
+            finished_recving=recv,
+            failed_recving=failed if self.multi_group else frozenset(),
+            invalid_block_ids=frozenset(self._invalid),
+        )
+        self._report_send.clear()
+        self._report_recv.clear()
+        self._invalid.clear()
+        return report
+
+    def take_totals(self) -> TransferTotals:
+        totals, self.totals = self.totals, TransferTotals()
+        return totals
