@@ -66,6 +66,7 @@ class EventBook:
         self._early: dict[str, Event] = {}  # done_recving that overtook its announcement
         self._sent_done: set[str] = set()
         self._report_send: set[str] = set()
+        self._closed_send: set[str] = set()  # reported before their announcement arrived
         self._report_recv: dict[str, bool] = {}  # id -> ok
         self._invalid: set[int] = set()
         self.totals = TransferTotals()
@@ -89,23 +90,25 @@ class EventBook:
         self._fail_recv(request_id, block_ids)
 
     def announce_send(self, request_id: str, deadline_s: float) -> None:
+        if request_id in self._closed_send:
+            self._closed_send.discard(request_id)
+            return
         self._sending[request_id] = deadline_s
-        if request_id in self._sent_done:
-            self._sent_done.discard(request_id)
-            self._sending.pop(request_id, None)
-            self._maybe_report_send(request_id)
+        self._maybe_report_send(request_id)
 
     def vllm_finished(self, request_ids: set[str]) -> None:
-        self._finished |= request_ids
-        for rid in list(request_ids):
-            self._maybe_report_send(rid)
+        """vLLM's finished ids; only published ones are kept (the set must not grow
+        with every request the engine ever ran)."""
+        for rid in request_ids:
+            if rid in self._sending or rid in self._sent_done:
+                self._finished.add(rid)
+                self._maybe_report_send(rid)
 
     # ------------------------------------------------------------ daemon events
 
     def on_event(self, ev: Event) -> None:
         if ev.kind == "done_sending":
             self._count_send(ev)
-            self._sending.pop(ev.request_id, None)
             self._sent_done.add(ev.request_id)
             self._maybe_report_send(ev.request_id)
             return
@@ -145,6 +148,8 @@ class EventBook:
             self._sent_done.discard(request_id)
             self._finished.discard(request_id)
             self._report_send.add(request_id)
+            if self._sending.pop(request_id, None) is None:
+                self._closed_send.add(request_id)
 
     # ------------------------------------------------------------ per step
 
@@ -161,7 +166,7 @@ class EventBook:
                 self._fail_recv(rid, list(recv.block_ids))
                 lost.append(rid)
         for rid, deadline_s in list(self._sending.items()):
-            if now_s >= deadline_s:
+            if now_s >= deadline_s and rid not in self._sent_done:
                 del self._sending[rid]
                 self.totals.sends_expired += 1
                 self._sent_done.add(rid)
