@@ -1,0 +1,108 @@
+"""Whole vLLM engines through kvd: a prefill engine and a decode engine, each with its
+own ``kvd serve``, must produce exactly what one plain engine produces, while the
+decode engine computes only the last prompt token.
+
+The tiny model is real (deterministic weights whose outputs depend on the
+prompt, guarded by test_tiny_model.py), so equal tokens and logprobs mean the
+decode engine attended over the pulled KV, not over zeros or stale blocks.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.localcluster import DaemonProcess
+
+pytest.importorskip("vllm")
+from engine_proc import EngineProc  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 32
+MAX_TOKENS = 8
+
+
+def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
+    return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
+            "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {"kvd_address": daemon.engine_address}}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
+    logs = tmp_path_factory.mktemp("pd-logs")
+    tag = uuid.uuid4().hex[:6]
+    pd = DaemonProcess.start(f"vp{tag}", logs)
+    dd = DaemonProcess.start(f"vd{tag}", logs)
+    started: list[EngineProc] = []
+    try:
+        for name, cfg in (("prefill", _kv_config(f"prefill-{tag}", pd)),
+                          ("decode", _kv_config(f"decode-{tag}", dd)), ("plain", None)):
+            started.append(EngineProc.start(tiny_model_dir, kv_transfer_config=cfg,
+                                            block_size=BLOCK, name=name,
+                                            log_path=logs / f"{name}.log"))
+        yield started[0], started[1], started[2]
+    finally:
+        for e in started:
+            e.close()
+        for d in (pd, dd):
+            rc = d.stop()
+            assert rc == 0, d.log_path.read_text()[-3000:]
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length + i * 7)] for i in range(n)]
+
+
+def _disaggregated(prefill: EngineProc, decode: EngineProc, prompts: list[list[int]]
+                   ) -> tuple[list[dict], list[dict]]:
+    """The router's job, as vLLM's toy proxy does it: prefill with max_tokens=1 and
+    do_remote_decode, then decode with the prefill response's params copied over."""
+    first = prefill.generate(prompts, max_tokens=1,
+                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
+    params = [r["kv_transfer_params"] for r in first]
+    assert all(p and p.get("do_remote_prefill") for p in params), params
+    return first, decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+
+
+def test_decode_through_kvd_equals_a_plain_engine(engines: tuple[EngineProc, ...]) -> None:
+    prefill, decode, plain = engines
+    prompts = _prompts(3, 150, seed=11)
+    want = plain.generate(prompts, max_tokens=MAX_TOKENS)
+    first, got = _disaggregated(prefill, decode, prompts)
+    for p, w, f, g in zip(prompts, want, first, got, strict=True):
+        assert f["token_ids"] == w["token_ids"][:1]
+        assert g["token_ids"] == w["token_ids"], "decode through kvd diverged from plain"
+        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
+        # The decode engine computed only the last prompt token; the rest came from kvd.
+        assert g["prompt_tokens_computed"] == 1, g
+        assert g["external_cached"] == len(p) - 1 or g["first_start"] == len(p) - 1, g
+
+
+def test_prefix_hit_on_decode_pulls_only_the_tail(engines: tuple[EngineProc, ...]) -> None:
+    prefill, decode, plain = engines
+    shared = _prompts(1, 4 * BLOCK, seed=21)[0]
+    # Warm the decode engine's prefix cache with the first 4 blocks (a plain request).
+    decode.generate([shared + [7] * 5], max_tokens=1)
+    prompt = shared + _prompts(1, 70, seed=22)[0]
+    want = plain.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    _, got = _disaggregated(prefill, decode, [prompt])
+    assert got[0]["token_ids"] == want["token_ids"]
+    assert got[0]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert got[0]["prompt_tokens_computed"] == 1
+
+
+def test_engines_hold_no_kvd_transfers_afterwards(engines: tuple[EngineProc, ...]) -> None:
+    prefill, decode, _ = engines
+    # A few more steps let both engines report their last completions.
+    prefill.generate(_prompts(1, 40, seed=31), max_tokens=2)
+    decode.generate(_prompts(1, 40, seed=32), max_tokens=2)
+    for engine in (prefill, decode):
+        assert engine.info, "engine reported its facts"
