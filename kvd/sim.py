@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.planner import ModelGeometry, Parallelism, heads_per_rank, rank_heads, stage_layers
+from kvd.planner.layout import VLLM_LAYOUTS, vllm_head_layout
 from kvd.protocol import LayoutSpec, ModelSpec
 
 
@@ -37,17 +38,33 @@ def global_kv(model: ModelSpec, num_tokens: int, seed: int = 1) -> np.ndarray:
 
 
 def layout_spec(shape: EngineShape) -> LayoutSpec:
+    """A vLLM layout name fixes the head order: the spec says it as head_layout, too."""
+    head_layout = shape.head_layout
+    if shape.kv_layout in VLLM_LAYOUTS:
+        head_layout = vllm_head_layout(shape.kv_layout)
     return LayoutSpec(num_blocks=shape.num_blocks, block_size_tokens=shape.block_size_tokens,
-                      kv_layout=shape.kv_layout, head_layout=shape.head_layout)
+                      kv_layout=shape.kv_layout, head_layout=head_layout)
 
 
 def _geom(model: ModelSpec) -> ModelGeometry:
     return ModelGeometry(model.num_kv_heads, model.num_layers, model.mla)
 
 
-def _blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str) -> np.ndarray:
-    """Pool as [block, layer, kv, token, head, dim] (a view, no copy)."""
+def _blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str,
+                 kv_parts: int | None = None) -> np.ndarray:
+    """Pool as [block, layer, kv, token, head, dim] (a view, no copy).
+
+    vLLM layouts ("LBHNC", ...) keep K and V in one channel axis, so splitting it needs
+    kv_parts (2, or 1 for MLA); without it the view has one kv part holding the whole
+    channel, enough to count untouched bytes.
+    """
     view = pool.view(np.uint16)
+    if kv_layout in VLLM_LAYOUTS:  # the name's axes; head_layout follows from it
+        channel = view.shape[-1]
+        parts = kv_parts or 1
+        view = view.reshape(*view.shape[:-1], parts, channel // parts)
+        axes = [*kv_layout[:-1], "kv", "dim"]
+        return view.transpose([axes.index(a) for a in ("B", "L", "kv", "N", "H", "dim")])
     if kv_layout == "head_major":  # (nb, H, L, kv, T, D); HND is implied
         return view.transpose(0, 2, 3, 4, 1, 5)
     if kv_layout == "cross_layer":  # (nb, L, kv, ...): already block-major
@@ -76,7 +93,7 @@ def write_shard(pool: np.ndarray, g: np.ndarray, model: ModelSpec, shape: Engine
                 tp_rank: int, pp_rank: int, block_ids: list[int], first_token: int = 0) -> None:
     """Prefill side: put this rank's cells of tokens [first_token, ...) into its blocks."""
     layers, heads = rank_slices(model, shape, tp_rank, pp_rank)
-    view = _blocks_view(pool, shape.kv_layout, shape.head_layout)
+    view = _blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
     bs = shape.block_size_tokens
     for i, b in enumerate(block_ids):
         t0 = first_token + i * bs
@@ -90,7 +107,7 @@ def check_shard(pool: np.ndarray, g: np.ndarray, model: ModelSpec, shape: Engine
                 tp_rank: int, pp_rank: int, block_ids: list[int], first_token: int = 0) -> int:
     """Decode side: number of mismatching elements between the pool and the expected shard."""
     layers, heads = rank_slices(model, shape, tp_rank, pp_rank)
-    view = _blocks_view(pool, shape.kv_layout, shape.head_layout)
+    view = _blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
     bs = shape.block_size_tokens
     bad = 0
     for i, b in enumerate(block_ids):

@@ -8,6 +8,12 @@ memory order, which is what makes neighbours adjacent for the merge.
 "head_major" puts heads outermost inside a block ([block][head][layer][kv][token]
 [dim]): one decode rank's head range of a prefill block, all layers and K/V, is
 one contiguous region, so a TP1 -> TP2 pull is one descriptor per block per rank.
+
+vLLM's own layouts (VLLM_LAYOUTS, the names of vllm/v1/kv_cache_layout.py) are
+spelled by their axes outermost first: L layer, B block, H head, N token and C
+the channel, K and V of one (head, token) side by side (MLA: the latent). With K
+and V interleaved, a chunk never splits a channel; the rest is the same stride
+model, so head and token slices come out of the same code.
 """
 
 from __future__ import annotations
@@ -20,7 +26,15 @@ from kvd.errors import LayoutError
 from kvd.planner.plan import Read
 
 KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer", "head_major")
+# vLLM 0.32's KVCacheLayout members: one rank's pool is one region in this axis order.
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+ALL_KV_LAYOUTS = KV_LAYOUTS + VLLM_LAYOUTS
 HEAD_LAYOUTS = ("HND", "NHD")
+
+
+def vllm_head_layout(kv_layout: str) -> str:
+    """The body order a vLLM layout name implies: tokens outside heads is NHD."""
+    return "NHD" if kv_layout.index("N") < kv_layout.index("H") else "HND"
 
 
 @dataclass(frozen=True)
@@ -41,12 +55,30 @@ class CacheLayout:
     kv_layout: str = "kv_split"
     # body "HND": [head][token][head_dim]; "NHD": [token][head][head_dim].
     # head_major has no separate body (heads are above layers): it requires "HND".
+    # vLLM names ("LBHNC", ...; VLLM_LAYOUTS) fix the order of H and N themselves, and
+    # head_layout must agree with the name (vllm_head_layout) so that the compatibility
+    # hash, which includes it, cannot tell two spellings of the same bytes apart.
     head_layout: str = "HND"
     mla: bool = False  # one latent cache per layer, i.e. kv_parts == 1
 
     @property
     def kv_parts(self) -> int:
         return 1 if self.mla else 2
+
+    @property
+    def vllm(self) -> bool:
+        """K and V of one (head, token) adjacent: one of vLLM's layouts."""
+        return self.kv_layout in VLLM_LAYOUTS
+
+    @property
+    def channel_nbytes(self) -> int:
+        """Bytes of one (layer, block, head, token) run: K and V together in vLLM's layouts
+        (the smallest piece a descriptor may cut), one kv part's head_dim otherwise."""
+        return (self.kv_parts if self.vllm else 1) * self.head_dim * self.dtype_nbytes
+
+    def _vllm_sizes(self) -> dict[str, int]:
+        return {"L": self.num_layers, "B": self.num_blocks, "H": self.num_heads,
+                "N": self.block_size_tokens, "C": self.kv_parts * self.head_dim}
 
     @property
     def block_nbytes(self) -> int:
@@ -60,6 +92,9 @@ class CacheLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         """Element shape of the whole pool, for a numpy/torch view."""
+        if self.vllm:  # the name's axes in its order; C is K then V (MLA: the latent)
+            size = self._vllm_sizes()
+            return tuple(size[axis] for axis in self.kv_layout)
         if self.kv_layout == "head_major":
             return (self.num_blocks, self.num_heads, self.num_layers, self.kv_parts,
                     self.block_size_tokens, self.head_dim)
@@ -75,7 +110,9 @@ class CacheLayout:
     @property
     def effective_head_layout(self) -> str:
         """With a single head, NHD and HND are the same bytes; call that HND."""
-        return "HND" if self.num_heads == 1 else self.head_layout
+        if self.num_heads == 1:
+            return "HND"
+        return vllm_head_layout(self.kv_layout) if self.vllm else self.head_layout
 
     def validate(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size_tokens", "num_heads"):
@@ -84,8 +121,10 @@ class CacheLayout:
         for name in ("head_dim", "dtype_nbytes"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"cache layout {name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise LayoutError(f"unknown kv_layout {self.kv_layout!r}, expected one of {KV_LAYOUTS}")
+        if self.kv_layout not in ALL_KV_LAYOUTS:
+            raise LayoutError(
+                f"unknown kv_layout {self.kv_layout!r}, expected one of {ALL_KV_LAYOUTS}"
+            )
         if self.head_layout not in HEAD_LAYOUTS:
             raise LayoutError(
                 f"unknown head_layout {self.head_layout!r}, expected one of {HEAD_LAYOUTS}"
@@ -94,12 +133,25 @@ class CacheLayout:
             raise LayoutError(
                 f"kv_layout head_major needs head_layout HND, got {self.head_layout!r}"
             )
+        if self.vllm and self.head_layout != vllm_head_layout(self.kv_layout):
+            raise LayoutError(
+                f"kv_layout {self.kv_layout} is {vllm_head_layout(self.kv_layout)} inside a "
+                f"block: set head_layout {vllm_head_layout(self.kv_layout)}, "
+                f"got {self.head_layout!r}"
+            )
         if self.mla and self.num_heads != 1:
             raise LayoutError(f"MLA cache holds one latent head, got num_heads={self.num_heads}")
 
     # Byte strides of each logical axis; these are the whole layout definition.
     def strides_nbytes(self) -> dict[str, int]:
         elem = self.head_dim * self.dtype_nbytes
+        if self.vllm:  # dense in the name's order; "kv" is V's offset inside the channel
+            size, stride, strides = self._vllm_sizes(), self.channel_nbytes, {}
+            for axis in reversed(self.kv_layout[:-1]):  # C is innermost in every name
+                strides[axis] = stride
+                stride *= size[axis]
+            return {"layer": strides["L"], "kv": elem, "block": strides["B"],
+                    "head": strides["H"], "token": strides["N"]}
         if self.kv_layout == "head_major":
             token = elem
             kv = self.block_size_tokens * elem
@@ -167,6 +219,21 @@ def _check_pair(read: Read, local: CacheLayout, local_first_layer: int,
         raise LayoutError(f"read layers {read.layers} are not all in the local cache")
     if not (remote_first_layer <= l0 < l1 <= remote_first_layer + remote.num_layers):
         raise LayoutError(f"read layers {read.layers} are not all in the remote cache")
+    if not local.mla and local.vllm != remote.vllm:
+        v, other = (local, remote) if local.vllm else (remote, local)
+        raise LayoutError(
+            f"K and V sit side by side in {v.kv_layout} but apart in {other.kv_layout}: "
+            "bytes would need de-interleaving"
+        )
+    if local.vllm or remote.vllm:
+        # A single-head side has one order; any other pair of orders needs a transpose.
+        if (local.num_heads > 1 and remote.num_heads > 1
+                and local.effective_head_layout != remote.effective_head_layout):
+            raise LayoutError(
+                f"head layouts differ (local {local.kv_layout}, remote {remote.kv_layout}): "
+                "bytes would need a transpose"
+            )
+        return  # token-major (NH) head slices: one descriptor per token, see _chunking
     if local.effective_head_layout != remote.effective_head_layout:
         raise LayoutError(
             f"head layouts differ (local {local.head_layout}, remote {remote.head_layout}): "
@@ -178,6 +245,30 @@ def _check_pair(read: Read, local: CacheLayout, local_first_layer: int,
             "NHD caches cannot be head-sliced with byte-range descriptors; "
             "use HND or equal TP (whole-head reads)"
         )
+
+
+def _chunking(ls: dict[str, int], rs: dict[str, int], elem: int, n_heads: int,
+              seg_tokens: int) -> tuple[int, int, int]:
+    """(chunk bytes, head-axis size, token-axis size): the biggest piece both sides hold
+    contiguously in the same order, of one (layer, kv, segment).
+
+    Decided by strides, not names, so that every pair of layouts (one of them with a
+    single head included) gets the same test: a segment's heads x tokens as one run,
+    token-major or head-major; else one head's tokens; else one token's heads (vLLM's
+    NH layouts cut to a head range: one descriptor per token).
+    """
+    sides = (ls, rs)
+    heads_run = n_heads == 1 or all(s["head"] == elem for s in sides)
+    tokens_run = all(s["token"] == elem for s in sides)
+    if heads_run and all(s["token"] == n_heads * elem for s in sides):  # [token][head]
+        return n_heads * seg_tokens * elem, 1, 1
+    if tokens_run and (n_heads == 1 or all(s["head"] == seg_tokens * elem for s in sides)):
+        return n_heads * seg_tokens * elem, 1, 1  # [head][token]
+    if tokens_run:
+        return seg_tokens * elem, n_heads, 1
+    if heads_run:
+        return n_heads * elem, 1, seg_tokens
+    raise LayoutError("the two caches order heads and tokens differently: no byte-range form")
 
 
 def _segments(local: CacheLayout, remote: CacheLayout, local_ids: np.ndarray,
@@ -217,11 +308,18 @@ def _segments(local: CacheLayout, remote: CacheLayout, local_ids: np.ndarray,
 
 
 # Chunk enumeration order per local kv_layout, outermost first: its memory order.
+# "big"/"sub" are the segment (bigger block, sub-segment), "tok" a token inside it.
 _AXIS_ORDER = {
-    "kv_split": ("layer", "kv", "big", "head", "sub"),
-    "blocks_first": ("layer", "big", "kv", "head", "sub"),
-    "cross_layer": ("big", "layer", "kv", "head", "sub"),
-    "head_major": ("big", "head", "layer", "kv", "sub"),
+    "kv_split": ("layer", "kv", "big", "head", "sub", "tok"),
+    "blocks_first": ("layer", "big", "kv", "head", "sub", "tok"),
+    "cross_layer": ("big", "layer", "kv", "head", "sub", "tok"),
+    "head_major": ("big", "head", "layer", "kv", "sub", "tok"),
+    "LBHNC": ("layer", "kv", "big", "head", "sub", "tok"),
+    "LBNHC": ("layer", "kv", "big", "sub", "tok", "head"),
+    "LHBNC": ("layer", "kv", "head", "big", "sub", "tok"),
+    "BLHNC": ("big", "layer", "kv", "head", "sub", "tok"),
+    "BLNHC": ("big", "layer", "kv", "sub", "tok", "head"),
+    "BHLNC": ("big", "head", "layer", "kv", "sub", "tok"),
 }
 
 
@@ -267,25 +365,24 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     lb, lt, rb, rt, valid, n_sub, seg_tokens = _segments(local, remote, local_ids, remote_ids)
     ls, rs = local.strides_nbytes(), remote.strides_nbytes()
     n_heads = read.local_heads[1] - read.local_heads[0]
-    elem = local.head_dim * local.dtype_nbytes
-    equal_blocks = local.block_size_tokens == remote.block_size_tokens
-    head_major = "head_major" in (local.kv_layout, remote.kv_layout)
-    if local.effective_head_layout == "NHD":  # whole heads, checked: token rows are contiguous
-        per_head, chunk = False, seg_tokens * local.num_heads * elem
-    elif equal_blocks and not head_major:  # HND: [head][token] of a whole block, heads adjacent
-        per_head, chunk = False, n_heads * seg_tokens * elem
-    else:  # HND with a block-size ratio, or head_major: one head's tokens at a time
-        per_head, chunk = True, seg_tokens * elem
-    head_idx = np.arange(n_heads if per_head else 1, dtype=np.int64)
+    # vLLM layouts carry K and V inside the channel (one kv index); MLA pairs of a vLLM
+    # and a split layout agree anyway: one part, channel == head_dim.
+    elem = local.channel_nbytes
+    n_kv = 1 if local.vllm else local.kv_parts
+    chunk, n_head_idx, n_tok = _chunking(ls, rs, elem, n_heads, seg_tokens)
 
     n_layers = read.layers[1] - read.layers[0]
-    # Both head_major, equal blocks: one head's layer range x K/V x tokens is one run on
-    # both sides, so make it the chunk (n_layers * kv_parts fewer chunks to merge).
-    fold = local.kv_layout == remote.kv_layout == "head_major" and equal_blocks
+    # Where a chunk's K/V parts and layers follow each other on both sides (head_major or
+    # BHLNC with equal block sizes: one head's layer range x K/V x tokens) take them as one
+    # chunk from the start: n_layers * n_kv fewer chunks to merge.
+    fold = all(s["layer"] == n_kv * chunk and (n_kv == 1 or s["kv"] == chunk)
+               for s in (ls, rs))
     if fold:
-        chunk *= n_layers * local.kv_parts
-    n_layer_idx, n_kv_idx = (1, 1) if fold else (n_layers, local.kv_parts)
+        chunk *= n_layers * n_kv
+    n_layer_idx, n_kv_idx = (1, 1) if fold else (n_layers, n_kv)
     n_big = lb.size // n_sub
+    head_idx = np.arange(n_head_idx, dtype=np.int64)
+    tok_idx = np.arange(n_tok, dtype=np.int64)
     sides = []
     for s, first, blocks, tokens, heads0 in (
         (ls, local_first_layer, lb, lt, read.local_heads[0]),
@@ -295,14 +392,14 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
         kv = np.arange(n_kv_idx, dtype=np.int64) * s["kv"]
         seg = (blocks * s["block"] + tokens * s["token"]).reshape(n_big, n_sub)
         head = (heads0 + head_idx) * s["head"]
-        sides.append((layer, kv, seg, head))
+        sides.append((layer, kv, seg, head, tok_idx * s["token"]))
 
     # Enumerate chunks in the local pool's memory order so that neighbours in memory
     # are neighbours in the list. Any order is correct (each chunk pairs the same
     # (layer, kv, segment, head) on both sides); only the merge depends on it.
     order = _AXIS_ORDER[local.kv_layout]
-    sizes = {"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": head_idx.size,
-             "sub": n_sub}
+    sizes = {"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": n_head_idx,
+             "sub": n_sub, "tok": n_tok}
     full = tuple(sizes[a] for a in order)
 
     def place(values: np.ndarray, *axes: str) -> np.ndarray:
@@ -312,9 +409,9 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
             shape[order.index(a)] = sizes[a]
         return values.reshape(shape)
 
-    def grid(layer, kv, seg, head):
+    def grid(layer, kv, seg, head, tok):
         return (place(layer, "layer") + place(kv, "kv") + place(seg, "big", "sub")
-                + place(head, "head"))
+                + place(head, "head") + place(tok, "tok"))
 
     mask = np.broadcast_to(place(valid, "big", "sub"), full)
     lo = grid(*sides[0]).reshape(-1)
