@@ -42,6 +42,20 @@ def plan(
     ),
     mla: bool = typer.Option(False, "--mla", help="MLA: one latent cache on every rank."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    layout: str | None = typer.Option(
+        None, "--layout", help="Also count NIXL descriptors of one request with this pool "
+        "layout on both engines (e.g. LBHNC, head_major; comma-separated, or all)."
+    ),
+    tokens: int = typer.Option(8192, "--tokens", help="With --layout: request length."),
+    block_size: int = typer.Option(16, "--block-size", help="With --layout: block size "
+                                   "(tokens) of the prefill engine, and of the decode one "
+                                   "unless --decode-block-size."),
+    decode_block_size: int | None = typer.Option(None, "--decode-block-size",
+                                                 help="With --layout: decode block size."),
+    head_dim: int = typer.Option(128, "--head-dim", help="With --layout: head_dim "
+                                 "(MLA: latent size)."),
+    dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="With --layout: bytes per "
+                                    "element."),
 ) -> None:
     """Show which bytes every decode rank reads from which prefill rank."""
     from kvd.errors import KvdError
@@ -60,6 +74,12 @@ def plan(
                 decode_layers=decode_layers,
                 mla=mla,
                 as_json=as_json,
+                layout=layout,
+                tokens=tokens,
+                block_size=block_size,
+                decode_block_size=decode_block_size,
+                head_dim=head_dim,
+                dtype_bytes=dtype_bytes,
             )
         )
     except KvdError as exc:

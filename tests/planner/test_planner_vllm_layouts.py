@@ -8,6 +8,7 @@ against its own. The strides are checked against vLLM's own stride rule.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -380,3 +381,55 @@ def test_llama_descriptors_per_block(name, tps):
     counts, sizes = llama_counts(name, *tps, n)
     assert counts == {RankId(t): n * per_block for t in range(tps[1])}
     assert sizes == {nbytes}
+
+
+# ---------------------------------------------------------------- kvd plan --layout
+
+
+def plan_cli(*opts: str):
+    from typer.testing import CliRunner
+
+    from kvd.cli import app
+
+    return CliRunner().invoke(app, ["plan", "--kv-heads", "8", "--layers", "32", *opts])
+
+
+@pytest.mark.parametrize("tps", [(1, 2), (4, 2)])
+def test_kvd_plan_counts_descriptors_per_decode_rank(tps):
+    """`kvd plan --layout` prints what the descriptor builder makes, per decode rank."""
+    n = 24
+    opts = ["--prefill-tp", str(tps[0]), "--decode-tp", str(tps[1]), "--tokens", str(16 * n),
+            "--block-size", "16", "--head-dim", "128"]
+    result = plan_cli(*opts, "--layout", ",".join(VLLM_LAYOUTS), "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert [d["layout"] for d in out["descriptors"]] == list(VLLM_LAYOUTS)
+    for entry in out["descriptors"]:
+        per_block, nbytes = EXPECTED[entry["layout"]][tps]
+        assert entry["decode_ranks"] == {
+            f"{t}/0": {"descriptors": n * per_block, "nbytes": n * 16 * 4 * 32 * 2 * 128 * 2}
+            for t in range(tps[1])}
+        assert entry["total"] == tps[1] * n * per_block
+    table = plan_cli(*opts, "--layout", "BHLNC")
+    assert table.exit_code == 0, table.output
+    want = n * EXPECTED["BHLNC"][tps][0]
+    rows = [line.split() for line in table.stdout.splitlines()]
+    assert ["0/0", str(len(out["decode_ranks"][0]["reads"])), str(want)] == rows[-3][:3]
+    assert rows[-1][:3] == ["total", str(sum(len(d["reads"]) for d in out["decode_ranks"])),
+                            str(tps[1] * want)]
+    every = plan_cli(*opts, "--layout", "all")
+    assert every.exit_code == 0, every.output
+    assert {line.split()[0] for line in every.stdout.splitlines()[-10:]} == {
+        "kv_split", "blocks_first", "cross_layer", "head_major", *VLLM_LAYOUTS}
+
+
+@pytest.mark.parametrize(("opts", "needle"), [
+    (("--layout", "LBHCN"), "unknown layout 'LBHCN'"),
+    (("--layout", "LBHNC", "--block-size", "0"), "--block-size must be >= 1"),
+    (("--layout", "LBHNC", "--block-size", "12", "--decode-block-size", "16"), "do not divide"),
+])
+def test_kvd_plan_bad_layout_options_exit_2_in_one_line(opts, needle):
+    result = plan_cli("--prefill-tp", "1", "--decode-tp", "2", *opts)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
