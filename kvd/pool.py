@@ -3,23 +3,34 @@
 NIXL registers only memory owned by the registering process, so the daemon
 allocates every engine rank's pool and hands out a handle:
 
-* DRAM: a POSIX shared-memory file in /dev/shm, opened directly (not through
-  multiprocessing.shared_memory, whose resource tracker unlinks segments when
-  an *attaching* process exits).
+* DRAM: a shared-memory file the engine opens by path and maps (opened directly,
+  not through multiprocessing.shared_memory, whose resource tracker unlinks
+  segments when an *attaching* process exits). Where its pages come from is the
+  pool *backing* (`PoolBacking`): 2 MiB pages when the host offers them, because
+  the kernel pins every page of both sides per READ and 4 KiB pages cost ~20-40%
+  of a READ's speed here (benchmarks/README.md).
 * VRAM: a torch allocation on the rank's device, exported as a CUDA IPC handle
-  (untested here: no GPU on the development machines).
+  (kvd.cuda_pool; untested here: no GPU on the development machines).
 
-The daemon side (`ShmPool`) creates and unlinks; the engine side
-(`map_pool`) only maps.
+The daemon side (`ShmPool`) creates and removes; the engine side (`map_pool`)
+only maps. After a crash (kill -9) nothing removes a daemon's pool files, so each
+daemon incarnation holds an flock on an owner file for its lifetime
+(`PoolOwner`) and names its pools after it; `reap_dead_pools` at start removes the
+files of incarnations whose lock is free (dead), never those of a live daemon.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
+import fcntl
+import logging
 import mmap
 import os
+import re
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +39,13 @@ import numpy as np
 from kvd.errors import KvdError
 from kvd.protocol import DTYPE_NBYTES, PoolHandle
 
+log = logging.getLogger("kvd.pool")
+
 SHM_DIR = Path("/dev/shm")
+SMALL_PAGE_NBYTES = 4096
+HUGE_PAGE_NBYTES = 2 * 1024 * 1024
+# Far above any real pool, far below what makes fallocate/mmap overflow a C long.
+MAX_POOL_NBYTES = 1 << 50
 
 # numpy has no bfloat16/float8: map those to same-width unsigned ints for byte views.
 _NUMPY_DTYPES = {
@@ -51,73 +68,426 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 # Mappings are rounded up to 2 MiB so that a huge-page filesystem (hugetlbfs, or
 # tmpfs mounted with huge=always) can back the pools; see Config.shm_dir.
-MAP_ALIGN = 2 * 1024 * 1024
+MAP_ALIGN = HUGE_PAGE_NBYTES
 
 
-def mapped_nbytes(nbytes: int) -> int:
-    return -(-nbytes // MAP_ALIGN) * MAP_ALIGN
+def mapped_nbytes(nbytes: int, page_nbytes: int = MAP_ALIGN) -> int:
+    align = max(page_nbytes, MAP_ALIGN)
+    return -(-nbytes // align) * align
+
+
+class PoolSizeError(KvdError, ValueError):
+    """A pool size that is not a positive int or exceeds the cap.
+
+    Carries code ``too_large`` (to be registered in kvd.errors.ERRORS_BY_CODE)."""
+
+    code = "too_large"
+
+
+class PoolBacking(str, enum.Enum):
+    """Where a DRAM pool's pages come from (Config: ``pool_backing``).
+
+    ``auto`` tries, per pool, in this order: ``hugetlbfs`` if shm_dir is a hugetlbfs
+    mount; ``memfd_hugetlb`` if reserved 2 MiB pages are free; ``tmpfs_huge`` if
+    shm_dir is a tmpfs mounted ``huge=always|within_size``; else ``shm`` (4 KiB
+    pages on a plain tmpfs) with a warning. A forced value fails pool creation when
+    the host cannot provide it, instead of falling back.
+    """
+
+    AUTO = "auto"
+    HUGETLBFS = "hugetlbfs"  # a file in shm_dir, a hugetlbfs mount (reserved huge pages)
+    MEMFD_HUGETLB = "memfd_hugetlb"  # memfd_create(MFD_HUGETLB): reserved 2 MiB pages, no
+    # mount needed; engines open /proc/<kvd pid>/fd/<fd> (same PID namespace and uid)
+    TMPFS_HUGE = "tmpfs_huge"  # a file in shm_dir, a tmpfs mounted huge=always|within_size
+    SHM = "shm"  # a file in shm_dir as it is (4 KiB pages on a plain /dev/shm): no checks
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    path: str
+    fstype: str
+    options: tuple[str, ...]
+
+    @property
+    def is_hugetlbfs(self) -> bool:
+        return self.fstype == "hugetlbfs"
+
+    @property
+    def is_huge_tmpfs(self) -> bool:
+        return self.fstype == "tmpfs" and bool(
+            {"huge=always", "huge=within_size"} & set(self.options))
+
+
+def mount_of(path: str | Path) -> MountInfo | None:
+    """The mount holding ``path`` (longest mount point prefix in /proc/mounts)."""
+    real = os.path.realpath(path)
+    best: MountInfo | None = None
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (
+                best is None or len(mnt) >= len(best.path)):
+            best = MountInfo(mnt, parts[2], tuple(parts[3].split(",")))
+    return best
+
+
+def hugepages_free_nbytes() -> int:
+    """Reserved 2 MiB pages free for new hugetlb mappings (HugePages_Free - Rsvd)."""
+    info: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key.startswith("HugePages_"):
+                info[key] = int(rest.split()[0])
+    except (OSError, ValueError):
+        return 0
+    free = info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)
+    return max(0, free) * HUGE_PAGE_NBYTES
+
+
+def _page_nbytes_of_dir(directory: Path, mount: MountInfo | None) -> int:
+    if mount is not None and mount.is_hugetlbfs:
+        return os.statvfs(directory).f_bsize  # hugetlbfs reports its page size here
+    if mount is not None and mount.is_huge_tmpfs:
+        return HUGE_PAGE_NBYTES  # transparent: the kernel's best effort (see page_stats)
+    return SMALL_PAGE_NBYTES
+
+
+def _check_nbytes(nbytes: object, max_nbytes: int | None) -> int:
+    cap = MAX_POOL_NBYTES if max_nbytes is None else min(max_nbytes, MAX_POOL_NBYTES)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise PoolSizeError(f"pool size must be an int, got {type(nbytes).__name__}")
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise PoolSizeError(f"pool size must be > 0 bytes, got {nbytes}")
+    if nbytes > cap:
+        raise PoolSizeError(f"pool of {nbytes} bytes exceeds the cap of {cap} bytes")
+    return nbytes
+
+
+class _NoPages(Exception):
+    """This backing cannot provide the pool here (auto mode tries the next one)."""
+
+
+# ---------------------------------------------------------------- owner lock and reaping
+
+_OWNER_RE = r"\d+-[0-9a-f]{8}"
+
+
+@dataclass
+class PoolOwner:
+    """One daemon incarnation's claim on its pool files: an flock held for its lifetime.
+
+    The lock file ``<prefix>-<owner_id>.lock`` sits in the pool directory and pools are
+    named ``<prefix>-<owner_id>-<token>``. The kernel drops the flock when the process
+    dies (kill -9 included), which is what proves to `reap_dead_pools` that the files
+    are orphans; pid checks cannot (pid reuse, PID namespaces sharing one directory).
+    The lock is taken on a temporary name and then renamed into place, so a visible
+    lock file is always already locked by its live owner.
+    """
+
+    prefix: str
+    owner_id: str
+    directory: Path
+    fd: int | None = field(default=None, repr=False)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.directory / f"{self.prefix}-{self.owner_id}.lock"
+
+    @classmethod
+    def acquire(cls, directory: str | Path, prefix: str) -> PoolOwner:
+        directory = Path(directory)
+        owner_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        owner = cls(prefix=prefix, owner_id=owner_id, directory=directory)
+        tmp = directory / f".{prefix}-{owner_id}.lock.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.rename(tmp, owner.lock_path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        owner.fd = fd
+        return owner
+
+    def pool_name(self) -> str:
+        return f"{self.prefix}-{self.owner_id}-{secrets.token_hex(6)}"
+
+    def release(self) -> None:
+        """Clean shutdown: remove the lock file (pools are closed by their owners)."""
+        if self.fd is None:
+            return
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+
+
+def reap_dead_pools(directory: str | Path, prefix: str,
+                    pool_dirs: tuple[str | Path, ...] = ()) -> list[str]:
+    """Remove the pool files of dead incarnations; returns the names removed.
+
+    An incarnation is dead when its lock file in ``directory`` can be flocked: the
+    kernel released its owner's lock. Its pools ``<prefix>-<owner_id>-*`` are removed
+    from ``directory`` and from ``pool_dirs`` (e.g. the 4 KiB fallback directory), then
+    the lock file. Live daemons' locks (other processes, or other daemons of this
+    process) cannot be taken, so their files are never touched; pool files without an
+    owner lock (older kvd versions) are left alone. Engines still mapping a reaped pool
+    keep their mapping; only the name goes.
+    """
+    directory = Path(directory)
+    lock_re = re.compile(rf"^\.?{re.escape(prefix)}-({_OWNER_RE})\.lock(\.tmp)?$")
+    removed: list[str] = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        m = lock_re.match(entry)
+        if m is None:
+            continue
+        lock_path = directory / entry
+        try:
+            if m.group(2) and time.time() - lock_path.stat().st_mtime < 60:
+                continue  # a daemon starting right now, between creating and locking it
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # reaped by someone else meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive
+            owner, before = m.group(1), len(removed)
+            pool_re = re.compile(rf"^{re.escape(prefix)}-{re.escape(owner)}-[0-9a-f]{{12}}$")
+            for d in (directory, *map(Path, pool_dirs)):
+                try:
+                    names = os.listdir(d)
+                except FileNotFoundError:
+                    continue
+                for name in sorted(names):
+                    if pool_re.match(name):
+                        try:
+                            os.unlink(d / name)
+                            removed.append(name)
+                        except FileNotFoundError:
+                            pass
+            lock_path.unlink(missing_ok=True)  # (a .tmp: died before renaming it)
+            if len(removed) > before:
+                log.warning("removed %d pool file(s) of dead kvd incarnation %s in %s",
+                            len(removed) - before, owner, directory)
+        finally:
+            os.close(fd)
+    return removed
+
+
+# ---------------------------------------------------------------- pools
 
 
 @dataclass
 class ShmPool:
-    """A daemon-owned shared-memory region; ``addr`` is what NIXL registers."""
+    """A daemon-owned shared-memory region; ``addr`` is what NIXL registers.
+
+    ``directory``/``name`` is the path engines open: a file, or for a memfd pool
+    ``/proc/<pid>/fd``/``<fd>``. ``page_nbytes``: the page size backing it (for
+    ``tmpfs_huge`` the size asked of the kernel, which may fall back to 4 KiB pages
+    under fragmentation; `page_stats` tells what was mapped).
+    """
 
     name: str
     nbytes: int
     mm: mmap.mmap
     array: np.ndarray  # uint8 view keeping the mapping's address stable
     directory: Path = SHM_DIR
+    backing: PoolBacking = PoolBacking.SHM
+    page_nbytes: int = SMALL_PAGE_NBYTES
+    fd: int | None = None  # memfd pools: kept open for the pool's lifetime
 
     @property
     def addr(self) -> int:
         return int(self.array.ctypes.data)
 
+    @property
+    def huge_pages(self) -> bool:
+        return self.page_nbytes >= HUGE_PAGE_NBYTES
+
     @classmethod
-    def create(cls, prefix: str, nbytes: int, directory: str | Path = SHM_DIR) -> ShmPool:
-        if nbytes <= 0:
-            raise KvdError(f"pool size must be > 0 bytes, got {nbytes}")
+    def create(cls, prefix: str, nbytes: int, directory: str | Path = SHM_DIR,
+               backing: PoolBacking | str = PoolBacking.SHM, owner: PoolOwner | None = None,
+               max_nbytes: int | None = None, fallback_dir: str | Path = SHM_DIR) -> ShmPool:
+        """Allocate a pool of ``nbytes`` (mapping rounded up to the page size).
+
+        ``backing``: see PoolBacking (default ``shm``: a file in ``directory``, as kvd
+        always did). ``owner``: name the file after this incarnation so that
+        `reap_dead_pools` can remove it after a crash. ``fallback_dir``: where ``auto``
+        puts a 4 KiB pool when ``directory`` is a hugetlbfs mount out of pages.
+        Any failure leaves nothing behind (no file, no fd, no mapping).
+        """
+        nbytes = _check_nbytes(nbytes, max_nbytes)
         directory = Path(directory)
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        path = directory / name
-        size = mapped_nbytes(nbytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
+        backing = PoolBacking(backing)
+        name = owner.pool_name() if owner is not None else (
+            f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+        if backing is not PoolBacking.AUTO:
+            return cls._create(backing, name, nbytes, directory, forced=True)
+        mount = mount_of(directory)
+        tried: list[str] = []
+        candidates: list[tuple[PoolBacking, Path]] = []
+        if mount is not None and mount.is_hugetlbfs:
+            candidates.append((PoolBacking.HUGETLBFS, directory))
+        candidates.append((PoolBacking.MEMFD_HUGETLB, directory))
+        if mount is not None and mount.is_huge_tmpfs:
+            candidates.append((PoolBacking.TMPFS_HUGE, directory))
+        small_dir = Path(fallback_dir) if mount is not None and mount.is_hugetlbfs else directory
+        candidates.append((PoolBacking.SHM, small_dir))
+        for choice, where in candidates:
             try:
-                os.posix_fallocate(fd, 0, size)  # reserve now: fail here, not on a fault
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    os.unlink(path)
-                    raise KvdError(
-                        f"cannot allocate {size} bytes in {directory} ({exc.strerror}); "
-                        "is it large enough?"
-                    ) from None
-                os.ftruncate(fd, size)  # filesystems without fallocate
+                pool = cls._create(choice, name, nbytes, where, forced=False)
+            except _NoPages as exc:
+                tried.append(f"{choice.value}: {exc}")
+                continue
+            if choice is PoolBacking.SHM and pool.page_nbytes < HUGE_PAGE_NBYTES:
+                log.warning("pool %s (%d bytes) uses 4 KiB pages (%s); READs are ~20-40%% "
+                            "slower than on huge pages: reserve huge pages or mount a "
+                            "huge-page shm_dir (docs/operations.md)", name, nbytes,
+                            "; ".join(tried) or "no huge pages offered")
+            return pool
+        raise KvdError(f"cannot allocate a {nbytes}-byte pool: {'; '.join(tried)}")
+
+    @classmethod
+    def _create(cls, backing: PoolBacking, name: str, nbytes: int, directory: Path,
+                forced: bool) -> ShmPool:
+        """One backing; raises _NoPages when not forced and the host cannot provide it."""
+
+        def unavailable(why: str) -> Exception:
+            if forced:
+                return KvdError(f"pool_backing={backing.value}: {why}")
+            return _NoPages(why)
+
+        if backing is PoolBacking.MEMFD_HUGETLB:
+            return cls._create_memfd(name, nbytes, unavailable)
+        mount = mount_of(directory)
+        if backing is PoolBacking.HUGETLBFS and not (mount and mount.is_hugetlbfs):
+            raise unavailable(f"{directory} is not a hugetlbfs mount")
+        if backing is PoolBacking.TMPFS_HUGE and not (mount and mount.is_huge_tmpfs):
+            raise unavailable(f"{directory} is not a tmpfs mounted huge=always|within_size")
+        page = _page_nbytes_of_dir(directory, mount)
+        size = mapped_nbytes(nbytes, page)
+        path = directory / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve(fd, size, directory, unavailable if mount and mount.is_hugetlbfs else None)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:  # anything at all: the half-made file goes
             os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
-        return cls(name=name, nbytes=nbytes, mm=mm, array=array, directory=directory)
+        return cls(name=name, nbytes=nbytes, mm=mm, array=array, directory=directory,
+                   backing=backing, page_nbytes=page)
+
+    @classmethod
+    def _create_memfd(cls, name: str, nbytes: int, unavailable: Any) -> ShmPool:
+        flags = os.MFD_CLOEXEC | os.MFD_HUGETLB | getattr(os, "MFD_HUGE_2MB", 21 << 26)
+        try:
+            fd = os.memfd_create(name, flags)
+        except (OSError, AttributeError) as exc:
+            raise unavailable(f"memfd_create(MFD_HUGETLB) failed: {exc}") from None
+        size = mapped_nbytes(nbytes, HUGE_PAGE_NBYTES)
+        try:
+            _reserve(fd, size, Path("memfd"), unavailable)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+        return cls(name=str(fd), nbytes=nbytes, mm=mm, array=array,
+                   directory=Path(f"/proc/{os.getpid()}/fd"),
+                   backing=PoolBacking.MEMFD_HUGETLB, page_nbytes=HUGE_PAGE_NBYTES, fd=fd)
 
     def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
         return PoolHandle(kind="shm", name=self.name, nbytes=self.nbytes, shape=list(shape),
                           dtype=dtype, directory=str(self.directory))
 
     def close(self) -> None:
-        """Unmap and unlink. Only call once no READ can touch the region any more."""
+        """Unmap and remove. Only call once no READ can touch the region any more."""
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.mm.close()
         except BufferError:
             pass  # a view is still exported; the mapping dies with the process
+        if self.fd is not None:  # memfd: gone with the last fd and mapping
+            os.close(self.fd)
+            self.fd = None
+            return
         try:
             os.unlink(self.directory / self.name)
         except FileNotFoundError:
             pass
 
 
+def _reserve(fd: int, size: int, where: Path, no_pages: Any) -> None:
+    """Allocate every page now, so that a short pool fails here and not as a SIGBUS
+    on an engine's first write. ``no_pages``: how to report ENOSPC/ENOMEM on huge
+    pages (auto mode moves on to the next backing); None: a plain KvdError."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OverflowError:
+        raise PoolSizeError(f"pool of {size} bytes is too large for this system") from None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL) and no_pages is None:
+            os.ftruncate(fd, size)  # filesystems without fallocate
+            return
+        if no_pages is not None and exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EINVAL,
+                                                  errno.EOPNOTSUPP):
+            raise no_pages(f"no room for {size} bytes of huge pages "
+                           f"({hugepages_free_nbytes()} bytes free): {exc.strerror}") from None
+        raise KvdError(f"cannot allocate {size} bytes in {where} ({exc.strerror}); "
+                       "is it large enough?") from None
+
+
 def kvd_segments(prefix: str, directory: str | Path = SHM_DIR) -> list[str]:
-    """Segments carrying our prefix (leak checks, cleanup tooling)."""
-    return sorted(p.name for p in Path(directory).glob(f"{prefix}-*"))
+    """Pool files carrying our prefix (leak checks, cleanup tooling); owner locks excluded."""
+    return sorted(p.name for p in Path(directory).glob(f"{prefix}-*")
+                  if not p.name.endswith(".lock"))
+
+
+def page_stats(addr: int, nbytes: int) -> dict[str, int]:
+    """What backs [addr, addr + nbytes) in this process right now, from /proc/self/smaps:
+    kB totals of Rss and of the huge-page fields (AnonHugePages, ShmemPmdMapped,
+    FilePmdMapped, Private_Hugetlb, Shared_Hugetlb) plus KernelPageSize (kB) of the
+    mappings. For reports: tmpfs huge pages are best effort, this says what was given."""
+    keys = ("Rss", "AnonHugePages", "ShmemPmdMapped", "FilePmdMapped", "Shared_Hugetlb",
+            "Private_Hugetlb")
+    out = dict.fromkeys(keys, 0)
+    out["KernelPageSize"] = 0
+    end = addr + nbytes
+    inside = False
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and addr < hi
+            continue
+        if inside:
+            key, _, rest = line.partition(":")
+            if key in out:
+                value = int(rest.split()[0])
+                out[key] = max(out[key], value) if key == "KernelPageSize" else out[key] + value
+    return out
 
 
 @dataclass
@@ -156,10 +526,22 @@ def map_pool(handle: PoolHandle) -> MappedPool:
         raise KvdError(f"refusing suspicious shm name {handle.name!r}")
     if not os.path.isabs(handle.directory):
         raise KvdError(f"pool directory must be absolute, got {handle.directory!r}")
-    fd = os.open(Path(handle.directory) / handle.name, os.O_RDWR)
+    path = Path(handle.directory) / handle.name
     try:
-        mm = mmap.mmap(fd, mapped_nbytes(handle.nbytes), mmap.MAP_SHARED,
-                       mmap.PROT_READ | mmap.PROT_WRITE)
+        fd = os.open(path, os.O_RDWR)
+    except PermissionError as exc:
+        hint = ("a memfd pool: the engine must run in kvd's PID namespace "
+                "(shareProcessNamespace: true) as kvd's uid; or give kvd a hugetlbfs "
+                "shm_dir, or set pool_backing" if handle.directory.startswith("/proc/")
+                else "run the engine as kvd's uid")
+        raise KvdError(f"cannot open pool {path}: {exc.strerror} ({hint})") from None
+    try:
+        # The file's size is the mapping kvd made: rounded up to its page size (2 MiB,
+        # or a hugetlbfs mount's own), which a hugetlb mapping must be a multiple of.
+        size = os.fstat(fd).st_size
+        if size < handle.nbytes:
+            raise KvdError(f"pool {path} holds {size} bytes, handle says {handle.nbytes}")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     arr = (np.frombuffer(mm, dtype=np.uint8)[:handle.nbytes]

@@ -1,0 +1,137 @@
+"""Crash leftovers (issue 10 item 2): pool files of a SIGKILLed daemon are reaped at the
+next start; a live daemon's files (another process, or another daemon of this process,
+sharing the directory) and files of older kvd versions are never touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.pool import PoolOwner, ShmPool, kvd_segments, map_pool, reap_dead_pools
+
+PREFIX = "kvd-reaptest"
+
+# A stand-in daemon: takes its owner lock, makes two pools, says their names, waits.
+_DAEMON = textwrap.dedent("""
+    import sys, time
+    from kvd.pool import PoolOwner, ShmPool
+    directory, prefix = sys.argv[1], sys.argv[2]
+    owner = PoolOwner.acquire(directory, prefix)
+    pools = [ShmPool.create(prefix, 1 << 20, directory, owner=owner) for _ in range(2)]
+    pools[0].array[:4] = [1, 2, 3, 4]
+    print(owner.owner_id, *[p.name for p in pools], flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    d = Path("/dev/shm") / f"kvd-reaptest-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir()
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def _start(directory: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", _DAEMON, str(directory), PREFIX],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    assert line, "stand-in daemon did not start"
+    return proc, line[0], line[1:]
+
+
+def test_sigkilled_daemons_pools_are_reaped_live_ones_kept(shm_dir: Path) -> None:
+    dead, dead_id, dead_pools = _start(shm_dir)
+    alive, alive_id, alive_pools = _start(shm_dir)
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        legacy = shm_dir / f"{PREFIX}-{dead.pid}-0123456789ab"  # an older kvd's pool file
+        legacy.write_bytes(b"x")
+        assert set(dead_pools + alive_pools) <= set(kvd_segments(PREFIX, shm_dir))
+
+        # This process is a new daemon: its own lock first, then reap. A second daemon in
+        # this same process shares the directory too.
+        me = PoolOwner.acquire(shm_dir, PREFIX)
+        sibling = PoolOwner.acquire(shm_dir, PREFIX)
+        mine = ShmPool.create(PREFIX, 1 << 20, shm_dir, owner=me)
+        theirs = ShmPool.create(PREFIX, 1 << 20, shm_dir, owner=sibling)
+        reaped = reap_dead_pools(shm_dir, PREFIX)
+
+        assert sorted(reaped) == sorted(dead_pools)
+        left = set(os.listdir(shm_dir))
+        assert not set(dead_pools) & left
+        assert f"{PREFIX}-{dead_id}.lock" not in left
+        assert set(alive_pools) <= left and f"{PREFIX}-{alive_id}.lock" in left
+        assert {mine.name, theirs.name, me.lock_path.name, sibling.lock_path.name} <= left
+        assert legacy.name in left, "files without an owner lock are not ours to judge"
+        assert alive.poll() is None
+        assert reap_dead_pools(shm_dir, PREFIX) == []  # nothing more to do
+
+        # Once the live daemon dies too, the next start reaps its files.
+        alive.send_signal(signal.SIGKILL)
+        alive.wait(10)
+        assert sorted(reap_dead_pools(shm_dir, PREFIX)) == sorted(alive_pools)
+        mine.close()
+        theirs.close()
+        me.release()
+        sibling.release()
+        assert set(os.listdir(shm_dir)) == {legacy.name}
+    finally:
+        for p in (dead, alive):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_an_engine_mapping_survives_the_reap(shm_dir: Path) -> None:
+    dead, _, pools = _start(shm_dir)
+    try:
+        from kvd.protocol import PoolHandle
+
+        mapped = map_pool(PoolHandle(kind="shm", name=pools[0], nbytes=1 << 20, shape=[1 << 20],
+                                     dtype="uint8", directory=str(shm_dir)))
+        dead.kill()
+        dead.wait(10)
+        assert pools[0] in reap_dead_pools(shm_dir, PREFIX)
+        assert mapped.array[:4].tolist() == [1, 2, 3, 4]  # only the name went
+        mapped.close()
+    finally:
+        if dead.poll() is None:
+            dead.kill()
+            dead.wait()
+
+
+def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:
+    dead, _, pools = _start(shm_dir)
+    dead.kill()
+    dead.wait(10)
+    (shm_dir / "unrelated").write_bytes(b"")
+    assert reap_dead_pools(shm_dir, "kvd-other") == []
+    assert reap_dead_pools(shm_dir, "kvd") == []  # a prefix of PREFIX: no match either
+    assert set(pools) <= set(os.listdir(shm_dir))
+    assert sorted(reap_dead_pools(shm_dir, PREFIX)) == sorted(pools)
+    assert reap_dead_pools(shm_dir / "missing", PREFIX) == []
+
+
+def test_pools_in_the_fallback_directory_are_reaped_too(shm_dir: Path, tmp_path: Path) -> None:
+    script = _DAEMON.replace("ShmPool.create(prefix, 1 << 20, directory, owner=owner)",
+                             f"ShmPool.create(prefix, 1 << 20, {str(tmp_path)!r}, owner=owner)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(shm_dir), PREFIX],
+                            stdout=subprocess.PIPE, text=True)
+    pools = proc.stdout.readline().split()[1:]
+    proc.kill()
+    proc.wait(10)
+    assert set(pools) <= set(os.listdir(tmp_path))
+    assert sorted(reap_dead_pools(shm_dir, PREFIX, pool_dirs=(tmp_path,))) == sorted(pools)
+    assert os.listdir(tmp_path) == [] and os.listdir(shm_dir) == []
