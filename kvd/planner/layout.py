@@ -349,7 +349,9 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     sizes and a read of all layers and heads of both ranks: one descriptor per
     block (or per run of consecutive blocks). Both head_major and all layers
     of both ranks: one descriptor per block for any head range (a TP1 -> TP2
-    pull included).
+    pull included). vLLM's layouts go through the same path with K||V as the
+    element (`_chunking` decides by strides); BHLNC behaves as head_major, and
+    an NH name (LBNHC, BLNHC) cut to a head range is one descriptor per token.
     """
     _check_pair(read, local, local_first_layer, remote, remote_first_layer)
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
