@@ -271,7 +271,7 @@ def vllm_cases(draw, same_name: bool):
     return model, prefill, decode, bs_p, bs_d, num_tokens, names, seed, skip, sorted_ids
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vllm_cases(same_name=True))
 def test_bytes_land_where_the_decode_shard_expects(case):
     """One layout on both engines (what the daemon pairs): every head slice, replication,
@@ -279,7 +279,7 @@ def test_bytes_land_where_the_decode_shard_expects(case):
     run_vllm_bytes(*case[:-2], skip_tokens=case[-2], sorted_ids=case[-1])
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vllm_cases(same_name=False))
 def test_any_two_vllm_layouts_pair_or_refuse_a_transpose(case):
     run_vllm_bytes(*case[:-2], skip_tokens=case[-2], sorted_ids=case[-1])
