@@ -9,6 +9,7 @@ decode engine attended over the pulled KV, not over zeros or stale blocks.
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from collections.abc import Iterator
@@ -28,32 +29,60 @@ MAX_TOKENS = 8
 
 
 def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
-    return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
-            "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {"kvd_address": daemon.engine_address}}
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd.integrations.vllm",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"kvd_address": daemon.engine_address},
+    }
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
-    logs = tmp_path_factory.mktemp("pd-logs")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
+    logs = tmp_path_factory.mktemp("pd-daemons")
     tag = uuid.uuid4().hex[:6]
     pd = DaemonProcess.start(f"vp{tag}", logs)
-    dd = DaemonProcess.start(f"vd{tag}", logs)
+    try:
+        dd = DaemonProcess.start(f"vd{tag}", logs)
+    except BaseException:
+        pd.kill()
+        raise
+    try:
+        yield pd, dd
+    finally:
+        for d in (pd, dd):
+            rc = d.stop()
+            assert rc == 0, d.log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def engines(daemons: tuple[DaemonProcess, ...],
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
+    logs = tmp_path_factory.mktemp("pd-logs")
+    tag = uuid.uuid4().hex[:6]
+    pd, dd = daemons
     started: list[EngineProc] = []
     try:
-        for name, cfg in (("prefill", _kv_config(f"prefill-{tag}", pd)),
-                          ("decode", _kv_config(f"decode-{tag}", dd)), ("plain", None)):
-            started.append(EngineProc.start(tiny_model_dir, kv_transfer_config=cfg,
-                                            block_size=BLOCK, name=name,
-                                            log_path=logs / f"{name}.log"))
+        for name, cfg in (
+            ("prefill", _kv_config(f"prefill-{tag}", pd)),
+            ("decode", _kv_config(f"decode-{tag}", dd)),
+            ("plain", None),
+        ):
+            started.append(
+                EngineProc.start(
+                    tiny_model_dir,
+                    kv_transfer_config=cfg,
+                    block_size=BLOCK,
+                    name=name,
+                    log_path=logs / f"{name}.log",
+                )
+            )
         yield started[0], started[1], started[2]
     finally:
         for e in started:
             e.close()
-        for d in (pd, dd):
-            rc = d.stop()
-            assert rc == 0, d.log_path.read_text()[-3000:]
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -61,12 +90,14 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(length + i * 7)] for i in range(n)]
 
 
-def _disaggregated(prefill: EngineProc, decode: EngineProc, prompts: list[list[int]]
-                   ) -> tuple[list[dict], list[dict]]:
+def _disaggregated(
+    prefill: EngineProc, decode: EngineProc, prompts: list[list[int]]
+) -> tuple[list[dict], list[dict]]:
     """The router's job, as vLLM's toy proxy does it: prefill with max_tokens=1 and
     do_remote_decode, then decode with the prefill response's params copied over."""
-    first = prefill.generate(prompts, max_tokens=1,
-                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
+    first = prefill.generate(
+        prompts, max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}] * len(prompts)
+    )
     params = [r["kv_transfer_params"] for r in first]
     assert all(p and p.get("do_remote_prefill") for p in params), params
     return first, decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
@@ -97,6 +128,30 @@ def test_prefix_hit_on_decode_pulls_only_the_tail(engines: tuple[EngineProc, ...
     assert got[0]["token_ids"] == want["token_ids"]
     assert got[0]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
     assert got[0]["prompt_tokens_computed"] == 1
+
+
+def test_long_prompt_pull_moves_exactly_the_prompt_blocks(
+        engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...],
+        tiny_model_dir: Path) -> None:
+    """kvd's own /metrics count the same bytes vLLM's connector moved: every prompt block."""
+    prefill, decode, plain = engines
+    _, dd = daemons
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg["torch_dtype"]]
+    block_nbytes = (cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+                    * 2 * elem * BLOCK)
+    prompt = _prompts(1, 3500, seed=41)[0]
+    want = plain.generate([prompt], max_tokens=MAX_TOKENS)[0]
+    nbytes0 = dd.metric("kvd_transferred_bytes_total", role="consumer")
+    seconds0 = dd.metric("kvd_transfer_duration_seconds_sum", role="consumer")
+    _, got = _disaggregated(prefill, decode, [prompt])
+    nbytes = dd.metric("kvd_transferred_bytes_total", role="consumer") - nbytes0
+    seconds = dd.metric("kvd_transfer_duration_seconds_sum", role="consumer") - seconds0
+    assert got[0]["token_ids"] == want["token_ids"]
+    assert got[0]["prompt_tokens_computed"] == 1
+    assert nbytes == -(-len(prompt) // BLOCK) * block_nbytes
+    print(f"\nlong-prompt pull: {len(prompt)} tokens, {nbytes / 1e6:.1f} MB in "
+          f"{seconds * 1e3:.1f} ms = {nbytes / seconds / 1e9:.2f} GB/s (pull accepted -> done)")
 
 
 def test_engines_hold_no_kvd_transfers_afterwards(engines: tuple[EngineProc, ...]) -> None:
