@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,10 +155,21 @@ def test_long_prompt_pull_moves_exactly_the_prompt_blocks(
           f"{seconds * 1e3:.1f} ms = {nbytes / seconds / 1e9:.2f} GB/s (pull accepted -> done)")
 
 
-def test_engines_hold_no_kvd_transfers_afterwards(engines: tuple[EngineProc, ...]) -> None:
+def test_daemons_hold_nothing_once_the_engines_are_done(
+        engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
+    """Every published prefill was read and released; no pull is left in flight."""
     prefill, decode, _ = engines
-    # A few more steps let both engines report their last completions.
+    # One more step on each engine lets the rank-0 workers report their last events.
     prefill.generate(_prompts(1, 40, seed=31), max_tokens=2)
     decode.generate(_prompts(1, 40, seed=32), max_tokens=2)
-    for engine in (prefill, decode):
-        assert engine.info, "engine reported its facts"
+    pd, dd = daemons
+    deadline = time.monotonic() + 15
+    while True:
+        with pd.client(ping_interval_s=0) as pc, dd.client(ping_interval_s=0) as dc:
+            held, pulls = len(pc.status().held), len(dc.status().pulls)
+        if held == 0 and pulls == 0:
+            break
+        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
+        time.sleep(0.2)
+    assert pd.metric("kvd_transfers_total", role="producer", outcome="ok") >= 3
+    assert pd.metric("kvd_leases_expired_total") == 0
