@@ -98,11 +98,12 @@ def _new_agent(name: str) -> Any:
                                                       backends=["UCX"]))
 
 
-def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str) -> None:
+def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
+                 kinds: tuple[str, ...] = MEMORY_KINDS) -> None:
     """Spawned: owns the source buffers and polls notifications until told to stop."""
     agent = _new_agent(f"bench-target-{os.getpid()}")
     bases, keep = {}, []
-    for kind in MEMORY_KINDS:
+    for kind in kinds:
         buf, owner = _alloc(kind, nbytes, shm_dir)
         _fill_pattern(buf)  # also pre-faults
         agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
@@ -118,7 +119,8 @@ def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str) -> None:
 
 
 def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes: int,
-                    sets: list[DescSet], repeats: int, check_set: str, shm_dir: str) -> None:
+                    sets: list[DescSet], repeats: int, check_set: str, shm_dir: str,
+                    kinds: tuple[str, ...] = MEMORY_KINDS) -> None:
     """Spawned: READs each descriptor set (1 warm-up + repeats) and reports seconds.
 
     A set is (name, memory kind, local offsets, remote offsets, sizes); timed from
@@ -126,7 +128,7 @@ def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes
     """
     agent = _new_agent(f"bench-initiator-{os.getpid()}")
     bufs, keep = {}, []
-    for kind in MEMORY_KINDS:
+    for kind in kinds:
         buf, owner = _alloc(kind, nbytes, shm_dir)
         buf.fill(0xFF)  # pre-fault
         agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
@@ -169,13 +171,15 @@ def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes
 
 def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repeats: int,
                check_set: str, timeout_s: float = 120.0,
-               shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+               shm_dir: str = DEFAULT_SHM_DIR,
+               kinds: tuple[str, ...] = MEMORY_KINDS) -> dict[str, Any]:
+    """``kinds``: the memory kinds to allocate on both sides (each set names one)."""
     ctx = mp.get_context("spawn")
     t_parent, t_child = ctx.Pipe()
     i_parent, i_child = ctx.Pipe()
     stop = ctx.Event()
-    target = ctx.Process(target=_nixl_target, args=(t_child, stop, remote_nbytes, shm_dir),
-                         daemon=True)
+    target = ctx.Process(target=_nixl_target,
+                         args=(t_child, stop, remote_nbytes, shm_dir, kinds), daemon=True)
     target.start()
     initiator = None
     try:
@@ -184,7 +188,7 @@ def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repea
         meta, remote_bases = t_parent.recv()
         initiator = ctx.Process(target=_nixl_initiator, daemon=True,
                                 args=(i_child, meta, remote_bases, local_nbytes, sets, repeats,
-                                      check_set, shm_dir))
+                                      check_set, shm_dir, kinds))
         initiator.start()
         if not i_parent.poll(timeout_s):
             raise RuntimeError("NIXL initiator did not report")
