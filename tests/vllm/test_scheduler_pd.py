@@ -1,0 +1,423 @@
+"""Prefill -> decode through kvd, driven by vLLM's real scheduler against real daemons.
+
+Each case runs vLLM's ``Scheduler`` (which builds the scheduler-side
+``KvdConnector`` from the kv_transfer_config, exactly as ``vllm serve`` would)
+and worker-side ``KvdConnector``s whose KV caches vLLM's ``allocate_kv_cache``
+carved out of kvd's shm pools; two ``kvd serve`` processes on loopback move
+the bytes. The fake forward pass writes a per-engine KV pattern, so the
+decode side's blocks are checked byte for byte at the step kvd reports them
+received. Every case ends with both schedulers idle and holding no block
+(``scheduler_support.drain``): a leak in the connector's hand-off shows up as a
+request or a block left behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from scheduler_support import (  # noqa: E402
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    SAMPLED_TOKEN,
+    SimEngine,
+    drain,
+    kill_daemon,
+    make_engine,
+    prefill,
+    prompt_tokens,
+    run_until,
+    start_daemon,
+    stop_daemon,
+    write_model_dir,
+)
+
+import kvd.integrations.vllm.scheduler as kvd_vllm_scheduler  # noqa: E402
+from kvd.localcluster import DaemonProcess  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
+
+# A dead peer's handshake fails after this (the killed-prefill cases stay short).
+DAEMON_ARGS = ["--set", "handshake_timeout_s=2"]
+PROMPT = 100  # tokens: 3 full blocks of 32 and a partial one
+BLOCK = 32  # CPU attention takes block sizes that are multiples of 32
+
+
+@dataclass
+class Daemons:
+    prefill: DaemonProcess
+    decode: DaemonProcess
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    """One prefill and one decode daemon for the module (each start costs ~1 s)."""
+    logs = tmp_path_factory.mktemp("kvd-logs")
+    p = start_daemon(logs, "p", DAEMON_ARGS)
+    try:
+        d = start_daemon(logs, "d", DAEMON_ARGS)
+    except BaseException:
+        kill_daemon(p)
+        raise
+    try:
+        yield Daemons(p, d)
+    finally:
+        try:
+            stop_daemon(p)
+        finally:
+            stop_daemon(d)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+MakeEngine = Callable[..., SimEngine]
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[MakeEngine]:
+    """``engines(name, daemon, **make_engine kwargs)``; all closed (deregistered) at the end."""
+    made: list[SimEngine] = []
+
+    def make(name: str, daemon: DaemonProcess, **kwargs: Any) -> SimEngine:
+        engine = make_engine(name, model_dir, daemon.engine_address, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def block_nbytes(e: SimEngine) -> int:
+    """Bytes of one block of the whole engine (every layer, every rank, K and V)."""
+    return NUM_LAYERS * NUM_KV_HEADS * e.block_size * 2 * HEAD_DIM * 4
+
+
+def n_blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def held(d: DaemonProcess, engine: SimEngine) -> list[Any]:
+    """What a prefill daemon holds for one engine (published, not yet released)."""
+    with d.client(ping_interval_s=0) as c:
+        return [h for h in c.status().held if h.engine_id == engine.engine_id]
+
+
+def generated(e: SimEngine, request_id: str) -> list[int]:
+    return [t for out in e.outputs.get(request_id, []) for t in out.new_token_ids]
+
+
+def check_pulled(d: SimEngine, request_id: str, p: SimEngine, start: int, end: int) -> None:
+    """Tokens [start, end) of the decode request hold the prefill engine's bytes, as they
+    were the step kvd reported the pull done, on every rank (each its own heads)."""
+    got = d.received[request_id]
+    assert not got.failed, f"{request_id}: pull reported failed"
+    bad = d.kv_mismatches(got.block_ids, start, end, p.tag, got.caches)
+    assert bad == 0, f"{request_id}: {bad} elements of tokens [{start}, {end}) differ from P's"
+
+
+def pull_to_decode(p: SimEngine, d: SimEngine, params: dict[str, Any], request_id: str,
+                   max_tokens: int = 3) -> None:
+    """Add the decode request with the prefill's params and step until kvd delivered it."""
+    d.add(request_id, PROMPT_TOKENS, max_tokens=max_tokens, kv_transfer_params=params)
+    run_until([p, d], lambda: request_id in d.received, what=f"{request_id} received")
+
+
+PROMPT_TOKENS = prompt_tokens(1, PROMPT)
+
+
+# ------------------------------------------------------------------ the basic hand-off
+
+
+def test_basic_prefill_to_decode(daemons: Daemons, engines: MakeEngine) -> None:
+    """P publishes on request_finished and holds its blocks; D pulls all of them, decodes
+    after computing only the last prompt token; P's blocks come back once D read them."""
+    p = engines("prefill", daemons.prefill)
+    d = engines("decode", daemons.decode)
+    params = prefill(p, "req-0", PROMPT_TOKENS)
+
+    p_blocks = p.block_ids("req-0")
+    n = n_blocks(PROMPT, BLOCK)
+    assert params["remote_engine_id"] == p.engine_id
+    assert params["remote_request_id"] == "req-0"
+    assert params["remote_block_ids"] == p_blocks[:n]
+    assert params["remote_num_tokens"] == PROMPT
+    assert params["kvd_address"] == daemons.prefill.peer_address
+    assert p.num_free_blocks() == p.initial_free - len(p_blocks), "P must hold the blocks"
+    [h] = held(daemons.prefill, p)
+    assert (h.request_id, h.blocks) == ("req-0", n)
+
+    pull_to_decode(p, d, params, "dec-0")
+    check_pulled(d, "dec-0", p, 0, PROMPT)
+    got = d.received["dec-0"]
+    assert d.nonzero_outside(got.block_ids[:n], got.caches) == 0, "kvd wrote other blocks"
+
+    run_until([p, d], lambda: d.finished("dec-0"), what="decode to finish")
+    assert d.computed["dec-0"][0] == (PROMPT - 1, PROMPT), "D recomputed more than 1 token"
+    assert generated(d, "dec-0") == [SAMPLED_TOKEN] * 3
+    assert d.stat("pulls_ok") == 1 and d.stat("nbytes") == n * block_nbytes(d)
+    drain([p, d])
+    assert p.stat("sends_ok") == 1 and not held(daemons.prefill, p)
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+def test_partial_prefix_hit_pulls_only_the_tail(daemons: Daemons, engines: MakeEngine) -> None:
+    """D already caches the first two blocks of the prompt: kvd reads only the other two,
+    and D's cached prefix keeps D's own bytes."""
+    p = engines("prefill", daemons.prefill)
+    d = engines("decode", daemons.decode)
+    d.add("warm", PROMPT_TOKENS[:70], max_tokens=1)  # caches tokens [0, 64): 2 full blocks
+    run_until([d], lambda: d.finished("warm"), what="warm-up")
+    drain([d])
+    params = prefill(p, "req-1", PROMPT_TOKENS)
+
+    pull_to_decode(p, d, params, "dec-1")
+    got = d.received["dec-1"]
+    assert not got.failed
+    hit = 2 * BLOCK
+    assert d.kv_mismatches(got.block_ids, 0, hit, d.tag, got.caches) == 0, \
+        "the locally cached prefix was overwritten"
+    check_pulled(d, "dec-1", p, hit, PROMPT)
+    assert d.stat("nbytes") == (n_blocks(PROMPT, BLOCK) - 2) * block_nbytes(d)
+
+    run_until([p, d], lambda: d.finished("dec-1"), what="decode to finish")
+    assert d.computed["dec-1"][0] == (PROMPT - 1, PROMPT)
+    drain([p, d])
+
+
+def test_full_prefix_hit_sends_notify_only_pull(daemons: Daemons, engines: MakeEngine) -> None:
+    """D's cache already covers every token P computed: nothing is read, D does not wait,
+    and P's blocks are released at once (not at the end of its 30 s lease).
+
+    With identical prompts this cannot happen in vLLM: a local hit stops one token short
+    of the prompt, rounded down to a block, so the last block is always pulled. Here P's
+    prompt is the first two blocks of D's (a follow-up turn whose prefix D cached).
+    """
+    p = engines("prefill", daemons.prefill, lease_s=30.0)
+    d = engines("decode", daemons.decode)
+    d.add("warm", PROMPT_TOKENS[:97], max_tokens=1)  # caches [0, 96): 3 full blocks
+    run_until([d], lambda: d.finished("warm"), what="warm-up")
+    drain([d])
+    params = prefill(p, "req-2", PROMPT_TOKENS[:64])
+    assert params["remote_num_tokens"] == 64
+
+    start = time.monotonic()
+    d.add("dec-2", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    run_until([p, d], lambda: not p.has_work(), timeout_s=10, what="P to be released")
+    assert time.monotonic() - start < 10
+    assert not held(daemons.prefill, p)
+    run_until([p, d], lambda: d.finished("dec-2"), what="decode to finish")
+    assert "dec-2" not in d.received, "vLLM waited for a notify-only pull"
+    assert d.computed["dec-2"][0] == (96, PROMPT), "D must compute what its cache lacks"
+    assert d.stat("nbytes") == 0
+    drain([p, d])
+    assert p.stat("sends_ok") == 1
+
+
+# ------------------------------------------------------------------ aborts and leases
+
+
+def test_prefill_abort_publishes_nothing(daemons: Daemons, engines: MakeEngine) -> None:
+    """A prefill aborted mid-prompt frees its blocks at once and is never published."""
+    p = engines("prefill", daemons.prefill, max_batched_tokens=64)  # 2 steps per prompt
+    p.add("req-3", PROMPT_TOKENS, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.step()
+    assert p.status("req-3") == "RUNNING" and p.computed["req-3"] == [(0, 64)]
+    assert p.num_free_blocks() < p.initial_free
+    p.abort("req-3")
+    assert p.num_free_blocks() == p.initial_free
+    drain([p])
+    assert not held(daemons.prefill, p)
+    assert p.finished("req-3") is None  # an abort from outside produces no output
+
+
+def test_decode_abort_before_scheduled_releases_prefill(daemons: Daemons,
+                                                        engines: MakeEngine) -> None:
+    """D aborts the request before scheduling it: a notify-only pull releases P at once."""
+    p = engines("prefill", daemons.prefill, lease_s=30.0)
+    d = engines("decode", daemons.decode)
+    params = prefill(p, "req-4", PROMPT_TOKENS)
+    d.add("dec-4", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    d.abort("dec-4")
+    start = time.monotonic()
+    drain([p, d], timeout_s=10)
+    assert time.monotonic() - start < 10, "P held its blocks until the lease"
+    assert not held(daemons.prefill, p)
+    assert d.stat("nbytes") == 0 and "dec-4" not in d.computed
+    assert p.stat("sends_ok") == 1
+
+
+def test_decode_abort_while_waiting_for_kv(daemons: Daemons, engines: MakeEngine) -> None:
+    """D aborts while the pull runs: D keeps the blocks kvd writes into until kvd reports
+    the pull, then frees them; P is released by the read."""
+    p = engines("prefill", daemons.prefill)
+    d = engines("decode", daemons.decode)
+    params = prefill(p, "req-5", PROMPT_TOKENS)
+    d.add("dec-5", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    d.step()
+    assert d.status("dec-5") == "WAITING_FOR_REMOTE_KVS"
+    blocks = d.block_ids("dec-5")
+    reported = "dec-5" in d.received  # kvd may already have answered within that step
+    d.abort("dec-5")
+    if reported:
+        assert d.num_free_blocks() == d.initial_free
+    else:
+        assert d.num_free_blocks() == d.initial_free - len(blocks), \
+            "D freed blocks kvd may still be writing"
+        assert "dec-5" in d.scheduler.requests
+    drain([p, d])
+    assert "dec-5" not in d.computed, "an aborted request was run"
+    assert p.stat("sends_ok") == 1
+
+
+def test_lease_expiry_releases_unread_prefill(daemons: Daemons, engines: MakeEngine) -> None:
+    """No decode engine ever pulls: P gets its blocks back when the 1 s lease ends."""
+    p = engines("prefill", daemons.prefill, lease_s=1.0)
+    prefill(p, "req-6", PROMPT_TOKENS)
+    assert held(daemons.prefill, p)
+    start = time.monotonic()
+    drain([p], timeout_s=15)
+    elapsed = time.monotonic() - start
+    assert 0.5 < elapsed < 15, elapsed
+    assert p.stat("sends_expired") == 1 and p.stat("sends_ok") == 0
+    assert not held(daemons.prefill, p)
+
+
+# ------------------------------------------------------------------ load failures
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_daemon_killed_before_pull(policy: str, daemons: Daemons, engines: MakeEngine,
+                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    """The prefill daemon dies (SIGKILL) after publishing: vLLM's kv_load_failure_policy
+    decides, "fail" ends the decode request with an error, "recompute" computes the whole
+    prompt locally. P, whose daemon is gone, frees its blocks once lease + grace pass."""
+    monkeypatch.setattr(kvd_vllm_scheduler, "SEND_GRACE_S", 1.0)
+    victim = start_daemon(tmp_path, "victim", DAEMON_ARGS)
+    try:
+        p = engines("prefill", victim, lease_s=1.0, extra={"kvd_request_timeout_s": 1.0})
+        d = engines("decode", daemons.decode, failure_policy=policy)
+        params = prefill(p, "req-7", PROMPT_TOKENS)
+        kill_daemon(victim)
+
+        d.add("dec-7", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+        run_until([p, d], lambda: d.finished("dec-7"), timeout_s=30, what="decode to end")
+        assert d.received["dec-7"].failed
+        assert d.stat("pulls_failed") == 1
+        out = d.finished("dec-7")
+        assert out is not None and out.finish_reason is not None
+        if policy == "fail":
+            assert out.finish_reason.name == "ERROR", out
+            assert "dec-7" not in d.computed and generated(d, "dec-7") == []
+        else:
+            assert out.finish_reason.name == "LENGTH", out
+            assert d.computed["dec-7"][0][0] == 0, "recompute must start at token 0"
+            assert generated(d, "dec-7") == [SAMPLED_TOKEN] * 2
+            bad = d.kv_mismatches(d.blocks_seen["dec-7"], 0, PROMPT, d.tag)
+            assert bad == 0, "the recomputed prompt's KV is not D's own"
+        drain([p, d], timeout_s=30)
+        assert p.stat("sends_expired") == 1
+    finally:
+        kill_daemon(victim)
+
+
+# ------------------------------------------------------------------ many engines
+
+
+def test_fan_out_two_decode_engines_read_one_prefill(daemons: Daemons,
+                                                     engines: MakeEngine) -> None:
+    """kvd_consumers=2: P holds its blocks until both decode engines (same decode request
+    id, different engines) have read them; both get P's bytes."""
+    p = engines("prefill", daemons.prefill)
+    d1 = engines("decode1", daemons.decode)
+    d2 = engines("decode2", daemons.decode)
+    params = prefill(p, "req-8", PROMPT_TOKENS, {"kvd_consumers": 2})
+
+    pull_to_decode(p, d1, params, "dec-8")
+    check_pulled(d1, "dec-8", p, 0, PROMPT)
+    run_until([p, d1], lambda: d1.finished("dec-8"), what="first decode to finish")
+    drain([d1])
+    assert "req-8" in p.scheduler.requests, "P released after one of two readers"
+    [h] = held(daemons.prefill, p)
+    assert (h.consumers_done, h.consumers) == (1, 2)
+
+    d2.add("dec-8", PROMPT_TOKENS, max_tokens=3, kv_transfer_params=params)
+    run_until([p, d2], lambda: "dec-8" in d2.received, what="second decode received")
+    check_pulled(d2, "dec-8", p, 0, PROMPT)
+    run_until([p, d2], lambda: d2.finished("dec-8"), what="second decode to finish")
+    drain([p, d1, d2])
+    assert p.stat("sends_ok") == 1
+
+
+def test_same_request_id_on_two_prefill_engines(daemons: Daemons, engines: MakeEngine) -> None:
+    """Two prefill engines each finish a request named "req-same"; one decode engine pulls
+    both at once and each decode request gets its own prefill's bytes."""
+    p1 = engines("prefill1", daemons.prefill)
+    p2 = engines("prefill2", daemons.prefill)
+    d = engines("decode", daemons.decode)
+    prompt_a, prompt_b = prompt_tokens(11, PROMPT), prompt_tokens(12, PROMPT)
+    params_a = prefill(p1, "req-same", prompt_a)
+    params_b = prefill(p2, "req-same", prompt_b)
+    assert params_a["remote_request_id"] == params_b["remote_request_id"] == "req-same"
+
+    d.add("dec-a", prompt_a, max_tokens=2, kv_transfer_params=params_a)
+    d.add("dec-b", prompt_b, max_tokens=2, kv_transfer_params=params_b)
+    run_until([p1, p2, d], lambda: {"dec-a", "dec-b"} <= d.received.keys(),
+              what="both pulls")
+    check_pulled(d, "dec-a", p1, 0, PROMPT)
+    check_pulled(d, "dec-b", p2, 0, PROMPT)
+    run_until([p1, p2, d], lambda: d.finished("dec-a") and d.finished("dec-b"),
+              what="both decodes to finish")
+    drain([p1, p2, d])
+    assert p1.stat("sends_ok") == 1 and p2.stat("sends_ok") == 1
+
+
+# ------------------------------------------------------------------ heterogeneous engines
+
+
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+def test_block_size_ratio(p_block: int, d_block: int, daemons: Daemons,
+                          engines: MakeEngine) -> None:
+    """Prefill and decode engines with different block sizes: kvd places each token."""
+    p = engines("prefill", daemons.prefill, block_size=p_block)
+    d = engines("decode", daemons.decode, block_size=d_block)
+    params = prefill(p, "req-9", PROMPT_TOKENS)
+    assert len(params["remote_block_ids"]) == n_blocks(PROMPT, p_block)
+    pull_to_decode(p, d, params, "dec-9")
+    check_pulled(d, "dec-9", p, 0, PROMPT)
+    got = d.received["dec-9"]
+    assert d.nonzero_outside(got.block_ids[:n_blocks(PROMPT, d_block)], got.caches) == 0
+    run_until([p, d], lambda: d.finished("dec-9"), what="decode to finish")
+    drain([p, d])
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+def test_tensor_parallel_sizes_differ(p_tp: int, d_tp: int, daemons: Daemons,
+                                      engines: MakeEngine) -> None:
+    """TP1 -> TP2 (and back): every registered rank of the reading engine gets exactly its
+    own heads of every token (checked per rank)."""
+    p = engines("prefill", daemons.prefill, tp_size=p_tp)
+    d = engines("decode", daemons.decode, tp_size=d_tp)
+    assert len(p.workers) == p_tp and len(d.workers) == d_tp
+    with daemons.decode.client(ping_interval_s=0) as c:
+        ranks = [e for e in c.status().engines if e.engine_id == d.engine_id]
+    assert len(ranks) == d_tp, ranks
+    params = prefill(p, "req-10", PROMPT_TOKENS)
+    pull_to_decode(p, d, params, "dec-10")
+    check_pulled(d, "dec-10", p, 0, PROMPT)
+    run_until([p, d], lambda: d.finished("dec-10"), what="decode to finish")
+    drain([p, d])
