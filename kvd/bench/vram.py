@@ -1,0 +1,375 @@
+"""VRAM -> VRAM: kvd with CUDA IPC pools next to raw NIXL on GPU buffers, one GPU, one run.
+
+UNTESTED ON A GPU: the development machines have none. ``device="cpu"`` runs the very
+same code on DRAM (heap buffers for raw NIXL, shm pools for kvd), which is how its
+plumbing is checked here; ``device="cuda"`` is what to run on a GPU node.
+
+Phases (each frees its buffers before the next):
+
+1. copy ceiling: ``torch`` device-to-device copy of ``nbytes`` (cudaMemcpy D2D) on the
+   GPU, or a memcpy on CPU;
+2. raw NIXL READ between two spawned processes, each owning a ``nbytes x 1.25`` buffer
+   on GPU ``gpu`` (``torch.empty(..., device="cuda:N")``, registered as VRAM): one
+   descriptor (the ceiling); exactly the descriptors kvd posts for the pull (a fresh
+   list, as the daemon posts today); the same through ``PreppedPoster`` (prepared
+   lists). The target fills its buffer with random bytes on the GPU; the initiator
+   compares on the GPU;
+3. kvd: two ``kvd serve --device cuda`` daemons (prefill, decode) on the same GPU;
+   engines register through ``KvdClient`` and open their pools over CUDA IPC; the
+   prefill pool is filled with random bytes on the GPU; pulls of random block ids timed
+   at the client (publish -> done_recving, median after a warm-up), checked block by
+   block against the prefill pool.
+
+Needs on the GPU node: a CUDA build of torch (install without constraints-cpu.txt),
+nixl-cu12 with UCX's CUDA transports, and the same GPU visible to both daemons.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def _torch_device(device: str, gpu: int) -> Any:
+    import torch
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            from kvd.errors import KvdError
+
+            raise KvdError("bench_vram --device cuda needs a CUDA GPU visible to torch "
+                           "(torch.cuda.is_available() is False); --device cpu runs the same "
+                           "code on DRAM")
+        return torch.device(f"cuda:{gpu}")
+    return torch.device("cpu")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _random_fill(t: Any, seed: int) -> None:
+    """Random bytes on the tensor's own device (no host round trip on a GPU)."""
+    import torch
+
+    g = torch.Generator(device=t.device)
+    g.manual_seed(seed)
+    flat = t.view(-1).view(torch.int16)
+    step = 64 * MiB
+    for i in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - i)
+        flat[i:i + n] = torch.randint(-32768, 32767, (n,), dtype=torch.int16, device=t.device,
+                                      generator=g)
+
+
+def copy_ceiling(nbytes: int, device: str, gpu: int, repeats: int) -> float:
+    import torch
+
+    dev = _torch_device(device, gpu)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    dst.copy_(src)
+    _sync(device)
+    times = []
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return round(nbytes / statistics.median(times) / 1e9, 2)
+
+
+# ------------------------------------------------------------------ raw NIXL on GPU buffers
+
+
+def _mem_type(device: str) -> str:
+    return "VRAM" if device == "cuda" else "DRAM"
+
+
+def _target(conn: Any, stop: Any, nbytes: int, device: str, gpu: int, seed: int) -> None:
+    import torch
+
+    from kvd.transport.nixl import NixlTransport
+
+    dev = _torch_device(device, gpu)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    _random_fill(buf, seed)
+    _sync(device)
+    t = NixlTransport(name=f"vram-target-{os.getpid()}")
+    t.register(int(buf.data_ptr()), nbytes, _mem_type(device), gpu if device == "cuda" else 0)
+    conn.send((t.metadata(), int(buf.data_ptr())))
+    while not stop.is_set():
+        for _ in range(256):
+            t.notifications()
+    t.close()
+    del buf
+
+
+def _initiator(conn: Any, meta: bytes, remote_base: int, nbytes: int, device: str, gpu: int,
+               seed: int, sets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]],
+               repeats: int) -> None:
+    import torch
+
+    from kvd.transport.base import DescRows, PreppedRead, ReadPost
+    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.prepped import PoolSpan, PreppedPoster
+
+    dev = _torch_device(device, gpu)
+    dev_id = gpu if device == "cuda" else 0
+    mem = _mem_type(device)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    want = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    _random_fill(want, seed)  # the target's bytes, made the same way
+    _sync(device)
+    base = int(buf.data_ptr())
+    t = NixlTransport(name=f"vram-init-{os.getpid()}")
+    t.register(base, nbytes, mem, dev_id)
+    peer = t.add_peer(meta)
+    poster = PreppedPoster(t)
+    poster.set_local_pools([PoolSpan(base, nbytes, dev_id)])
+    poster.set_remote_pools(peer, [PoolSpan(remote_base, nbytes, dev_id)])
+    one_l = t.prepare_local(DescRows.grid(base, nbytes, 1, mem_type=mem, dev=dev_id))
+    one_r = t.prepare_remote(peer, DescRows.grid(remote_base, nbytes, 1, mem_type=mem,
+                                                 dev=dev_id))
+    out: dict[str, Any] = {}
+
+    def run(name: str, post: Any, check: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+            ) -> None:
+        times = []
+        for i in range(1 + repeats):
+            if i == 1 and check is not None:
+                lo, ro, nb = check
+                ok = True
+                for a, b, n in zip(lo.tolist(), ro.tolist(), nb.tolist(), strict=True):
+                    if not torch.equal(buf[a:a + n], want[b:b + n]):
+                        ok = False
+                        break
+                out[f"{name}:verified"] = ok
+                buf.zero_()
+                _sync(device)
+            t0 = time.perf_counter()
+            xfer, done = post()
+            while not done:
+                done = t.poll(xfer)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+            t.release(xfer)
+        out[name] = times
+
+    one = np.zeros(1, np.int32)
+    run("single", lambda: t.post_prepped_read(PreppedRead(peer, one_l, one_r, one, one, b"v")),
+        (np.array([0]), np.array([0]), np.array([nbytes])))
+    for name, lo, ro, nb in sets:
+        def read_post(lo: np.ndarray = lo, ro: np.ndarray = ro, nb: np.ndarray = nb) -> ReadPost:
+            devs = np.full(len(nb), dev_id, dtype=np.int64)
+            return ReadPost(peer=peer, local_addrs=base + lo, remote_addrs=remote_base + ro,
+                            nbytes=nb, mem_type=mem, notif=b"v", local_devs=devs,
+                            remote_devs=devs)
+
+        run(f"{name}:fresh", lambda rp=read_post: t.post_read(rp()), (lo, ro, nb))
+        run(f"{name}:prepped", lambda rp=read_post: poster.post(rp()), (lo, ro, nb))
+    poster.close()
+    t.close()
+    conn.send(out)
+
+
+def raw_nixl(nbytes: int, device: str, gpu: int, repeats: int,
+             sets: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]], seed: int = 11,
+             timeout_s: float = 300.0) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    t_parent, t_child = ctx.Pipe()
+    i_parent, i_child = ctx.Pipe()
+    stop = ctx.Event()
+    target = ctx.Process(target=_target, args=(t_child, stop, nbytes, device, gpu, seed),
+                         daemon=True)
+    target.start()
+    initiator = None
+    try:
+        if not t_parent.poll(timeout_s):
+            raise RuntimeError("NIXL target did not start")
+        meta, remote_base = t_parent.recv()
+        initiator = ctx.Process(target=_initiator, daemon=True,
+                                args=(i_child, meta, remote_base, nbytes, device, gpu, seed,
+                                      sets, repeats))
+        initiator.start()
+        if not i_parent.poll(timeout_s):
+            raise RuntimeError("NIXL initiator did not report")
+        return i_parent.recv()
+    finally:
+        stop.set()
+        for p in (initiator, target):
+            if p is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+# ------------------------------------------------------------------ kvd, two daemons
+
+
+def _as_torch(kv: Any) -> Any:
+    """The engine's pool as a torch tensor: CUDA IPC pools already are; shm pools are numpy."""
+    import torch
+
+    return kv if isinstance(kv, torch.Tensor) else torch.from_numpy(kv)
+
+
+def _host_u16(kv: Any) -> np.ndarray:
+    """A host copy as uint16 (numpy has no bfloat16), for the layout-aware block check."""
+    import torch
+
+    t = _as_torch(kv)
+    return t.view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: str,
+              seed: int = 7, daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    from kvd.bench.e2e import _check_blocks, _one_pull
+    from kvd.bench.geometry import Geometry
+    from kvd.localcluster import DaemonProcess
+    from kvd.protocol import RegisterEngine
+    from kvd.sim import layout_spec
+
+    geom = Geometry(kv_layout=kv_layout)
+    blocks = max(1, nbytes_mib * MiB // geom.block_nbytes)
+    pool_blocks = blocks + max(1, blocks // 4)
+    rng = random.Random(seed)
+    p_ids, d_ids = rng.sample(range(pool_blocks), blocks), rng.sample(range(pool_blocks), blocks)
+    logs = Path(tempfile.mkdtemp(prefix="kvd-vram-"))
+    extra = ["--device", device, *daemon_args]
+    prefill = DaemonProcess.start("vram-prefill", logs, extra_args=extra)
+    decode = DaemonProcess.start("vram-decode", logs, extra_args=extra)
+    pc, dc = prefill.client(timeout_s=60), decode.client(timeout_s=60)
+    model = geom.model()
+    try:
+        def register(client: Any, engine: str) -> Any:
+            layout = layout_spec(geom.shape(1, pool_blocks))
+            if gpu == 0:
+                return client.register(engine, model, layout, 0, 1)
+            # KvdClient.register has no device_index yet: the same message by hand.
+            from kvd.client import _handle
+
+            msg = RegisterEngine(engine_id=engine, model=model, layout=layout, tp_rank=0,
+                                 tp_size=1, device_index=gpu)
+            handle = _handle(msg, client.call(msg))
+            client._ranks.append(handle)  # deregistered and closed with the client
+            return handle
+
+        prank, drank = register(pc, "prefill"), register(dc, "decode")
+        _random_fill(_as_torch(prank.kv), seed)
+        _sync(device)
+        _, _, ev = _one_pull(pc, dc, prefill.peer_address, "decode", "warm", p_ids, d_ids)
+        _sync(device)
+        verified = _check_blocks(_host_u16(prank.kv), [_host_u16(drank.kv)], geom, p_ids, d_ids)
+        totals, daemon = [], []
+        for i in range(repeats):
+            total, _, ev = _one_pull(pc, dc, prefill.peer_address, "decode", f"p{i}", p_ids,
+                                     d_ids)
+            totals.append(total)
+            daemon.append(ev.duration_s)
+        _as_torch(drank.kv).zero_()
+        _sync(device)
+        _one_pull(pc, dc, prefill.peer_address, "decode", "check", p_ids, d_ids)
+        _sync(device)
+        verified = verified and _check_blocks(_host_u16(prank.kv), [_host_u16(drank.kv)], geom,
+                                              p_ids, d_ids)
+        nbytes = ev.nbytes
+        return {"nbytes": nbytes, "blocks": blocks, "pool_blocks": pool_blocks,
+                "p_ids": p_ids, "d_ids": d_ids, "geometry": geom.to_json(),
+                "kvd_gbps": round(nbytes / statistics.median(totals) / 1e9, 2),
+                "kvd_daemon_gbps": round(nbytes / statistics.median(daemon) / 1e9, 2),
+                "kvd_ms": [round(x * 1e3, 3) for x in totals], "verified": verified,
+                "logs": str(logs)}
+    finally:
+        pc.close()
+        dc.close()
+        prefill.stop()
+        decode.stop()
+
+
+def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats: int = 5,
+             kv_layout: str = "kv_split", seed: int = 7) -> dict[str, Any]:
+    started = time.perf_counter()
+    _torch_device(device, gpu)  # refuse early without a GPU
+    from kvd.bench.geometry import HOMOGENEOUS, Geometry
+
+    geom = Geometry(kv_layout=kv_layout)
+    blocks = max(1, nbytes_mib * MiB // geom.block_nbytes)
+    nbytes = blocks * geom.block_nbytes
+    pool_blocks = blocks + max(1, blocks // 4)
+    rng = random.Random(seed)
+    p_ids, d_ids = rng.sample(range(pool_blocks), blocks), rng.sample(range(pool_blocks), blocks)
+    sets = []
+    try:
+        from kvd.bench.geometry import kvd_descriptors
+
+        lo, ro, nb, _, _ = kvd_descriptors(geom, HOMOGENEOUS, pool_blocks, pool_blocks, p_ids,
+                                           d_ids)
+        sets.append(("kvd_descriptors", lo, ro, nb))
+    except (ImportError, TypeError, AttributeError):  # geometry.py being rewritten
+        pass
+    ceiling = copy_ceiling(nbytes, device, gpu, repeats)
+    raw = raw_nixl(pool_blocks * geom.block_nbytes, device, gpu, repeats, sets)
+    kvd = kvd_pulls(nbytes_mib, device, gpu, repeats, kv_layout, seed)
+
+    def gbps(name: str, n: int) -> float | None:
+        return round(n / statistics.median(raw[name]) / 1e9, 2) if name in raw else None
+
+    pool_nbytes = pool_blocks * geom.block_nbytes
+    result = {
+        "device": device, "gpu": gpu, "nbytes": nbytes, "kv_layout": kv_layout,
+        "copy_gbps": ceiling,
+        "nixl_gbps": gbps("single", pool_nbytes),
+        "nixl_kvd_descriptors_fresh_gbps": gbps("kvd_descriptors:fresh", nbytes),
+        "nixl_kvd_descriptors_prepped_gbps": gbps("kvd_descriptors:prepped", nbytes),
+        "descriptors": len(sets[0][3]) if sets else None,
+        "kvd_gbps": kvd["kvd_gbps"], "kvd_daemon_gbps": kvd["kvd_daemon_gbps"],
+        "kvd_ms": kvd["kvd_ms"],
+        "verified": bool(kvd["verified"] and all(v for k, v in raw.items()
+                                                  if k.endswith(":verified"))),
+        "raw_verified": {k: v for k, v in raw.items() if k.endswith(":verified")},
+        "logs": kvd["logs"], "seconds": round(time.perf_counter() - started, 1),
+    }
+    if result["nixl_gbps"]:
+        result["ratio_kvd_nixl"] = round(result["kvd_gbps"] / result["nixl_gbps"], 3)
+    if device == "cuda":
+        import torch
+
+        result["gpu_name"] = torch.cuda.get_device_name(gpu)
+    return result
+
+
+def render_vram(r: dict[str, Any]) -> str:
+    what = f"{r['device']}" + (f" ({r.get('gpu_name')}, GPU {r['gpu']})"
+                               if r["device"] == "cuda" else " (DRAM stand-in)")
+    return "\n".join([
+        f"VRAM -> VRAM bench on {what}: {r['nbytes'] // MiB} MiB, layout {r['kv_layout']}, "
+        f"random block ids, GB/s (medians)",
+        f"  copy on the device (D2D)          {r['copy_gbps']}",
+        f"  raw NIXL READ, 1 descriptor       {r['nixl_gbps']}",
+        f"  raw NIXL, kvd's {r['descriptors']} descriptors, fresh list    "
+        f"{r['nixl_kvd_descriptors_fresh_gbps']}",
+        f"  raw NIXL, kvd's descriptors, PreppedPoster  {r['nixl_kvd_descriptors_prepped_gbps']}",
+        f"  kvd end to end (client)           {r['kvd_gbps']}  "
+        f"(daemon's own duration: {r['kvd_daemon_gbps']})",
+        f"  kvd / raw NIXL 1 descriptor       {r.get('ratio_kvd_nixl')}",
+        f"  verified: {r['verified']} {r['raw_verified']}; {r['seconds']} s; logs {r['logs']}",
+    ])
