@@ -28,8 +28,8 @@ def _fail(message: str) -> None:
 
 @app.command()
 def plan(
-    kv_heads: int = typer.Option(..., "--kv-heads", help="Total KV heads of the model."),
-    layers: int = typer.Option(..., "--layers", help="Total layers of the model."),
+    kv_heads: int | None = typer.Option(None, "--kv-heads", help="Total KV heads of the model."),
+    layers: int | None = typer.Option(None, "--layers", help="Total layers of the model."),
     prefill_tp: int = typer.Option(..., "--prefill-tp", help="Prefill TP size."),
     decode_tp: int = typer.Option(..., "--decode-tp", help="Decode TP size."),
     prefill_pp: int = typer.Option(1, "--prefill-pp", help="Prefill PP size."),
@@ -56,12 +56,26 @@ def plan(
                                  "(MLA: latent size)."),
     dtype_bytes: int = typer.Option(2, "--dtype-bytes", help="With --layout: bytes per "
                                     "element."),
+    hybrid: str | None = typer.Option(
+        None, "--hybrid", help="Hybrid model (attention, sliding window, Mamba): a preset "
+        "(nemotron-h-8b, tiny-hybrid) or a JSON file, instead of --kv-heads/--layers; counts "
+        "the descriptors of one --tokens request (0: off) with --block-size kernel blocks."
+    ),
 ) -> None:
     """Show which bytes every decode rank reads from which prefill rank."""
     from kvd.errors import KvdError
     from kvd.planner.render import render_plan_cli
 
     try:
+        if hybrid is not None:
+            from kvd.planner.hybrid_render import render_hybrid_cli
+
+            typer.echo(render_hybrid_cli(hybrid, prefill_tp, decode_tp, prefill_pp, decode_pp,
+                                         prefill_layers, decode_layers, tokens, block_size,
+                                         decode_block_size, as_json))
+            return
+        if kv_heads is None or layers is None:
+            _fail("--kv-heads and --layers are required (or --hybrid MODEL)")
         typer.echo(
             render_plan_cli(
                 kv_heads=kv_heads,
