@@ -57,6 +57,10 @@ BASE_ENV = {
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
+    # On CPU the worker never exits by itself at shutdown (it ignores the
+    # closed queues and SIGTERM and is SIGKILLed after a 4 s grace), so vLLM's
+    # default 5 s wait for it is pure delay.
+    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
 }
 
 PROBE_SCHEDULER = "vllm_sched_probe.RecordingScheduler"
@@ -279,7 +283,11 @@ class EngineProc:
         deadline = time.monotonic() + timeout_s
         if self.proc.poll() is None:
             try:
-                self._call({"op": "close"}, timeout_s)
+                # vLLM's own default gives EngineCore 5 s and then SIGKILLs it,
+                # while EngineCore itself waits up to 5 s for its worker: on CPU
+                # the EngineCore was always killed, so scheduler-side connector
+                # teardown never ran. Half our budget lets it finish.
+                self._call({"op": "close", "timeout": timeout_s / 2}, timeout_s)
             except EngineProcError:
                 pass
             try:
@@ -400,7 +408,11 @@ class _Child:
                 if op == "start":
                     return 1
             if op == "close":
-                return 0
+                # The engine is down; the interpreter's own exit (atexit hooks,
+                # multiprocessing bookkeeping) took another ~6 s for nothing.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
         # Parent went away: shut down anyway so no EngineCore is left behind.
         self.op_close({})
         return 0
@@ -443,7 +455,7 @@ class _Child:
         if self.llm is not None:
             engine_core = self.llm.llm_engine.engine_core
             self.llm = None
-            engine_core.shutdown()
+            engine_core.shutdown(timeout=msg.get("timeout"))
         return {}
 
     def _generate(

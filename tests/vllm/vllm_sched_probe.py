@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -88,6 +89,9 @@ class RecordingScheduler(Scheduler):
 
     def shutdown(self) -> None:
         super().shutdown()
+        # A marker in the engine log: EngineCore teardown (and with it the
+        # scheduler-side KV connector's shutdown) really ran.
+        print("kvd-test: RecordingScheduler.shutdown done", file=sys.stderr, flush=True)
         if self._probe_file is not None:
             self._probe_file.close()
             self._probe_file = None
