@@ -421,3 +421,49 @@ def test_tensor_parallel_sizes_differ(p_tp: int, d_tp: int, daemons: Daemons,
     check_pulled(d, "dec-10", p, 0, PROMPT)
     run_until([p, d], lambda: d.finished("dec-10"), what="decode to finish")
     drain([p, d])
+
+
+@pytest.mark.parametrize(("p_block", "d_block", "hit"), [(32, 64, 64), (64, 32, 64)])
+def test_block_size_ratio_with_prefix_hit(p_block: int, d_block: int, hit: int,
+                                          daemons: Daemons, engines: MakeEngine) -> None:
+    """Different block sizes and a local prefix hit on D: only the tail is read, into the
+    right slots, and D's cached prefix keeps its own bytes."""
+    p = engines("prefill", daemons.prefill, block_size=p_block)
+    d = engines("decode", daemons.decode, block_size=d_block)
+    d.add("warm", PROMPT_TOKENS[:hit + 1], max_tokens=1)  # caches tokens [0, hit)
+    run_until([d], lambda: d.finished("warm"), what="warm-up")
+    drain([d])
+    params = prefill(p, "req-11", PROMPT_TOKENS)
+    pull_to_decode(p, d, params, "dec-11")
+    got = d.received["dec-11"]
+    assert not got.failed
+    assert d.kv_mismatches(got.block_ids, 0, hit, d.tag, got.caches) == 0
+    check_pulled(d, "dec-11", p, hit, PROMPT)
+    assert d.stat("nbytes") == (n_blocks(PROMPT, d_block) - hit // d_block) * block_nbytes(d)
+    run_until([p, d], lambda: d.finished("dec-11"), what="decode to finish")
+    assert d.computed["dec-11"][0] == (PROMPT - 1, PROMPT)
+    drain([p, d])
+
+
+def test_prefix_hit_inside_a_larger_prefill_block_computes_the_tail(
+        daemons: Daemons, engines: MakeEngine) -> None:
+    """P blocks of 64, D blocks of 32, D caches 32 tokens: kvd cannot continue a hit
+    from the middle of a prefill block, so D computes the tail itself (no failed
+    request, whatever the failure policy) and a notify-only pull releases P at once."""
+    p = engines("prefill", daemons.prefill, block_size=64, lease_s=30.0)
+    d = engines("decode", daemons.decode, block_size=32)
+    d.add("warm", PROMPT_TOKENS[:33], max_tokens=1)  # caches tokens [0, 32)
+    run_until([d], lambda: d.finished("warm"), what="warm-up")
+    drain([d])
+    params = prefill(p, "req-12", PROMPT_TOKENS)
+    assert params["kvd_block_size"] == 64
+    d.add("dec-12", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    run_until([p, d], lambda: d.finished("dec-12") and not p.has_work(), timeout_s=10,
+              what="decode to finish and P to be released")
+    out = d.finished("dec-12")
+    assert out is not None and out.finish_reason is not None
+    assert out.finish_reason.name == "LENGTH", out
+    assert "dec-12" not in d.received and d.stat("nbytes") == 0
+    assert d.computed["dec-12"][0] == (32, PROMPT)
+    drain([p, d])
+    assert p.stat("sends_ok") == 1

@@ -80,6 +80,18 @@ class KvdScheduler:
                         "locally", request.request_id, exc)
             return 0, False
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        remote_bs = remote.block_size_tokens
+        if (count > 0 and remote_bs and remote_bs > self.block_size_tokens
+                and num_computed_tokens % remote_bs):
+            # kvd reads whole prefill blocks into groups of decode blocks: a local hit
+            # ending inside a prefill block cannot be continued by a pull (the daemon
+            # refuses it, and vLLM's "fail" policy would then fail the request). vLLM
+            # cannot shrink its local hit, so compute the tail here; after_alloc sends
+            # a notify-only pull that releases the prefill engine's blocks.
+            log.info("request %s: local prefix hit of %d tokens ends inside a prefill "
+                     "block of %d tokens; computing the remaining %d tokens locally",
+                     request.request_id, num_computed_tokens, remote_bs, count)
+            return 0, False
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -136,7 +148,8 @@ class KvdScheduler:
         self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
         remote = RemotePrefill(engine_id=self.settings.engine_id,
                                request_id=request.request_id, address=self.peer_address,
-                               block_ids=tuple(blocks), num_tokens=num_tokens)
+                               block_ids=tuple(blocks), num_tokens=num_tokens,
+                               block_size_tokens=self.block_size_tokens)
         return True, remote.to_params()
 
     # ------------------------------------------------------------ every step

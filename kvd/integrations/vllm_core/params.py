@@ -33,9 +33,14 @@ class RemotePrefill:
     address: str  # peer address of a daemon hosting the prefill engine
     block_ids: tuple[int, ...]  # the prefill's blocks, in token order
     num_tokens: int  # prompt tokens whose KV those blocks hold
+    # Tokens per prefill block (None: not sent, older prefill engines). The decode side
+    # needs it to tell whether its local prefix hit ends on a prefill block boundary.
+    block_size_tokens: int | None = None
 
     def to_params(self) -> dict[str, Any]:
         """The dict a prefill engine returns; vLLM's standard keys plus ours."""
+        extra = ({} if self.block_size_tokens is None
+                 else {"kvd_block_size": self.block_size_tokens})
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -45,6 +50,7 @@ class RemotePrefill:
             "remote_num_tokens": self.num_tokens,
             "kvd_address": self.address,
             "kvd_format": PARAMS_FORMAT,
+            **extra,
         }
 
 
@@ -87,10 +93,14 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
                           f"{MAX_BLOCKS} block ids")
     block_ids = tuple(_int(b, "remote block id") for b in blocks)
     num_tokens = _int(params.get("remote_num_tokens"), "kv_transfer_params['remote_num_tokens']")
+    block_size = params.get("kvd_block_size")  # absent from older prefill engines
+    if block_size is not None and not _int(block_size, "kv_transfer_params['kvd_block_size']"):
+        raise ParamsError("kv_transfer_params['kvd_block_size'] must be positive")
     return RemotePrefill(engine_id=_str(params, "remote_engine_id"),
                          request_id=_str(params, "remote_request_id"),
                          address=_str(params, "kvd_address"),
-                         block_ids=block_ids, num_tokens=num_tokens)
+                         block_ids=block_ids, num_tokens=num_tokens,
+                         block_size_tokens=block_size)
 
 
 def blocks_to_pull(num_prompt_tokens: int, num_computed_tokens: int, block_size_tokens: int,
