@@ -45,7 +45,8 @@ class PoolGrid:
     chunk: int
     mem_type: str = "DRAM"
     _bases: np.ndarray = field(init=False, repr=False, compare=False)
-    _ends: np.ndarray = field(init=False, repr=False, compare=False)
+    _sizes: np.ndarray = field(init=False, repr=False, compare=False)
+    _counts: np.ndarray = field(init=False, repr=False, compare=False)
     _first: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -57,45 +58,67 @@ class PoolGrid:
         object.__setattr__(self, "pools", pools)
         counts = np.array([p.nbytes // self.chunk for p in pools], dtype=np.int64)
         object.__setattr__(self, "_bases", np.array([p.base for p in pools], dtype=np.int64))
-        object.__setattr__(self, "_ends", self._bases + counts * self.chunk)
+        object.__setattr__(self, "_sizes", counts * self.chunk)  # whole chunks only
+        object.__setattr__(self, "_counts", counts)
         object.__setattr__(self, "_first", np.cumsum(counts) - counts)
 
     def rows(self) -> DescRows:
-        counts = (self._ends - self._bases) // self.chunk
-        keep = counts > 0
-        return DescRows(addrs=self._bases[keep], nbytes=np.full(int(keep.sum()), self.chunk),
-                        strides=np.full(int(keep.sum()), self.chunk), counts=counts[keep],
+        keep = self._counts > 0
+        n = int(keep.sum())
+        return DescRows(addrs=self._bases[keep], nbytes=np.full(n, self.chunk),
+                        strides=np.full(n, self.chunk), counts=self._counts[keep],
                         mem_type=self.mem_type,
                         devs=np.array([p.dev for p in self.pools], dtype=np.int64)[keep])
+
+    def locate(self, addrs: np.ndarray, nbytes: np.ndarray
+               ) -> tuple[np.ndarray | int, np.ndarray, np.ndarray] | None:
+        """(pool index, byte offset in it, end offset) per descriptor; None when one is
+        not inside one pool's whole chunks. One pool (the usual case) needs no search."""
+        if len(self._bases) == 1:
+            off = addrs - self._bases[0]
+            ends = off + nbytes
+            if len(off) and (off.min() < 0 or ends.max() > self._sizes[0]):
+                return None
+            return 0, off, ends
+        pool = np.searchsorted(self._bases, addrs, side="right") - 1
+        if (pool < 0).any():
+            return None
+        off = addrs - self._bases[pool]
+        ends = off + nbytes
+        if (ends > self._sizes[pool]).any():
+            return None
+        return pool, off, ends
+
+    def fits(self, pool: np.ndarray | int, ends: np.ndarray) -> bool:
+        """Whether located descriptors (same bases) end inside this grid's whole chunks."""
+        if isinstance(pool, int):
+            return not len(ends) or bool(ends.max() <= self._sizes[pool])
+        return bool((ends <= self._sizes[pool]).all())
+
+    def indices_at(self, pool: np.ndarray | int, off: np.ndarray, nbytes: np.ndarray
+                   ) -> np.ndarray:
+        """int32 indices for located descriptors whose offsets and sizes are multiples of
+        the chunk (``common_chunk`` guarantees it), expanded to one per chunk."""
+        first = self._first[pool] + off // self.chunk
+        per = nbytes // self.chunk
+        if len(per) == 0 or (per.min() == 1 and per.max() == 1):
+            return first.astype(np.int32)
+        starts = np.repeat(first, per)
+        k = np.arange(len(starts), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+        return (starts + k).astype(np.int32)
 
     def indices(self, addrs: np.ndarray, nbytes: np.ndarray) -> np.ndarray | None:
         """int32 indices of the descriptors, expanded to chunks; None when one is outside
         the pools or not aligned to the chunk."""
         addrs = np.asarray(addrs, dtype=np.int64)
         nbytes = np.asarray(nbytes, dtype=np.int64)
-        pool = np.searchsorted(self._bases, addrs, side="right") - 1
-        if (pool < 0).any():
+        found = self.locate(addrs, nbytes)
+        if found is None:
             return None
-        base = self._bases[pool]
-        off = addrs - base
-        if (off % self.chunk).any() or (nbytes % self.chunk).any() or (
-                addrs + nbytes > self._ends[pool]).any():
+        pool, off, _ = found
+        if (off % self.chunk).any() or (nbytes % self.chunk).any():
             return None
-        first = self._first[pool] + off // self.chunk
-        per = nbytes // self.chunk
-        if (per == 1).all():
-            return first.astype(np.int32)
-        starts = np.repeat(first, per)
-        k = np.arange(len(starts), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
-        return (starts + k).astype(np.int32)
-
-    def offsets(self, addrs: np.ndarray) -> np.ndarray | None:
-        """Byte offsets of ``addrs`` inside their pools (None: one is outside)."""
-        addrs = np.asarray(addrs, dtype=np.int64)
-        pool = np.searchsorted(self._bases, addrs, side="right") - 1
-        if (pool < 0).any() or (addrs >= self._ends[pool]).any():
-            return None
-        return addrs - self._bases[pool]
+        return self.indices_at(pool, off, nbytes)
 
 
 def common_chunk(nbytes: np.ndarray, *offsets: np.ndarray) -> int:
@@ -201,18 +224,22 @@ class PreppedPoster:
     def _prepped(self, post: ReadPost) -> PreppedRead | None:
         if not self._local or post.peer not in self._remote or len(post.nbytes) == 0:
             return None
-        probe_l = PoolGrid(self._local, 1)
-        probe_r = PoolGrid(self._remote[post.peer], 1)
-        loff, roff = probe_l.offsets(post.local_addrs), probe_r.offsets(post.remote_addrs)
-        if loff is None or roff is None:
-            return None
-        chunk = common_chunk(post.nbytes, loff, roff)
         nbytes = np.asarray(post.nbytes, dtype=np.int64)
+        laddrs = np.asarray(post.local_addrs, dtype=np.int64)
+        raddrs = np.asarray(post.remote_addrs, dtype=np.int64)
+        # Located on byte grids first: the chunk depends on the offsets.
+        local = PoolGrid(self._local, 1).locate(laddrs, nbytes)
+        remote = PoolGrid(self._remote[post.peer], 1).locate(raddrs, nbytes)
+        if local is None or remote is None:
+            return None
+        chunk = common_chunk(nbytes, local[1], remote[1])
         if int(nbytes.sum()) // chunk > self.max_expansion * len(nbytes):
             return None
         lists = self._lists_for(post.peer, chunk, post.mem_type)
-        li = lists.local_grid.indices(post.local_addrs, nbytes)
-        ri = lists.remote_grid.indices(post.remote_addrs, nbytes)
-        if li is None or ri is None:  # crosses a pool's end: not a pool descriptor
+        # The chunk grids hold whole chunks only: a pool's tail may lie outside them.
+        if not (lists.local_grid.fits(local[0], local[2])
+                and lists.remote_grid.fits(remote[0], remote[2])):
             return None
+        li = lists.local_grid.indices_at(local[0], local[1], nbytes)
+        ri = lists.remote_grid.indices_at(remote[0], remote[1], nbytes)
         return PreppedRead(post.peer, lists.local, lists.remote, li, ri, post.notif)
