@@ -193,7 +193,6 @@ class EngineProc:
                 stderr=subprocess.STDOUT,
                 pass_fds=(reply_w,),
                 env=child_env,
-                cwd=str(HERE),
                 start_new_session=True,
             )
         os.close(reply_w)
