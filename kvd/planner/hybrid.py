@@ -26,7 +26,14 @@ from types import MappingProxyType
 from kvd.errors import PlanError
 from kvd.planner.mamba import MambaRead, MambaSpec, check_mamba_tp, plan_mamba
 from kvd.planner.plan import RankId, Read, TransferPlan, plan_transfer
-from kvd.planner.topology import ModelGeometry, Parallelism, check_parallelism, partition
+from kvd.planner.topology import (
+    ModelGeometry,
+    Parallelism,
+    check_parallelism,
+    head_holders,
+    partition,
+    rank_heads,
+)
 
 LAYER_KINDS = ("attention", "sliding", "mamba", "none")
 TOKEN_KINDS = ("attention", "sliding")  # caches indexed by token: paged KV
@@ -276,6 +283,41 @@ def _holds(layers: tuple[int, ...], span: tuple[int, int]) -> bool:
     return any(span[0] <= i < span[1] for i in layers)
 
 
+def _prefer_mamba_sources(geom: ModelGeometry, prefill: Parallelism,
+                          attention: dict[RankId, tuple[Read, ...]],
+                          mamba: Mapping[RankId, tuple[MambaRead, ...]]
+                          ) -> dict[RankId, tuple[Read, ...]]:
+    """Move replicated attention reads onto a replica the decode rank reads Mamba state from.
+
+    plan_transfer balances replicas (MLA, K < TP) over the whole engine, which
+    can send a decode rank to a prefill rank it has no other business with: one
+    more transfer and notification. SSM heads never replicate, so the Mamba
+    sources are fixed; among them the least-loaded holder serves.
+    """
+    cells: dict[RankId, int] = {}
+    for reads in attention.values():
+        for r in reads:
+            cells[r.remote] = cells.get(r.remote, 0) + r.num_cells
+    out = {}
+    for rank, reads in attention.items():
+        sources = {m.remote for m in mamba[rank]}
+        moved = []
+        for r in reads:
+            holders = [RankId(tp, r.remote.pp_rank) for tp in head_holders(geom, prefill,
+                                                                          r.heads[0])]
+            choice = [h for h in holders if h in sources]
+            if len(holders) > 1 and choice and r.remote not in sources:
+                best = min(choice, key=lambda h: (cells.get(h, 0), h.tp_rank))
+                cells[r.remote] -= r.num_cells
+                cells[best] = cells.get(best, 0) + r.num_cells
+                first = rank_heads(geom, prefill, best.tp_rank)[0]
+                r = Read(best, r.heads, r.local_heads, (r.heads[0] - first, r.heads[1] - first),
+                         r.layers)
+            moved.append(r)
+        out[rank] = tuple(moved)
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def plan_hybrid(model: HybridModel, prefill: Parallelism, decode: Parallelism) -> HybridPlan:
     """Plan one engine pair; cached like plan_transfer (models are frozen and hashable).
@@ -304,6 +346,7 @@ def plan_hybrid(model: HybridModel, prefill: Parallelism, decode: Parallelism) -
         check_mamba_tp(model.mamba, prefill.tp_size, "prefill")
         check_mamba_tp(model.mamba, decode.tp_size, "decode")
         mamba = plan_mamba(model.mamba, prefill, decode, p_stages, d_stages, mamba_layers)
+        attention = _prefer_mamba_sources(geom, prefill, attention, mamba)
 
     consumers = {RankId(tp, pp): 0 for pp in range(prefill.pp_size)
                  for tp in range(prefill.tp_size)}

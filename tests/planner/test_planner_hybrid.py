@@ -428,3 +428,26 @@ def test_replicated_groups_spread_over_replicas():
 
 def owned_by(spec: MambaSpec, tp: int, group: int) -> list[int]:
     return [p for p in range(tp) if group in owned(spec, tp, p)[1]]
+
+
+@pytest.mark.parametrize(("mla", "kv_heads"), [(True, 1), (False, 2), (False, 1)])
+def test_replicated_attention_comes_from_a_mamba_source(mla, kv_heads):
+    """Replicated KV (MLA, K < TP) never adds a prefill rank beyond the Mamba sources."""
+    spec = MambaSpec(num_heads=24, head_dim=2, n_groups=2, d_state=2, conv_kernel=4)
+    model = model_from_pattern("M*M*", attention=AttentionSpec(kv_heads, 8, mla=mla), mamba=spec)
+
+    def held(tp: int, rank: int) -> range:  # KV heads of a prefill rank, as vLLM shards them
+        if mla:
+            return range(1)
+        if tp <= kv_heads:
+            return range(rank * kv_heads // tp, (rank + 1) * kv_heads // tp)
+        return range(rank * kv_heads // tp, rank * kv_heads // tp + 1)
+
+    for p_tp, d_tp in itertools.product((1, 2, 4, 8), repeat=2):
+        plan = plan_hybrid(model, Parallelism(p_tp), Parallelism(d_tp))
+        for rank in plan.decode_ranks:
+            assert set(plan.sources(rank)) == {r.remote for r in plan.mamba[rank]}
+            for read in plan.attention[rank]:  # still a holder of the heads it reads
+                heads = held(p_tp, read.remote.tp_rank)
+                assert set(range(*read.heads)) <= set(heads)
+                assert read.remote_heads[0] == read.heads[0] - heads.start
