@@ -1,6 +1,6 @@
 """Hybrid models: the Mamba byte oracle over TP 1..8 x 1..8, and the model description.
 
-The oracle shares no offset arithmetic with kvd.planner.mamba: it shards a
+The oracle shares no offset arithmetic with kvd.planner.mamba_layout: it shards a
 global conv state ([x | B | C] channels x state steps) and SSM state (heads x
 head_dim x d_state) with its own slicing, writes whole per-rank arrays into
 byte pools at the offsets a MambaStateLayout's fields name, replays the
@@ -32,7 +32,8 @@ from kvd.planner.hybrid_layout import (
     build_hybrid_descriptors,
     physical_blocks_per_logical,
 )
-from kvd.planner.mamba import MambaSpec, MambaStateLayout, mamba_rank_shape
+from kvd.planner.mamba import MambaSpec, mamba_rank_shape
+from kvd.planner.mamba_layout import MambaStateLayout
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
 

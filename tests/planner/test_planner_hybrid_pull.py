@@ -26,7 +26,8 @@ from kvd.planner.hybrid_layout import (
     build_hybrid_descriptors,
     vllm_rank_layout,
 )
-from kvd.planner.mamba import MambaSpec, MambaStateLayout
+from kvd.planner.mamba import MambaSpec
+from kvd.planner.mamba_layout import MambaStateLayout
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
 
