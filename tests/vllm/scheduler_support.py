@@ -209,7 +209,7 @@ class SimEngine:
     # (it recomputes the last prompt token, which would overwrite that slot).
     received: dict[str, Received] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)  # connector stats, per step
-    steps: int = 0
+    step_s: list[float] = field(default_factory=list)  # wall time of each step
 
     @property
     def block_size(self) -> int:
@@ -274,7 +274,13 @@ class SimEngine:
         """One engine-core step, as vLLM runs it; None when the engine core would idle."""
         if not self.has_work():
             return None
-        self.steps += 1
+        start = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self.step_s.append(time.monotonic() - start)
+
+    def _step(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
         if so.new_block_ids_to_zero:
             self._zero(so.new_block_ids_to_zero)

@@ -305,7 +305,8 @@ def test_prefill_daemon_killed_before_pull(policy: str, daemons: Daemons, engine
                                            ) -> None:
     """The prefill daemon dies (SIGKILL) after publishing: vLLM's kv_load_failure_policy
     decides, "fail" ends the decode request with an error, "recompute" computes the whole
-    prompt locally. P, whose daemon is gone, frees its blocks once lease + grace pass."""
+    prompt locally. P, whose daemon is gone, frees its blocks once lease + grace pass,
+    and its steps never wait on the dead daemon (polls run off the step path)."""
     monkeypatch.setattr(kvd_vllm_scheduler, "SEND_GRACE_S", 1.0)
     victim = start_daemon(tmp_path, "victim", DAEMON_ARGS)
     try:
@@ -313,6 +314,7 @@ def test_prefill_daemon_killed_before_pull(policy: str, daemons: Daemons, engine
         d = engines("decode", daemons.decode, failure_policy=policy)
         params = prefill(p, "req-7", PROMPT_TOKENS)
         kill_daemon(victim)
+        first_step_after_kill = len(p.step_s)
 
         d.add("dec-7", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
         run_until([p, d], lambda: d.finished("dec-7"), timeout_s=30, what="decode to end")
@@ -331,6 +333,8 @@ def test_prefill_daemon_killed_before_pull(policy: str, daemons: Daemons, engine
             assert bad == 0, "the recomputed prompt's KV is not D's own"
         drain([p, d], timeout_s=30)
         assert p.stat("sends_expired") == 1
+        slowest = max(p.step_s[first_step_after_kill:])
+        assert slowest < 0.5, f"a P step took {slowest:.2f} s with its daemon dead"
     finally:
         kill_daemon(victim)
 

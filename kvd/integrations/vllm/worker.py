@@ -3,13 +3,16 @@
 Runs in each vLLM worker process. Registration happens before vLLM allocates,
 so kvd owns the memory NIXL reads and writes (zero copy); afterwards every
 layer view is checked against kvd's layout. Only the first rank polls the
-daemon: kvd reports per engine, not per rank (get_finished_count is 1).
+daemon: kvd reports per engine, not per rank (get_finished_count is 1). It
+polls on a thread of its own, never inside vLLM's step (see EventPoller).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +23,65 @@ from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
+from kvd.protocol import Event
 
 log = logging.getLogger("kvd.vllm")
+
+
+class EventPoller:
+    """Long-polls the local kvd for one engine's events on its own thread and client.
+
+    Why not poll inside vLLM's step: get_transfer_results runs in every model
+    step, and a poll to a daemon that died waits out the request timeout (10 s by
+    default; 35 s was measured, queued behind the pinger on a shared client) on
+    every step until the transfers time out, freezing the whole engine, plain
+    requests included. Here a dead daemon only delays events; steps drain a queue.
+    """
+
+    POLL_S = 1.0  # long-poll window: an idle engine asks once a second
+    RETRY_S = 0.5
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self._engine_id = settings.engine_id
+        self._client = KvdClient(settings.address, token=settings.token,
+                                 timeout_s=settings.request_timeout_s, ping_interval_s=0)
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvd-events-{settings.engine_id}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                for ev in self._client.poll(self._engine_id, timeout_s=self.POLL_S):
+                    self._events.put(ev)
+            except Exception as exc:  # noqa: BLE001 - keep polling whatever happened
+                if self._stop.is_set():
+                    return
+                if not failing:
+                    log.warning("polling kvd failed: %s (retrying; transfers time out if "
+                                "it stays down)", exc)
+                failing = True
+                self._stop.wait(self.RETRY_S)
+                continue
+            if failing:
+                log.warning("polling kvd works again")
+                failing = False
+
+    def take(self) -> list[Event]:
+        """Every event received since the last call, in arrival order; never blocks."""
+        events = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                events.append(self._events.get_nowait())
+        return events
+
+    def close(self) -> None:
+        self._stop.set()
+        self._client.close()  # aborts a poll in flight within 0.1 s
+        self._thread.join(timeout=5)
 
 
 class KvdWorker:
@@ -34,6 +94,7 @@ class KvdWorker:
         self.client = KvdClient(settings.address, token=settings.token,
                                 timeout_s=settings.request_timeout_s, on_lost=self._lost)
         self.handle: RankHandle | None = None
+        self.poller: EventPoller | None = None
 
     def _lost(self, reason: str) -> None:
         log.error("kvd lost this engine's registration (%s): its KV pool is no longer "
@@ -50,6 +111,8 @@ class KvdWorker:
                 self.settings.engine_id, g.model_spec(), g.layout_spec(), tp_rank=g.tp_rank,
                 tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
                 layer_partition=g.layer_partition)
+            if self.reports:
+                self.poller = EventPoller(self.settings)
             log.info("kvd pool %s (%d bytes, %s) registered for engine %s rank %d/%d",
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
                      g.kv_layout, self.settings.engine_id, g.tp_rank, g.pp_rank)
@@ -94,17 +157,16 @@ class KvdWorker:
         if not self.reports:
             return StepReport()
         self.book.vllm_finished(set(finished_req_ids))
-        if self.book.waiting_on_daemon:
-            try:
-                for ev in self.client.poll(self.settings.engine_id, timeout_s=0.0):
-                    self.book.on_event(ev)
-            except Exception as exc:  # noqa: BLE001 - a dead daemon must not stop the engine
-                log.warning("polling kvd failed: %s", exc)
-            for rid in self.book.expire(time.monotonic()):
-                log.error("request %s: kvd never reported its transfer; giving up", rid)
+        for ev in self.poller.take() if self.poller is not None else ():
+            self.book.on_event(ev)
+        for rid in self.book.expire(time.monotonic()):
+            log.error("request %s: kvd never reported its transfer; giving up", rid)
         return self.book.take()
 
     def close(self) -> None:
+        if self.poller is not None:
+            self.poller.close()
+            self.poller = None
         if self.handle is not None:
             with contextlib.suppress(Exception):
                 self.client.deregister(self.handle)
