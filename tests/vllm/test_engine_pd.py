@@ -17,11 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_proc import EngineProc
 
 from kvd.localcluster import DaemonProcess
-
-pytest.importorskip("vllm")
-from engine_proc import EngineProc  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
