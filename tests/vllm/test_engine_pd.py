@@ -56,32 +56,24 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPr
 
 
 @pytest.fixture(scope="module")
-def engines(daemons: tuple[DaemonProcess, ...],
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
-    logs = tmp_path_factory.mktemp("pd-logs")
-    tag = uuid.uuid4().hex[:6]
+def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
+            reference_engine: EngineProc) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
+    """Prefill and decode engines on their own daemons, and the plain reference engine."""
     pd, dd = daemons
-    started: list[EngineProc] = []
+    tag = uuid.uuid4().hex[:6]
+    prefill = start_engine("prefill", kv_transfer_config=_kv_config(f"prefill-{tag}", pd),  # type: ignore[operator]
+                           block_size=BLOCK)
     try:
-        for name, cfg in (
-            ("prefill", _kv_config(f"prefill-{tag}", pd)),
-            ("decode", _kv_config(f"decode-{tag}", dd)),
-            ("plain", None),
-        ):
-            started.append(
-                EngineProc.start(
-                    tiny_model_dir,
-                    kv_transfer_config=cfg,
-                    block_size=BLOCK,
-                    name=name,
-                    log_path=logs / f"{name}.log",
-                )
-            )
-        yield started[0], started[1], started[2]
+        decode = start_engine("decode", kv_transfer_config=_kv_config(f"decode-{tag}", dd),  # type: ignore[operator]
+                              block_size=BLOCK)
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        yield prefill, decode, reference_engine
     finally:
-        for e in started:
-            e.close()
+        decode.close()
+        prefill.close()
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
