@@ -5,6 +5,10 @@ torch tensor without copying); the scheduler publishes finished prefills and
 pulls remote ones, then waits for done_sending / done_recving events with a
 long poll. Both clients keep their registered ranks alive with pings; a
 daemon that restarted answers the ping with an error, which ``on_lost`` hears.
+
+Both clients build their messages and read their replies with the same
+sans-IO core (``Messages``, ``EventStash``); only the I/O differs, so the asyncio
+client offers exactly what the sync one does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvd.errors import KvdError, KvdTimeoutError, error_from_code
 from kvd.pool import MappedPool, map_pool
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
+CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at most this
 
 
 def default_address() -> str:
@@ -47,6 +52,7 @@ class RankHandle:
     pool: MappedPool
     daemon_id: str
     peer_address: str
+    instance_id: str = ""  # the daemon incarnation it is registered with
 
     @property
     def kv(self) -> Any:
@@ -54,26 +60,79 @@ class RankHandle:
         return self.pool.array
 
 
-def _register_msg(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
-                  tp_size: int, pp_rank: int, pp_size: int,
-                  layer_partition: Sequence[int] | None,
-                  engine_daemons: Sequence[str]) -> P.RegisterEngine:
-    return P.RegisterEngine(engine_id=engine_id, model=model, layout=layout, tp_rank=tp_rank,
-                            tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                            layer_partition=list(layer_partition) if layer_partition else None,
-                            engine_daemons=list(engine_daemons))
+class Messages:
+    """The sans-IO core: every request both clients send, and what a reply means."""
+
+    @staticmethod
+    def register(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
+                 tp_size: int, pp_rank: int, pp_size: int,
+                 layer_partition: Sequence[int] | None,
+                 engine_daemons: Sequence[str]) -> P.RegisterEngine:
+        return P.RegisterEngine(engine_id=engine_id, model=model, layout=layout,
+                                tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                pp_size=pp_size,
+                                layer_partition=list(layer_partition) if layer_partition else None,
+                                engine_daemons=list(engine_daemons))
+
+    @staticmethod
+    def handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
+        return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
+                          pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
+                          peer_address=reply.peer_address, instance_id=reply.instance_id)
+
+    @staticmethod
+    def deregister(handle: RankHandle) -> P.Deregister:
+        return P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
+                            pp_rank=handle.pp_rank)
+
+    @staticmethod
+    def ping(handle: RankHandle) -> P.Ping:
+        return P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank, pp_rank=handle.pp_rank)
+
+    @staticmethod
+    def publish(engine_id: str, request_id: str, block_ids: Sequence[int],
+                lease_s: float | None, consumers: int) -> P.Publish:
+        return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
+                         lease_s=lease_s, consumers=consumers)
+
+    @staticmethod
+    def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             remote_request_id: str, num_tokens: int) -> P.Pull:
+        return P.Pull(engine_id=engine_id, request_id=request_id,
+                      remote_engine_id=remote_engine_id, remote_address=remote_address,
+                      remote_block_ids=list(remote_block_ids),
+                      local_block_ids=list(local_block_ids),
+                      remote_request_id=remote_request_id, num_tokens=num_tokens)
+
+    @staticmethod
+    def poll(engine_id: str, timeout_s: float) -> P.Poll:
+        return P.Poll(engine_id=engine_id, timeout_s=timeout_s)
+
+    @staticmethod
+    def check(reply: Any) -> Any:
+        """The reply, or the daemon's Error raised as its KvdError class."""
+        if isinstance(reply, P.Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply
 
 
-def _handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
-    return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
-                      pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
-                      peer_address=reply.peer_address)
+class EventStash:
+    """Events polled while waiting for another request's, kept for later waits."""
 
+    def __init__(self) -> None:
+        self._kept: dict[str, list[P.Event]] = {}
 
-def _check(reply: Any) -> Any:
-    if isinstance(reply, P.Error):
-        raise error_from_code(reply.code, reply.message)
-    return reply
+    def add(self, engine_id: str, events: Sequence[P.Event]) -> None:
+        self._kept.setdefault(engine_id, []).extend(events)
+
+    def take(self, engine_id: str, request_id: str, kind: str) -> P.Event | None:
+        kept = self._kept.get(engine_id, [])
+        for ev in kept:
+            if ev.request_id == request_id and ev.kind == kind:
+                kept.remove(ev)
+                return ev
+        return None
 
 
 def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -95,6 +154,12 @@ class _ClientSettings:
         self._ranks: list[RankHandle] = []
         self._ping_interval_s = ping_interval_s
         self._on_lost = on_lost
+        self._stash = EventStash()
+
+    @property
+    def ranks(self) -> list[RankHandle]:
+        """The ranks this client registered and has not deregistered."""
+        return list(self._ranks)
 
 
 class KvdClient(_ClientSettings):
@@ -109,7 +174,6 @@ class KvdClient(_ClientSettings):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
-        self._stash: dict[str, list[P.Event]] = {}
 
     def call(self, msg: Any, timeout_s: float | None = None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -126,7 +190,7 @@ class KvdClient(_ClientSettings):
                                           f"{type(msg).__name__} within {timeout_s}s")
                 header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
                 if header.id == msg_id:
-                    return _check(body)
+                    return Messages.check(body)
 
     def _poll(self, deadline: float) -> bool:
         """Wait for a reply until ``deadline``, in slices, so close() never waits for a call
@@ -144,9 +208,9 @@ class KvdClient(_ClientSettings):
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                  layer_partition: Sequence[int] | None = None,
                  engine_daemons: Sequence[str] = ()) -> RankHandle:
-        msg = _register_msg(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
-                            layer_partition, engine_daemons)
-        handle = _handle(msg, self.call(msg))
+        msg = Messages.register(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
+                                layer_partition, engine_daemons)
+        handle = Messages.handle(msg, self.call(msg))
         self._ranks.append(handle)
         if self._pinger is None and self._ping_interval_s > 0:
             self._pinger = threading.Thread(target=self._ping_loop, daemon=True,
@@ -154,45 +218,49 @@ class KvdClient(_ClientSettings):
             self._pinger.start()
         return handle
 
+    def ping(self, handle: RankHandle | None = None) -> None:
+        """Ping one rank (or every registered one) now; raises NotFoundError "not
+        registered" when the daemon no longer knows it (it restarted)."""
+        for r in [handle] if handle is not None else list(self._ranks):
+            self.call(Messages.ping(r), timeout_s=max(self._ping_interval_s * 5, self.timeout_s))
+
     def _ping_loop(self) -> None:
         while not self._stop.wait(self._ping_interval_s):
             for r in list(self._ranks):
                 if self._stop.is_set():
                     return
                 try:
-                    self.call(P.Ping(engine_id=r.engine_id, tp_rank=r.tp_rank,
-                                     pp_rank=r.pp_rank), timeout_s=self._ping_interval_s * 5)
+                    self.ping(r)
                 except KvdError as exc:
                     if self._on_lost is not None and not self._stop.is_set():
                         self._on_lost(str(exc))
                 except zmq.ZMQError:
                     return  # closed under us
 
-    def deregister(self, handle: RankHandle) -> None:
-        self.call(P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
-                               pp_rank=handle.pp_rank))
+    def deregister(self, handle: RankHandle, timeout_s: float | None = None) -> None:
         if handle in self._ranks:
             self._ranks.remove(handle)
-        handle.pool.close()
+        try:
+            self.call(Messages.deregister(handle), timeout_s)
+        finally:
+            handle.pool.close()
 
     def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
                 lease_s: float | None = None, consumers: int = 1) -> None:
-        self.call(P.Publish(engine_id=engine_id, request_id=request_id,
-                            block_ids=list(block_ids), lease_s=lease_s, consumers=consumers))
+        self.call(Messages.publish(engine_id, request_id, block_ids, lease_s, consumers))
 
     def pull(self, engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
              remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             remote_request_id: str = "") -> None:
-        """Queue a pull; ``remote_request_id`` is the producer's id when it differs."""
-        self.call(P.Pull(engine_id=engine_id, request_id=request_id,
-                         remote_engine_id=remote_engine_id, remote_address=remote_address,
-                         remote_block_ids=list(remote_block_ids),
-                         local_block_ids=list(local_block_ids),
-                         remote_request_id=remote_request_id))
+             remote_request_id: str = "", num_tokens: int = -1) -> None:
+        """Queue a pull; ``remote_request_id`` is the producer's id when it differs,
+        ``num_tokens`` the prompt's token count (-1: unknown)."""
+        self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
+                                remote_block_ids, local_block_ids, remote_request_id,
+                                num_tokens))
 
     def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
         """Wait up to timeout_s for completion events of an engine (long poll)."""
-        reply = self.call(P.Poll(engine_id=engine_id, timeout_s=timeout_s),
+        reply = self.call(Messages.poll(engine_id, timeout_s),
                           timeout_s=timeout_s + self.timeout_s)
         return list(reply.events)
 
@@ -200,28 +268,27 @@ class KvdClient(_ClientSettings):
              ) -> P.Event:
         """Block until one request's event arrives (other events are kept for later waits)."""
         deadline = time.monotonic() + timeout_s
-        stash = self._stash.setdefault(engine_id, [])
-        while True:
-            for ev in stash:
-                if ev.request_id == request_id and ev.kind == kind:
-                    stash.remove(ev)
-                    return ev
+        while (ev := self._stash.take(engine_id, request_id, kind)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KvdTimeoutError(f"no {kind} for {request_id!r} within {timeout_s}s")
-            stash.extend(self.poll(engine_id, timeout_s=min(left, 1.0)))
+            self._stash.add(engine_id, self.poll(engine_id, timeout_s=min(left, 1.0)))
+        return ev
 
     def status(self) -> P.Status:
         return self.call(P.StatusQuery())
 
     def close(self) -> None:
+        """Deregister every rank this client registered (best effort, bounded), then close."""
+        for r in list(self._ranks):
+            try:
+                self.deregister(r, timeout_s=CLOSE_DEREGISTER_TIMEOUT_S)
+            except (KvdError, zmq.ZMQError):
+                pass  # the daemon is gone or forgot the rank: nothing to free there
         self._stop.set()
         if self._pinger is not None:
             self._pinger.join(timeout=2)
         with self._lock:  # let an in-flight call finish before the socket goes
-            for r in self._ranks:
-                r.pool.close()
-            self._ranks.clear()
             self._sock.close(0)
         self._ctx.term()
 
@@ -233,7 +300,7 @@ class KvdClient(_ClientSettings):
 
 
 class AsyncKvdClient(_ClientSettings):
-    """asyncio client for engines that run an event loop (one call in flight per id)."""
+    """asyncio client for engines that run an event loop; the sync client's twin."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 10.0,
                  token: str | None = None, ping_interval_s: float = 5.0,
@@ -264,8 +331,8 @@ class AsyncKvdClient(_ClientSettings):
         self._waiting[msg_id] = fut
         await self._sock.send_multipart(P.encode(msg, msg_id, self.token))
         try:
-            return _check(await asyncio.wait_for(fut, self.timeout_s if timeout_s is None
-                                                 else timeout_s))
+            return Messages.check(await asyncio.wait_for(
+                fut, self.timeout_s if timeout_s is None else timeout_s))
         except asyncio.TimeoutError:
             raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                   f"{type(msg).__name__}") from None
@@ -276,13 +343,18 @@ class AsyncKvdClient(_ClientSettings):
                        tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                        layer_partition: Sequence[int] | None = None,
                        engine_daemons: Sequence[str] = ()) -> RankHandle:
-        msg = _register_msg(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
-                            layer_partition, engine_daemons)
-        handle = _handle(msg, await self.call(msg))
+        msg = Messages.register(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
+                                layer_partition, engine_daemons)
+        handle = Messages.handle(msg, await self.call(msg))
         self._ranks.append(handle)
         if self._pinger is None and self._ping_interval_s > 0:
             self._pinger = asyncio.get_running_loop().create_task(self._ping_loop())
         return handle
+
+    async def ping(self, handle: RankHandle | None = None) -> None:
+        """Ping one rank (or every registered one) now, like ``KvdClient.ping``."""
+        for r in [handle] if handle is not None else list(self._ranks):
+            await self.call(Messages.ping(r))
 
     async def _ping_loop(self) -> None:
         """Keep registered ranks alive (engine_timeout_s), like the sync client's thread."""
@@ -290,43 +362,62 @@ class AsyncKvdClient(_ClientSettings):
             await asyncio.sleep(self._ping_interval_s)
             for r in list(self._ranks):
                 try:
-                    await self.call(P.Ping(engine_id=r.engine_id, tp_rank=r.tp_rank,
-                                           pp_rank=r.pp_rank))
+                    await self.ping(r)
                 except KvdError as exc:
                     if self._on_lost is not None:
                         self._on_lost(str(exc))
 
-    async def deregister(self, handle: RankHandle) -> None:
-        await self.call(P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
-                                     pp_rank=handle.pp_rank))
+    async def deregister(self, handle: RankHandle, timeout_s: float | None = None) -> None:
         if handle in self._ranks:
             self._ranks.remove(handle)
-        handle.pool.close()
+        try:
+            await self.call(Messages.deregister(handle), timeout_s)
+        finally:
+            handle.pool.close()
 
     async def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
                       lease_s: float | None = None, consumers: int = 1) -> None:
-        await self.call(P.Publish(engine_id=engine_id, request_id=request_id,
-                                  block_ids=list(block_ids), lease_s=lease_s,
-                                  consumers=consumers))
+        await self.call(Messages.publish(engine_id, request_id, block_ids, lease_s, consumers))
 
     async def pull(self, engine_id: str, request_id: str, remote_engine_id: str,
                    remote_address: str, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int], remote_request_id: str = "") -> None:
-        await self.call(P.Pull(engine_id=engine_id, request_id=request_id,
-                               remote_engine_id=remote_engine_id, remote_address=remote_address,
-                               remote_block_ids=list(remote_block_ids),
-                               local_block_ids=list(local_block_ids),
-                               remote_request_id=remote_request_id))
+                   local_block_ids: Sequence[int], remote_request_id: str = "",
+                   num_tokens: int = -1) -> None:
+        await self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
+                                      remote_block_ids, local_block_ids, remote_request_id,
+                                      num_tokens))
 
     async def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
-        reply = await self.call(P.Poll(engine_id=engine_id, timeout_s=timeout_s),
+        reply = await self.call(Messages.poll(engine_id, timeout_s),
                                 timeout_s=timeout_s + self.timeout_s)
         return list(reply.events)
+
+    async def wait(self, engine_id: str, request_id: str, kind: str, timeout_s: float = 30.0
+                   ) -> P.Event:
+        """Until one request's event arrives (other events are kept for later waits)."""
+        deadline = time.monotonic() + timeout_s
+        while (ev := self._stash.take(engine_id, request_id, kind)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KvdTimeoutError(f"no {kind} for {request_id!r} within {timeout_s}s")
+            self._stash.add(engine_id, await self.poll(engine_id, timeout_s=min(left, 1.0)))
+        return ev
 
     async def status(self) -> P.Status:
         return await self.call(P.StatusQuery())
 
+    async def aclose(self) -> None:
+        """Deregister every rank this client registered (best effort, bounded), then close."""
+        for r in list(self._ranks):
+            try:
+                await self.deregister(r, timeout_s=CLOSE_DEREGISTER_TIMEOUT_S)
+            except (KvdError, zmq.ZMQError):
+                pass
+        self.close()
+
     def close(self) -> None:
+        """Close without deregistering (no event loop needed); prefer ``await aclose()``,
+        or the daemon frees the ranks only after engine_timeout_s without pings."""
         if self._pinger is not None:
             self._pinger.cancel()
         for r in self._ranks:
@@ -336,3 +427,9 @@ class AsyncKvdClient(_ClientSettings):
             self._reader.cancel()
         self._sock.close(0)
         self._ctx.term()
+
+    async def __aenter__(self) -> AsyncKvdClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -39,6 +39,8 @@ class Config:
     drain_timeout_s: float = 30.0
     engine_timeout_s: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
+    receive_queue_bytes: int = 256 * 1024 * 1024
+    max_pool_bytes: int = 1 << 40
     max_blocks_per_request: int = 1 << 20
     max_engines: int = 256
     max_held_requests: int = 100_000
@@ -73,6 +75,11 @@ FIELD_HELP: dict[str, str] = {
     "engine_timeout_s": "An engine rank silent (no ping) this long is treated as gone.",
     "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
     "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
+    "receive_queue_bytes": "Bytes of messages queued per connection on each face before ZMQ "
+                           "pushes back (RCVHWM = this / max_message_bytes, at least 8): "
+                           "bounds memory under a flood.",
+    "max_pool_bytes": "Largest pool one engine rank may ask for; a bigger registration is "
+                      "refused with too_large.",
     "max_blocks_per_request": "Most block ids a single publish or pull may name.",
     "max_engines": "Most engine ranks registered at once.",
     "max_held_requests": "Most published requests held at once.",
@@ -97,6 +104,8 @@ _POSITIVE = {
     "heartbeat_interval_s",
     "engine_timeout_s",
     "max_message_bytes",
+    "receive_queue_bytes",
+    "max_pool_bytes",
     "max_blocks_per_request",
     "max_engines",
     "max_held_requests",

@@ -79,7 +79,7 @@ ROLES = ("producer", "consumer")
 TRANSFER_OUTCOMES = ("ok", "failed", "expired", "cancelled")
 HANDSHAKE_OUTCOMES = ("ok", "failed", "timeout", "refused")
 FACES = ("engine", "peer")
-PROTOCOL_REASONS = ("decode", "unknown", "version", "limit", "state")
+PROTOCOL_REASONS = ("decode", "unknown", "version", "limit")
 
 
 @dataclass(frozen=True)
@@ -182,22 +182,32 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "counter",
         ("face", "reason"),
         "Messages rejected, by face (engine, peer) and reason (decode: malformed; unknown: "
-        "unknown type; version: protocol version mismatch; limit: over a size or count "
-        "limit; state: not allowed now).",
+        "unknown type or not accepted on this face; version: protocol version mismatch; "
+        "limit: header over its size or nesting bound).",
     ),
     MetricDoc(
         "auth_failures",
         "kvd_auth_failures_total",
         "counter",
         ("face",),
-        "Connections or messages refused for missing or wrong credentials, by face.",
+        "Messages refused for a missing or wrong token, by face (checked from the header, "
+        "before the body is decoded).",
     ),
     MetricDoc(
         "busy_rejections",
         "kvd_busy_rejections_total",
         "counter",
         (),
-        "Publishes and pulls refused with 'busy' because a bounded queue or table was full.",
+        "Registrations, publishes and pulls refused with 'busy' because a bounded table was "
+        "full (max_engines, max_held_requests, max_inflight_pulls).",
+    ),
+    MetricDoc(
+        "events_dropped",
+        "kvd_events_dropped_total",
+        "counter",
+        (),
+        "Completion events dropped because their engine never polled and its queue was full "
+        "(the oldest goes first).",
     ),
     MetricDoc(
         "inflight_transfers",
@@ -279,6 +289,7 @@ class Metrics:
     protocol_errors: Counter
     auth_failures: Counter
     busy_rejections: Counter
+    events_dropped: Counter
     inflight_transfers: Gauge
     held_requests: Gauge
     pool_bytes: Gauge

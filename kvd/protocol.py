@@ -4,28 +4,30 @@ Wire format (both faces, ZMQ multipart, msgpack via msgspec, never pickle):
 
     [header, body]     header = Header (msgpack map), body = the struct named by header.kind
 
-The header is decoded first, with a decoder that ignores unknown fields, so a
-future version can add header fields (a MAC, a tenant) without breaking older
-peers; ``token`` is already there for shared-token authentication. The version
-is checked before the body is decoded: a peer speaking another version gets a
-clear ``incompatible`` error instead of a decode failure.
-
-NIXL notifications (producer side) carry a ReadNotice, prefixed by NOTICE_MAGIC.
+The header is decoded first, ignoring unknown fields (a later version may add a
+MAC or a tenant); the version, then the daemon's token, are checked before the
+body is decoded (kvd.codec). Every reply of a daemon carries its ``instance``, a
+random id per incarnation: when it changes, what a peer cached about it is stale.
+NIXL notifications carry a ReadNotice, prefixed by NOTICE_MAGIC.
 
 Version history:
     1  initial protocol: engine face (register, publish, pull, poll, status),
        peer face (hello, acquire, heartbeat, abandon), ReadNotice notifications.
+    2  restart identity and exact placement: Header.instance, Pull.remote_request_id
+       and num_tokens, Acquire consumer parallelism, Registered.instance_id, typed
+       Status rows, bounds on timeouts and sizes, token checked before the body.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvd.errors import ProtocolError
+from kvd.codec import Codec
+from kvd.errors import ProtocolError  # noqa: F401 - re-exported: callers catch P.ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NOTICE_MAGIC = b"kvd1"
 
 DTYPE_NBYTES: dict[str, int] = {
@@ -38,6 +40,17 @@ DTYPE_NBYTES: dict[str, int] = {
     "uint8": 1,
 }
 
+# Bounds at the decode boundary (a header is a few dozen bytes; a peer cannot make the
+# daemon walk a deep or huge one, and every wait a request names is finite).
+MAX_HEADER_BYTES = 4096
+MAX_TIMEOUT_S = 86_400.0
+MAX_LEASE_S = 3600.0
+MAX_CONSUMERS = 1024
+MAX_POLL_EVENTS = 10_000
+MAX_HEARTBEAT_IDS = 4096
+
+TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
+
 
 class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """Stable across versions: only fields may be added, never changed or removed."""
@@ -46,6 +59,7 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     kind: str
     id: int = 0
     token: str = ""
+    instance: str = ""  # the sending daemon's incarnation (random per process); clients: ""
 
 
 # ---------------------------------------------------------------- geometry
@@ -129,6 +143,7 @@ class Registered(msgspec.Struct, frozen=True):
     pool: PoolHandle
     daemon_id: str
     peer_address: str
+    instance_id: str = ""  # the daemon's incarnation: a restarted daemon has another one
 
 
 class Deregister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -149,8 +164,8 @@ class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_id: str
     request_id: str
     block_ids: list[int]
-    lease_s: float | None = None
-    consumers: int = 1
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LEASE_S)] | None = None
+    consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
 
 
 class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -160,6 +175,10 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     it); ``remote_request_id`` is the id the producer published under, when it
     differs (vLLM gives prefill and decode requests different ids; two prefill
     engines may publish the same id). Empty means "the same as request_id".
+
+    ``num_tokens`` is the prompt's token count (-1: unknown). With prefill blocks
+    larger than decode blocks and a prefix-cache hit, only it tells where the tail
+    starts: without it such a pull is refused rather than placed ambiguously.
     """
 
     engine_id: str
@@ -169,6 +188,7 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     remote_block_ids: list[int]
     local_block_ids: list[int]
     remote_request_id: str = ""
+    num_tokens: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
     @property
     def producer_request_id(self) -> str:
@@ -179,8 +199,8 @@ class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Long poll for completion events of an engine; answered as soon as any exist."""
 
     engine_id: str
-    timeout_s: float = 1.0
-    max_events: int = 1024
+    timeout_s: TimeoutS = 1.0  # the daemon answers after at most 60 s (MAX_POLL_WAIT_S)
+    max_events: Annotated[int, msgspec.Meta(ge=1, le=MAX_POLL_EVENTS)] = 1024
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -201,14 +221,61 @@ class StatusQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
+class RankStatus(msgspec.Struct, frozen=True):
+    """One engine rank and its pool (built by the engine registry)."""
+
+    engine_id: str
+    rank: str
+    tp_size: int
+    pp_size: int
+    pool: str
+    pool_bytes: int
+    gone: bool
+    pins: int
+
+
+class PeerStatus(msgspec.Struct, frozen=True):
+    """A cached handshake: a remote engine as seen through one of its daemons."""
+
+    address: str
+    local_engine: str
+    remote_engine: str
+    agent: str
+    instance: str = ""
+
+
+class HeldStatus(msgspec.Struct, frozen=True):
+    """A published request this daemon holds (built by the producer)."""
+
+    engine_id: str
+    request_id: str
+    state: str
+    blocks: int
+    lease_remaining_s: float
+    consumers_done: int
+    consumers: int
+
+
+class PullStatus(msgspec.Struct, frozen=True):
+    """A pull in flight (built by the consumer)."""
+
+    engine_id: str
+    request_id: str
+    state: str
+    age_s: float
+    remote_engine_id: str
+    nbytes: int
+
+
 class Status(msgspec.Struct, frozen=True):
     daemon_id: str
     version: str
     draining: bool
-    engines: list[dict[str, Any]]
-    peers: list[dict[str, Any]]
-    held: list[dict[str, Any]]
-    pulls: list[dict[str, Any]]
+    engines: list[RankStatus]
+    peers: list[PeerStatus]
+    held: list[HeldStatus]
+    pulls: list[PullStatus]
+    instance_id: str = ""
 
 
 # ---------------------------------------------------------------- peer face
@@ -233,12 +300,19 @@ class HelloReply(msgspec.Struct, frozen=True):
 
 
 class Acquire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Before posting READs: is the request still held, with these blocks? Renews its lease."""
+    """Before posting READs: is the request still held, with these blocks? Renews its lease.
+
+    The consumer engine's parallelism tells the producer how many planner reads to
+    expect from it, so the producer keeps no per-consumer table between requests.
+    """
 
     request_id: str
     producer_engine_id: str
     consumer_engine_id: str
     block_ids: list[int]
+    consumer_tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    consumer_pp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    consumer_layer_partition: list[int] | None = None
 
 
 class Acquired(msgspec.Struct, frozen=True):
@@ -257,7 +331,7 @@ class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     producer_engine_id: str
-    request_ids: list[str]
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
 
 
 class HeartbeatAck(msgspec.Struct, frozen=True):
@@ -291,67 +365,16 @@ PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon)
 REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Error)
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 
-_KIND = {cls: cls.__name__ for cls in ALL_MESSAGES}
-_header_decoder = msgspec.msgpack.Decoder(Header)
-_decoders = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in ALL_MESSAGES}
-_notice_decoder = msgspec.msgpack.Decoder(ReadNotice)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct, msg_id: int = 0, token: str = "") -> list[bytes]:
-    """Two frames: header then body."""
-    header = Header(v=PROTOCOL_VERSION, kind=_KIND[type(msg)], id=msg_id, token=token)
-    return [_encoder.encode(header), _encoder.encode(msg)]
-
-
-def decode_header(frame: bytes) -> Header:
-    try:
-        header = _header_decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ProtocolError(f"malformed header: {exc}") from None
-    return header
-
-
-def decode(frames: list[bytes], allowed: tuple[type, ...]) -> tuple[Header, Any]:
-    """The single decode boundary: frames -> (header, body) or ProtocolError.
-
-    Raises ProtocolError with ``reason`` set to decode|version|unknown so the
-    caller can count it. The version check comes before the body is touched.
-    """
-    if len(frames) != 2:
-        raise _reason(ProtocolError(f"expected 2 frames, got {len(frames)}"), "decode")
-    header = decode_header(frames[0])
-    if header.v != PROTOCOL_VERSION:
-        err = ProtocolError(
-            f"protocol version {header.v} not supported (this daemon speaks {PROTOCOL_VERSION})"
-        )
-        err.code = "incompatible"
-        raise _reason(err, "version")
-    decoder = _decoders.get(header.kind)
-    if decoder is None or not any(cls.__name__ == header.kind for cls in allowed):
-        raise _reason(ProtocolError(f"unknown message kind {header.kind[:64]!r}"), "unknown")
-    try:
-        return header, decoder.decode(frames[1])
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise _reason(ProtocolError(f"malformed {header.kind}: {exc}"), "decode") from None
-
-
-def _reason(err: ProtocolError, reason: str) -> ProtocolError:
-    err.reason = reason  # type: ignore[attr-defined]
-    return err
-
-
-def encode_notice(notice: ReadNotice) -> bytes:
-    return NOTICE_MAGIC + _encoder.encode(notice)
-
-
-def decode_notice(raw: bytes) -> ReadNotice:
-    if not raw.startswith(NOTICE_MAGIC):
-        raise ProtocolError("notification without kvd magic")
-    try:
-        return _notice_decoder.decode(raw[len(NOTICE_MAGIC) :])
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ProtocolError(f"malformed notification: {exc}") from None
+# The one decode boundary (kvd.codec holds the rules), bound to this message set.
+_codec: Codec[Header, ReadNotice] = Codec(PROTOCOL_VERSION, Header, ALL_MESSAGES, ReadNotice,
+                                          NOTICE_MAGIC, MAX_HEADER_BYTES)
+encode = _codec.encode
+decode_header = _codec.decode_header
+decode_body = _codec.decode_body
+decode = _codec.decode
+peek_id = _codec.peek_id
+encode_notice = _codec.encode_notice
+decode_notice = _codec.decode_notice
 
 
 def schema() -> dict[str, Any]:

@@ -14,18 +14,19 @@ def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:
         st = client.status()
     if as_json:
         return json.dumps(msgspec.to_builtins(st), indent=2)
-    lines = [f"kvd {st.version}  daemon {st.daemon_id}  draining={st.draining}", "",
+    lines = [f"kvd {st.version}  daemon {st.daemon_id}  instance {st.instance_id[:12]}  "
+             f"draining={st.draining}", "",
              f"engines ({len(st.engines)} ranks)"]
-    lines += [f"  {e['engine_id']:<24} rank {e['rank']:<6} TP{e['tp_size']}xPP{e['pp_size']}  "
-              f"{e['pool_bytes'] / 2**20:9.1f} MiB  pins={e['pins']}"
-              f"{'  GONE' if e['gone'] else ''}" for e in st.engines]
+    lines += [f"  {e.engine_id:<24} rank {e.rank:<6} TP{e.tp_size}xPP{e.pp_size}  "
+              f"{e.pool_bytes / 2**20:9.1f} MiB  pins={e.pins}"
+              f"{'  GONE' if e.gone else ''}" for e in st.engines]
     lines += ["", f"peers ({len(st.peers)})"]
-    lines += [f"  {p['address']:<28} {p['local_engine']} <- {p['remote_engine']}"
-              for p in st.peers]
+    lines += [f"  {p.address:<28} {p.local_engine} <- {p.remote_engine}"
+              f"  instance {p.instance[:12]}" for p in st.peers]
     lines += ["", f"held requests ({len(st.held)})"]
-    lines += [f"  {h['engine_id']:<20} {h['request_id']:<24} {h['state']:<8} blocks={h['blocks']} "
-              f"lease {h['lease_remaining_s']:.1f}s" for h in st.held]
+    lines += [f"  {h.engine_id:<20} {h.request_id:<24} {h.state:<8} blocks={h.blocks} "
+              f"lease {h.lease_remaining_s:.1f}s" for h in st.held]
     lines += ["", f"pulls in flight ({len(st.pulls)})"]
-    lines += [f"  {p['engine_id']:<20} {p['request_id']:<24} {p['state']:<12} "
-              f"age {p['age_s']:.3f}s" for p in st.pulls]
+    lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} "
+              f"age {p.age_s:.3f}s" for p in st.pulls]
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """Bench geometry (a Llama-3-8B-like cache), scenarios, targets and small stats helpers.
 
 Also the descriptors kvd builds for one pull of a scenario, so that raw NIXL can be
-timed moving exactly the same ones (``kvd_descriptors``).
+timed moving exactly the same ones (``kvd_descriptors``): they come from
+``kvd.planner.assembly.assemble_pull``, the function the consumer daemon calls, so the
+bench measures the product's own descriptors by construction.
 """
 
 from __future__ import annotations
@@ -64,19 +66,23 @@ HOMOGENEOUS = Scenario("homogeneous", 1, 1)
 HETERO = Scenario("hetero", 1, 2)
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 2) if seconds > 0 else 0.0
 
 
-def _ms(seconds: float) -> float:
+def ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     s = sorted(values)
     k = max(0, min(len(s) - 1, int(np.ceil(q / 100 * len(s))) - 1))
     return s[k]
+
+
+# Former private names, still imported by other bench modules.
+_gbps, _ms, _pct = gbps, ms, pct
 
 
 def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,
@@ -88,8 +94,8 @@ def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,
     offsets index the decode ranks' pools laid end to end, remote ones the prefill's.
     """
     from kvd.daemon.engines import geometry, parallelism, rank_layout
-    from kvd.planner import RankId, build_read_descriptors, plan_transfer
-    from kvd.planner.blocks import match_blocks
+    from kvd.planner import RankId, plan_transfer
+    from kvd.planner.assembly import RankPool, assemble_pull, match_tail
 
     model = geom.model()
     lspec = layout_spec(geom.shape(scn.decode_tp, d_blocks))
@@ -98,14 +104,13 @@ def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,
     plan = plan_transfer(geometry(model), rpar, lpar)
     lcache, lfirst = rank_layout(model, lspec, lpar, 0)
     rcache, rfirst = rank_layout(model, rspec, rpar, 0)
-    local_ids, remote_ids = match_blocks(d_ids, p_ids, geom.block_size_tokens,
-                                         geom.block_size_tokens)
-    lo, ro, nb = [], [], []
-    for t in range(scn.decode_tp):
-        for read in plan.reads_for(RankId(t, 0)):
-            d = build_read_descriptors(read, lcache, lfirst, rcache, rfirst, local_ids, remote_ids)
-            lo.append(d.local_offsets + t * lcache.total_nbytes)
-            ro.append(d.remote_offsets + read.remote.tp_rank * rcache.total_nbytes)
-            nb.append(d.nbytes)
-    return (np.concatenate(lo), np.concatenate(ro), np.concatenate(nb),
+    local_ids, remote_ids = match_tail(d_ids, p_ids, geom.block_size_tokens,
+                                       geom.block_size_tokens)
+    # Pools laid end to end from address 0 on each side: addresses are offsets.
+    local = [RankPool(RankId(t, 0), lcache, lfirst, t * lcache.total_nbytes)
+             for t in range(scn.decode_tp)]
+    remote = {RankId(t, 0): RankPool(RankId(t, 0), rcache, rfirst, t * rcache.total_nbytes)
+              for t in range(scn.prefill_tp)}
+    [reads] = assemble_pull(plan, local, remote, local_ids, remote_ids).values()
+    return (reads.local_addrs, reads.remote_addrs, reads.nbytes,
             scn.decode_tp * lcache.total_nbytes, scn.prefill_tp * rcache.total_nbytes)

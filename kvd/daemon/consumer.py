@@ -1,12 +1,17 @@
-"""Consumer side: one pull = handshake (cached) -> plan -> descriptors -> READs -> event.
+"""Consumer side: one task per pull, from the request to its done_recving event.
 
-    QUEUED -> HANDSHAKING -> ACQUIRING -> READING -> DONE
-                   \\______________\\___________\\--> FAILED
+    QUEUED -> WAITING_RANKS -> HANDSHAKING -> ACQUIRING -> READING -> DONE | FAILED
 
-A pull is named once per decode engine; kvd reads for every rank of that
-engine it hosts. Local pools are pinned from posting until every transfer
-handle is released, so a pool is never freed while a READ may write into it;
-a pull only reports FAILED after its transfers are released (aborted).
+A pull waits (bounded) for every rank of its engine, handshakes (cached),
+acquires the request from every producer daemon, assembles the descriptors
+(kvd.planner.assembly), posts one READ per producer daemon and waits for them,
+renewing the producers' leases meanwhile. Its local pools are pinned from posting
+until every transfer handle is released, and only then is the outcome reported:
+a failed pull reports every local block invalid, never ok with wrong bytes.
+
+A producer found restarted or gone while the pull depends on it fails the pull
+with ``peer_lost``; the cached handshake is dropped so the next pull greets the
+new incarnation.
 """
 
 from __future__ import annotations
@@ -16,27 +21,47 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from kvd import protocol as P
-from kvd.daemon.engines import compat_hash, geometry, parallelism, rank_layout
-from kvd.errors import BusyError, IncompatibleError, KvdError, KvdTimeoutError, TransferError
-from kvd.planner import TransferPlan, build_read_descriptors, plan_transfer
-from kvd.planner.blocks import match_blocks
+from kvd.daemon.datapath import PostResult, XferState
+from kvd.daemon.engines import (
+    Engine,
+    EngineRank,
+    check_block_ids,
+    compat_hash,
+    geometry,
+    parallelism,
+    rank_layout,
+)
+from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.services import Services
+from kvd.errors import (
+    BlockIdError,
+    BusyError,
+    DrainingError,
+    IncompatibleError,
+    KvdError,
+    PeerLostError,
+    TooLargeError,
+    TransferError,
+)
+from kvd.planner import TransferPlan, plan_transfer
+from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
 from kvd.transport.base import ReadPost
 
-if TYPE_CHECKING:
-    from kvd.daemon.engines import Engine, EngineRank
-    from kvd.daemon.peers import RemoteEngine
-    from kvd.daemon.server import Daemon
-
 log = logging.getLogger("kvd.consumer")
+
+# READ completion polling: from FIRST_POLL_S, doubling to MAX_POLL_S (a 1-block pull
+# completes in well under a millisecond; a multi-GiB one takes seconds).
+FIRST_POLL_S = 0.0001
+MAX_POLL_S = 0.002
+PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
+PLAN_CACHE_MAX = 256
 
 
 class PullState(enum.Enum):
     QUEUED = "queued"
+    WAITING_RANKS = "waiting_ranks"
     HANDSHAKING = "handshaking"
     ACQUIRING = "acquiring"
     READING = "reading"
@@ -54,82 +79,87 @@ class PullJob:
     xfers: list[int] = field(default_factory=list)
     pinned: list[EngineRank] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
+    remote: RemoteEngine | None = None
+    lost: PeerLostError | None = None  # set by the heartbeat: the producer lost our request
+    cancel_reason: KvdError | None = None  # why the daemon cancelled the task
+    task: asyncio.Task[None] | None = None
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.msg.engine_id, self.msg.request_id)
 
 
-@dataclass
-class PostGroup:
-    """Everything one pull reads from one producer daemon (one NIXL READ)."""
-
-    agent: str
-    daemon: str
-    reads: int = 0
-    total_nbytes: int = 0
-    local: list[np.ndarray] = field(default_factory=list)
-    remote: list[np.ndarray] = field(default_factory=list)
-    nbytes: list[np.ndarray] = field(default_factory=list)
-    # GPU index of each descriptor's memory on each side (0 for DRAM)
-    local_dev: list[np.ndarray] = field(default_factory=list)
-    remote_dev: list[np.ndarray] = field(default_factory=list)
-
-
 class Consumer:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
         self.jobs: dict[tuple[str, str], PullJob] = {}
         self.plans: dict[tuple, TransferPlan] = {}
 
     def start(self, msg: P.Pull) -> None:
         """Validate cheaply and queue; the outcome arrives later as a done_recving event."""
-        cfg = self.d.cfg
-        engine = self.d.engines.get(msg.engine_id)
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
         if (msg.engine_id, msg.request_id) in self.jobs:
             raise KvdError(f"request {msg.request_id!r} is already being pulled")
         if len(self.jobs) >= cfg.max_inflight_pulls:
             raise BusyError(f"{len(self.jobs)} pulls in flight (max_inflight_pulls)")
         for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
             if len(ids) > cfg.max_blocks_per_request:
-                raise KvdError(f"{len(ids)} {name} blocks exceed max_blocks_per_request")
-        num_blocks = engine.layout.num_blocks
-        bad = [b for b in msg.local_block_ids if not 0 <= b < num_blocks]
-        if bad:
-            raise KvdError(f"local block ids {bad[:8]} out of range [0, {num_blocks})")
-        job = PullJob(msg=msg, started_s=self.d.clock())
+                raise TooLargeError(f"{len(ids)} {name} blocks exceed max_blocks_per_request "
+                                    f"({cfg.max_blocks_per_request})")
+        check_block_ids(msg.local_block_ids, engine.layout.num_blocks, "local")
+        negative = [b for b in msg.remote_block_ids if b < 0]
+        if negative:
+            raise BlockIdError(f"remote block ids {negative[:8]} are negative")
+        job = PullJob(msg=msg, started_s=self.svc.clock.now())
         self.jobs[job.key] = job
-        self.d.metrics.inflight_transfers.inc()
-        self.d.spawn(self._run(job, engine))
+        self.svc.metrics.inflight_transfers.inc()
+        job.task = self.svc.spawn(self._run(job))
 
-    async def _run(self, job: PullJob, engine: Engine) -> None:
-        msg = job.msg
+    def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
+        """Fail every pull now (drain timeout): each releases its READs, then reports."""
+        tasks = []
+        for job in list(self.jobs.values()):
+            if job.task is not None and not job.task.done():
+                job.cancel_reason = reason
+                job.task.cancel()
+                tasks.append(job.task)
+        return tasks
+
+    async def _run(self, job: PullJob) -> None:
+        msg, cfg = job.msg, self.svc.cfg
         try:
-            await asyncio.wait_for(self._pull(job, engine), self.d.cfg.transfer_timeout_s)
+            await self.svc.clock.wait_for(self._pull(job), cfg.transfer_timeout_s)
             outcome, error = "ok", ""
         except KvdError as exc:
             # Before TimeoutError: KvdTimeoutError (a handshake or acquire that timed out) is
             # one too, and must keep its own message rather than read as the whole pull's.
             outcome, error = "failed", f"{exc.code}: {exc}"
-        except asyncio.TimeoutError:
-            outcome, error = "failed", f"pull timed out after {self.d.cfg.transfer_timeout_s}s"
+        except TimeoutError:
+            outcome, error = "failed", f"timeout: pull timed out after {cfg.transfer_timeout_s}s"
         except asyncio.CancelledError:
-            outcome, error = "cancelled", "pull cancelled (engine gone or daemon stopping)"
+            reason = job.cancel_reason or DrainingError("pull cancelled (engine gone or daemon "
+                                                        "stopping)")
+            outcome, error = "cancelled", f"{reason.code}: {reason}"
         except Exception as exc:  # noqa: BLE001 - never let one pull take the daemon down
             log.exception("pull %s crashed", msg.request_id)
-            outcome, error = "failed", f"internal error: {exc!r}"
+            outcome, error = "failed", f"internal: {exc!r}"
         finally:
             await self._release(job)
+        self._report(job, outcome, error)
+
+    def _report(self, job: PullJob, outcome: str, error: str) -> None:
+        msg, svc = job.msg, self.svc
         ok = outcome == "ok"
         if not ok and job.acquired:
             # Our READs are released: tell the producers not to hold the blocks for us
             # until the lease ends (best effort; the lease still bounds the hold).
-            self.d.spawn(self._abandon(msg, job.acquired))
+            svc.spawn(self._abandon(msg, job.acquired))
         job.state = PullState.DONE if ok else PullState.FAILED
         self.jobs.pop(job.key, None)
-        m = self.d.metrics
+        m = svc.metrics
         m.inflight_transfers.dec()
-        duration_s = self.d.clock() - job.started_s
+        duration_s = svc.clock.now() - job.started_s
         m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
         invalid = [] if ok else list(msg.local_block_ids)
         if invalid:
@@ -137,154 +167,201 @@ class Consumer:
             log.warning("pull failed: %s", error,
                         extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
                                "peer": msg.remote_address})
-        self.d.events.push(msg.engine_id, P.Event(
+        svc.events.push(msg.engine_id, P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok, invalid_block_ids=invalid,
             error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s))
 
-    async def _pull(self, job: PullJob, engine: Engine) -> None:
-        msg = job.msg
-        job.state = PullState.HANDSHAKING
-        remote = await self.d.handshake(engine, msg.remote_engine_id, msg.remote_address)
-        job.state = PullState.ACQUIRING
-        if not await self._acquire(job, remote):
-            # The producer's pools changed since we cached the handshake: redo it once.
-            self.d.peers.forget(msg.engine_id, msg.remote_engine_id)
-            job.state = PullState.HANDSHAKING
-            remote = await self.d.handshake(engine, msg.remote_engine_id, msg.remote_address)
-            job.state = PullState.ACQUIRING
-            if not await self._acquire(job, remote):
-                raise KvdError(f"engine {msg.remote_engine_id!r} keeps changing its pools")
+    async def _pull(self, job: PullJob) -> None:
+        msg, svc = job.msg, self.svc
+        job.state = PullState.WAITING_RANKS
+        engine = await svc.registry.complete(msg.engine_id, svc.cfg.handshake_timeout_s)
+        remote = job.remote = await self._handshake_and_acquire(job, engine)
         if compat_hash(remote.desc.model, remote.desc.layout) != engine.compat:
             raise IncompatibleError(
                 f"engine {msg.remote_engine_id!r} is incompatible with {msg.engine_id!r} "
                 f"(model/dtype/layout differ: {remote.desc.model} {remote.desc.layout})")
-        plan = self._plan(engine, remote)
-        local_ids, remote_ids = match_blocks(msg.local_block_ids, msg.remote_block_ids,
-                                             engine.layout.block_size_tokens,
-                                             remote.desc.layout.block_size_tokens)
+        local_ids, remote_ids = match_tail(
+            msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
+            remote.desc.layout.block_size_tokens, msg.num_tokens)
         if not engine.live_ranks():
             raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
-        groups = self._descriptors(job, engine, remote, plan, local_ids, remote_ids)
+        groups = self._assemble(engine, remote, local_ids, remote_ids)
         job.state = PullState.READING
         await self._post_and_wait(job, engine, remote, groups)
+
+    async def _handshake_and_acquire(self, job: PullJob, engine: Engine) -> RemoteEngine:
+        """Handshake (cached) and acquire; once more if the cache proved stale."""
+        msg, peers = job.msg, self.svc.peers
+        for _ in range(2):
+            job.state = PullState.HANDSHAKING
+            remote = await peers.remote_engine(engine, msg.remote_engine_id, msg.remote_address)
+            job.state = PullState.ACQUIRING
+            if await self._acquire(job, engine, remote):
+                return remote
+            # A producer daemon restarted, or its pools changed, since we cached this.
+            peers.forget(msg.engine_id, msg.remote_engine_id)
+        raise KvdError(f"engine {msg.remote_engine_id!r} keeps changing its pools or daemons")
+
+    async def _acquire(self, job: PullJob, engine: Engine, remote: RemoteEngine) -> bool:
+        """Every producer daemon must still hold the request before any byte moves.
+
+        False when a daemon answered from another incarnation or epoch than the cached
+        handshake: the addresses we know may be stale.
+        """
+        msg = job.msg
+        acquire = P.Acquire(request_id=msg.producer_request_id,
+                            producer_engine_id=msg.remote_engine_id,
+                            consumer_engine_id=msg.engine_id,
+                            block_ids=list(msg.remote_block_ids),
+                            consumer_tp_size=engine.par.tp_size,
+                            consumer_pp_size=engine.par.pp_size,
+                            consumer_layer_partition=(list(engine.par.layer_partition)
+                                                      if engine.par.layer_partition else None))
+        addrs = list(remote.daemons)
+        replies = await asyncio.gather(*(self.svc.peers.request(a, acquire) for a in addrs),
+                                       return_exceptions=True)
+        job.acquired = [a for a, r in zip(addrs, replies, strict=True)
+                        if not isinstance(r, BaseException)]
+        for r in replies:
+            if isinstance(r, BaseException):
+                raise r
+        return all(r.instance == remote.daemons[a].instance
+                   and r.body.epoch == remote.daemons[a].epoch
+                   for a, r in zip(addrs, replies, strict=True))
 
     def _plan(self, engine: Engine, remote: RemoteEngine) -> TransferPlan:
         rpar = parallelism(remote.desc.tp_size, remote.desc.pp_size, remote.desc.layer_partition)
         key = (geometry(engine.model), rpar, engine.par)
         plan = self.plans.get(key)
         if plan is None:
-            self.d.metrics.plan_cache_misses.inc()
+            self.svc.metrics.plan_cache_misses.inc()
+            if len(self.plans) >= PLAN_CACHE_MAX:
+                self.plans.clear()
             plan = self.plans[key] = plan_transfer(geometry(engine.model), rpar, engine.par)
         else:
-            self.d.metrics.plan_cache_hits.inc()
+            self.svc.metrics.plan_cache_hits.inc()
         return plan
 
-    def _descriptors(self, job: PullJob, engine: Engine, remote: RemoteEngine,
-                     plan: TransferPlan, local_ids: np.ndarray,
-                     remote_ids: np.ndarray) -> dict[str, PostGroup]:
-        groups: dict[str, PostGroup] = {
-            agent: PostGroup(agent=agent, daemon=addr) for addr, agent in remote.daemons.items()
-        }
-        rpar = parallelism(remote.desc.tp_size, remote.desc.pp_size, remote.desc.layer_partition)
-        for local_rank in engine.live_ranks():
-            for read in plan.reads_for(local_rank.rank):
-                rr = remote.ranks[read.remote]
-                if local_ids.size == 0:
-                    # Notify only (vLLM: zero local blocks): no bytes move, but the producer
-                    # must still count this consumer's reads as done to release the request.
-                    groups[rr.agent].reads += 1
-                    continue
-                rcache, rfirst = rank_layout(remote.desc.model, remote.desc.layout, rpar,
-                                             read.remote.pp_rank, rr.desc.num_blocks)
-                descs = build_read_descriptors(read, local_rank.cache, local_rank.first_layer,
-                                               rcache, rfirst, local_ids, remote_ids)
-                g = groups[rr.agent]
-                g.reads += 1
-                g.total_nbytes += descs.total_nbytes
-                g.local.append(descs.local_offsets + local_rank.pool.addr)
-                g.remote.append(descs.remote_offsets + rr.desc.base_addr)
-                g.nbytes.append(descs.nbytes)
-                g.local_dev.append(np.full(len(descs), local_rank.device_id, dtype=np.int64))
-                g.remote_dev.append(np.full(len(descs), rr.desc.device_id, dtype=np.int64))
-                job.nbytes += descs.total_nbytes
-                job.descriptors += len(descs)
-        return groups
-
-    async def _acquire(self, job: PullJob, remote: RemoteEngine) -> bool:
-        """Every producer daemon must still hold the request before any byte moves.
-
-        Returns False when a daemon's pool epoch differs from the cached handshake.
-        """
-        msg = job.msg
-        acquire = P.Acquire(request_id=msg.producer_request_id,
-                            producer_engine_id=msg.remote_engine_id,
-                            consumer_engine_id=msg.engine_id,
-                            block_ids=list(msg.remote_block_ids))
-        addrs = list(remote.daemons)
-        replies = await asyncio.gather(*(
-            self.d.peers.conn(addr).request(acquire, self.d.cfg.handshake_timeout_s)
-            for addr in addrs
-        ), return_exceptions=True)
-        job.acquired = [a for a, r in zip(addrs, replies, strict=True)
-                        if isinstance(r, P.Acquired)]
-        for r in replies:
-            if isinstance(r, BaseException):
-                raise r
-        return all(r.epoch == remote.epochs.get(addr)
-                   for addr, r in zip(remote.daemons, replies, strict=True))
+    def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
+                  ) -> dict[str, ProducerReads]:
+        rdesc = remote.desc
+        rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
+        local = [RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
+                 for r in engine.live_ranks()]
+        remote_pools = {}
+        for rid, rr in remote.ranks.items():
+            cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
+                                       rr.desc.num_blocks)
+            remote_pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
+                                         owner=rr.agent)
+        return assemble_pull(self._plan(engine, remote), local, remote_pools, local_ids,
+                             remote_ids, owners=[d.agent for d in remote.daemons.values()])
 
     async def _post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
-                             groups: dict[str, PostGroup]) -> None:
-        msg = job.msg
+                             groups: dict[str, ProducerReads]) -> None:
+        msg, svc = job.msg, self.svc
         posts, notify_only = [], []
         for g in groups.values():
             notice = P.encode_notice(P.ReadNotice(
                 request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
                 consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))
-            if not g.local:  # nothing to read from this daemon: notification only
-                notify_only.append((g.agent, notice))
+            if not g.descriptors:  # nothing to read from this daemon: notification only
+                notify_only.append((g.owner, notice))
                 continue
-            posts.append(ReadPost(
-                peer=g.agent, local_addrs=np.concatenate(g.local),
-                remote_addrs=np.concatenate(g.remote), nbytes=np.concatenate(g.nbytes),
-                mem_type=remote.desc.mem_type, notif=notice,
-                local_devs=np.concatenate(g.local_dev),
-                remote_devs=np.concatenate(g.remote_dev)))
+            posts.append(ReadPost(peer=g.owner, local_addrs=g.local_addrs,
+                                  remote_addrs=g.remote_addrs, nbytes=g.nbytes,
+                                  mem_type=remote.desc.mem_type, notif=notice,
+                                  local_devs=g.local_devs, remote_devs=g.remote_devs))
+            job.nbytes += g.total_nbytes
+            job.descriptors += g.descriptors
         if posts:
             for r in engine.live_ranks():
                 r.pins += 1
                 job.pinned.append(r)
             t0 = time.perf_counter()
-            results = await self.d.datapath.post_reads(posts)
-            self.d.metrics.post_duration.observe(time.perf_counter() - t0)
-            self.d.metrics.descriptors_posted.inc(job.descriptors)
-            job.xfers = [x for x, _, _ in results if x is not None]
-            errors = [e for _, _, e in results if e is not None]
+            results = await self._post(job, posts)
+            svc.metrics.post_duration.observe(time.perf_counter() - t0)
+            svc.metrics.descriptors_posted.inc(job.descriptors)
+            errors = [r.error for r in results if r.error is not None]
             if errors:
-                raise TransferError("; ".join(errors))
-            pending = [x for x, done, _ in results if x is not None and not done]
-            hb = self.d.spawn(self._heartbeat(msg, remote)) if pending else None
+                await self._read_failed(job, remote, errors[0])
+            pending = [r.xfer_id for r in results if r.xfer_id is not None and not r.done]
+            hb = svc.spawn(self._heartbeat(job, remote)) if pending else None
             try:
-                await self._wait(pending)
+                await self._wait(job, remote, pending)
             finally:
                 if hb is not None:
                     hb.cancel()
         for agent, notice in notify_only:
-            err = await self.d.datapath.send_notif(agent, notice)
-            if err:
-                self.d.metrics.notifications_failed.inc()
-                raise TransferError(f"notify-only to {agent} failed: {err}")
+            try:
+                await svc.datapath.send_notif(agent, notice)
+            except TransferError as exc:
+                svc.metrics.notifications_failed.inc()
+                await self._read_failed(job, remote, exc)
 
-    async def _wait(self, pending: list[int]) -> None:
-        interval_s = 0.0001
+    async def _post(self, job: PullJob, posts: list[ReadPost]) -> list[PostResult]:
+        """Post, and record the handles even when cancelled meanwhile: the READs exist on
+        the NIXL thread either way, and must be released before the pools are unpinned."""
+        post = asyncio.ensure_future(self.svc.datapath.post_reads(posts))
+        try:
+            results = await asyncio.shield(post)
+        except asyncio.CancelledError:
+            results = await post
+            job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+            raise
+        job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+        return results
+
+    async def _wait(self, job: PullJob, remote: RemoteEngine, pending: list[int]) -> None:
+        interval_s = FIRST_POLL_S
         while pending:
-            await asyncio.sleep(interval_s)
-            states = await self.d.datapath.poll_many(pending)
-            failed = [s for s in states.values() if s not in ("done", "proc")]
+            await self.svc.clock.sleep(interval_s)
+            if job.lost is not None:
+                raise job.lost
+            states = await self.svc.datapath.poll_many(pending)
+            failed = [s.error for s in states.values() if s.error is not None]
             if failed:
-                raise TransferError(failed[0])
-            pending = [x for x, s in states.items() if s == "proc"]
-            interval_s = min(interval_s * 2, 0.002)
+                await self._read_failed(job, remote, failed[0])
+            pending = [x for x, s in states.items() if s.state is XferState.PENDING]
+            interval_s = min(interval_s * 2, MAX_POLL_S)
+
+    async def _read_failed(self, job: PullJob, remote: RemoteEngine, exc: TransferError) -> None:
+        """Drop the cached producer daemons and raise: peer_lost if a producer daemon is
+        gone or another incarnation now, else the transfer error itself."""
+        peers = self.svc.peers
+        for addr in remote.daemons:
+            peers.drop_address(addr, "READ failed")
+        for addr, known in remote.daemons.items():
+            try:
+                reply = await peers.request(addr, P.Heartbeat(
+                    producer_engine_id=job.msg.remote_engine_id, request_ids=[]),
+                    min(PROBE_TIMEOUT_S, self.svc.cfg.handshake_timeout_s))
+            except KvdError:
+                raise PeerLostError(f"producer daemon {addr} is unreachable after a failed "
+                                    f"READ ({exc})") from None
+            if reply.instance != known.instance:
+                raise PeerLostError(f"producer daemon {addr} restarted during the pull ({exc})")
+        raise exc
+
+    async def _heartbeat(self, job: PullJob, remote: RemoteEngine) -> None:
+        """Keep the producers' leases alive while our READs run; notice a lost request."""
+        msg = job.msg
+        beat = P.Heartbeat(producer_engine_id=msg.remote_engine_id,
+                           request_ids=[msg.producer_request_id])
+        while True:
+            await self.svc.clock.sleep(self.svc.cfg.heartbeat_interval_s)
+            for addr, known in remote.daemons.items():
+                try:
+                    reply = await self.svc.peers.request(addr, beat)
+                except KvdError as exc:
+                    log.warning("lease heartbeat to %s failed: %s", addr, exc,
+                                extra={"request_id": msg.request_id, "peer": addr})
+                    continue
+                if reply.instance != known.instance:
+                    job.lost = PeerLostError(f"producer daemon {addr} restarted during the pull")
+                elif reply.body.unknown:
+                    job.lost = PeerLostError(f"producer daemon {addr} no longer holds request "
+                                             f"{msg.producer_request_id!r} (lease expired?)")
 
     async def _abandon(self, msg: P.Pull, addrs: list[str]) -> None:
         note = P.Abandon(request_id=msg.producer_request_id,
@@ -292,37 +369,23 @@ class Consumer:
                          consumer_engine_id=msg.engine_id)
         for addr in addrs:
             try:
-                await self.d.peers.conn(addr).request(note, self.d.cfg.handshake_timeout_s)
+                await self.svc.peers.request(addr, note)
             except KvdError as exc:
                 log.info("abandon to %s not delivered (%s); the lease will release it", addr,
                          exc, extra={"request_id": msg.request_id, "peer": addr})
 
-    async def _heartbeat(self, msg: P.Pull, remote: RemoteEngine) -> None:
-        """Keep the producer's lease alive while our READs run."""
-        beat = P.Heartbeat(producer_engine_id=msg.remote_engine_id,
-                           request_ids=[msg.producer_request_id])
-        while True:
-            await asyncio.sleep(self.d.cfg.heartbeat_interval_s)
-            for addr in remote.daemons:
-                try:
-                    await self.d.peers.conn(addr).request(beat, self.d.cfg.handshake_timeout_s)
-                except (KvdError, KvdTimeoutError) as exc:
-                    log.warning("lease heartbeat to %s failed: %s", addr, exc,
-                                extra={"request_id": msg.request_id, "peer": addr})
-
     async def _release(self, job: PullJob) -> None:
         """Release (abort) every transfer handle, then unpin the local pools."""
         if job.xfers:
-            await self.d.datapath.release(job.xfers)
-            job.xfers = []
+            xfers, job.xfers = job.xfers, []
+            await asyncio.shield(self.svc.datapath.release(xfers))
         for r in job.pinned:
             r.pins -= 1
         job.pinned = []
 
-    def status(self) -> list[dict]:
-        now = self.d.clock()
-        return [{"engine_id": j.msg.engine_id, "request_id": j.msg.request_id,
-                 "state": j.state.value, "age_s": round(now - j.started_s, 3),
-                 "remote_engine_id": j.msg.remote_engine_id, "nbytes": j.nbytes}
+    def status(self) -> list[P.PullStatus]:
+        now = self.svc.clock.now()
+        return [P.PullStatus(engine_id=j.msg.engine_id, request_id=j.msg.request_id,
+                             state=j.state.value, age_s=round(now - j.started_s, 3),
+                             remote_engine_id=j.msg.remote_engine_id, nbytes=j.nbytes)
                 for j in self.jobs.values()]
-

@@ -3,19 +3,54 @@
 NIXL agents are not thread-safe in their default sync mode, and `transfer()`
 can copy a whole request inline; one worker thread serializes the agent and
 keeps the event loop free. Each coroutine here is one hop to that thread.
+
+Error contract: the transport maps NIXL's exceptions to ``TransferError`` (in one
+place, kvd.transport.nixl); this layer passes those objects on as they are, as
+typed results (``PostResult``, ``XferStatus``) or raised, never as strings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
+from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.errors import TransferError
 from kvd.transport.base import ReadPost, Transport, TransportCounts
 
 T = TypeVar("T")
+log = logging.getLogger("kvd.datapath")
+
+# How long a changed or forgotten peer may wait for its READs in flight to end before
+# NIXL drops its metadata anyway (they then fail, which their pulls report).
+PEER_DRAIN_TIMEOUT_S = 10.0
+PEER_DRAIN_POLL_S = 0.001
+
+
+class XferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class XferStatus:
+    state: XferState
+    error: TransferError | None = None
+
+
+@dataclass(frozen=True)
+class PostResult:
+    """One posted READ: a handle (None when posting failed), done at once, or the error."""
+
+    xfer_id: int | None
+    done: bool
+    error: TransferError | None = None
 
 
 def new_nixl_executor() -> ThreadPoolExecutor:
@@ -23,8 +58,10 @@ def new_nixl_executor() -> ThreadPoolExecutor:
 
 
 class DataPath:
-    def __init__(self, transport: Transport, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, transport: Transport, executor: ThreadPoolExecutor | None = None,
+                 clock: Clock | None = None) -> None:
         self.transport = transport
+        self.clock = clock or MonotonicClock()
         self._pool = executor or new_nixl_executor()
         self._metadata: dict[str, bytes] = {}  # peer agent -> metadata loaded
         self._gates: dict[str, asyncio.Event] = {}  # closed while a peer is reloaded
@@ -47,8 +84,15 @@ class DataPath:
     async def deregister(self, reg_id: int) -> None:
         await self.call(self.transport.deregister, reg_id)
 
-    async def load_peer(self, metadata: bytes, agent_name: str,
-                        drain_timeout_s: float = 10.0) -> str:
+    def inflight(self, agent_name: str) -> int:
+        return self._inflight.get(agent_name, 0)
+
+    async def _drained(self, agent_name: str) -> None:
+        deadline = self.clock.now() + PEER_DRAIN_TIMEOUT_S
+        while self.inflight(agent_name) and self.clock.now() < deadline:
+            await self.clock.sleep(PEER_DRAIN_POLL_S)
+
+    async def load_peer(self, metadata: bytes, agent_name: str) -> str:
         """Load a peer's metadata, replacing what we knew of it.
 
         NIXL keeps a peer's old memory sections when metadata is loaded again, and a
@@ -67,10 +111,7 @@ class DataPath:
         gate = self._gates.setdefault(agent_name, asyncio.Event())
         gate.clear()
         try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + drain_timeout_s
-            while self._inflight.get(agent_name, 0) and loop.time() < deadline:
-                await asyncio.sleep(0.001)
+            await self._drained(agent_name)
 
             def reload() -> str:
                 self.transport.remove_peer(agent_name)
@@ -82,39 +123,54 @@ class DataPath:
         finally:
             gate.set()
 
-    async def post_reads(self, posts: list[ReadPost]) -> list[tuple[int | None, bool, str | None]]:
-        """Post several READs in one hop; per post: (xfer id, done, error)."""
+    async def forget_peer(self, agent_name: str) -> None:
+        """Drop a peer (it died, restarted or is no longer used) once no READ to it is in
+        flight; the next handshake loads it afresh."""
+        if agent_name not in self._metadata:
+            return
+        gate = self._gates.setdefault(agent_name, asyncio.Event())
+        gate.clear()
+        try:
+            await self._drained(agent_name)
+            if self._metadata.pop(agent_name, None) is not None:
+                await self.call(self.transport.remove_peer, agent_name)
+        finally:
+            gate.set()
+
+    async def post_reads(self, posts: list[ReadPost]) -> list[PostResult]:
+        """Post several READs in one hop, one result per post."""
         for post in posts:
             gate = self._gates.get(post.peer)
             if gate is not None:
                 await gate.wait()
         results = await self.call(self._post_reads, posts)
-        for post, (xfer_id, _, _) in zip(posts, results, strict=True):
-            if xfer_id is not None:
-                self._xfer_peer[xfer_id] = post.peer
+        for post, res in zip(posts, results, strict=True):
+            if res.xfer_id is not None:
+                self._xfer_peer[res.xfer_id] = post.peer
                 self._inflight[post.peer] = self._inflight.get(post.peer, 0) + 1
         return results
 
-    def _post_reads(self, posts: list[ReadPost]) -> list[tuple[int | None, bool, str | None]]:
-        out: list[tuple[int | None, bool, str | None]] = []
+    def _post_reads(self, posts: list[ReadPost]) -> list[PostResult]:
+        out: list[PostResult] = []
         for post in posts:
             try:
                 xfer_id, done = self.transport.post_read(post)
-                out.append((xfer_id, done, None))
+                out.append(PostResult(xfer_id, done))
             except TransferError as exc:
-                out.append((None, False, str(exc)))
+                out.append(PostResult(None, False, exc))
         return out
 
-    async def poll_many(self, xfer_ids: list[int]) -> dict[int, str | None]:
-        """States of many transfers in one hop: 'done', 'proc' or an error message."""
+    async def poll_many(self, xfer_ids: list[int]) -> dict[int, XferStatus]:
+        """States of many transfers in one hop."""
 
-        def run() -> dict[int, str | None]:
-            out: dict[int, str | None] = {}
+        def run() -> dict[int, XferStatus]:
+            out: dict[int, XferStatus] = {}
             for xfer_id in xfer_ids:
                 try:
-                    out[xfer_id] = "done" if self.transport.poll(xfer_id) else "proc"
+                    done = self.transport.poll(xfer_id)
+                    out[xfer_id] = XferStatus(XferState.DONE if done else XferState.PENDING)
                 except TransferError as exc:
-                    out[xfer_id] = str(exc) or "transfer failed"
+                    out[xfer_id] = XferStatus(XferState.FAILED, exc)
             return out
 
         return await self.call(run)
@@ -133,15 +189,9 @@ class DataPath:
     async def notifications(self) -> list[tuple[str, bytes]]:
         return await self.call(self.transport.notifications)
 
-    async def send_notif(self, peer: str, msg: bytes) -> str | None:
-        def run() -> str | None:
-            try:
-                self.transport.send_notif(peer, msg)
-                return None
-            except TransferError as exc:
-                return str(exc)
-
-        return await self.call(run)
+    async def send_notif(self, peer: str, msg: bytes) -> None:
+        """Raises TransferError when the notification cannot be sent."""
+        await self.call(self.transport.send_notif, peer, msg)
 
     async def counts(self) -> TransportCounts:
         return await self.call(self.transport.counts)

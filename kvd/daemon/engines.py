@@ -1,19 +1,26 @@
-"""Registered engine ranks and the pools kvd owns for them.
+"""Registered engine ranks and the pools kvd owns for them: pure bookkeeping.
 
-A pool is freed only when both hold: its engine is gone (deregistered or
-silent past engine_timeout_s) and no transfer pins it. Pins are taken by
-in-flight consumer READs (local writes) and by published requests from
-publish until they end (remote reads); freeing waits for the last unpin.
+A rank's life is an explicit state machine:
+
+    LIVE --deregister / silent past engine_timeout_s / stop--> RETIRED
+    RETIRED --last unpin, collected--> FREEING --deregistered, unlinked--> FREED
+
+A pool is freed only when both hold: its rank is gone (RETIRED) and no transfer
+pins it. Pins are taken by in-flight consumer READs (local writes) and by
+published requests from publish until they end (remote reads). The async part
+(allocation, NIXL registration, freeing) is kvd.daemon.registry.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.errors import IncompatibleError, KvdError, NotFoundError, PlanError
+from kvd.errors import BlockIdError, IncompatibleError, KvdError, NotFoundError, PlanError
 from kvd.planner import (
     CacheLayout,
     ModelGeometry,
@@ -65,6 +72,21 @@ def rank_layout(model: ModelSpec, layout: LayoutSpec, par: Parallelism, pp_rank:
     return cache, first
 
 
+def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
+    """Refuse negative or out-of-range block ids, naming them (code ``bad_block_ids``)."""
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise BlockIdError(f"{what} block ids {bad[:8]}{' ...' if len(bad) > 8 else ''} out of "
+                           f"range [0, {num_blocks})")
+
+
+class RankState(enum.Enum):
+    LIVE = "live"
+    RETIRED = "retired"  # gone: serves nothing new; its pool waits for the last unpin
+    FREEING = "freeing"  # unpinned: being deregistered from NIXL and unlinked
+    FREED = "freed"
+
+
 @dataclass
 class EngineRank:
     engine_id: str
@@ -76,8 +98,12 @@ class EngineRank:
     reg_id: int
     last_seen_s: float
     pins: int = 0
-    gone: bool = False
+    state: RankState = RankState.LIVE
     device_id: int = 0  # GPU index for VRAM pools
+
+    @property
+    def gone(self) -> bool:
+        return self.state is not RankState.LIVE
 
 
 @dataclass
@@ -112,6 +138,14 @@ class Engine:
 
     def live_ranks(self) -> list[EngineRank]:
         return [r for _, r in sorted(self.ranks.items())]
+
+    def missing_ranks(self, own_address: str) -> list[RankId]:
+        """Ranks not registered here, when no other daemon may host them (an engine whose
+        engine_daemons name another daemon is complete only across daemons: not checked)."""
+        if any(a != own_address for a in self.engine_daemons):
+            return []
+        want = [RankId(t, p) for p in range(self.par.pp_size) for t in range(self.par.tp_size)]
+        return [r for r in want if r not in self.ranks]
 
 
 def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout, int]:
@@ -180,7 +214,7 @@ class EngineTable:
         if engine is None or rank not in engine.ranks:
             return None
         gone = engine.ranks.pop(rank)
-        gone.gone = True
+        gone.state = RankState.RETIRED
         self.retired.append(gone)
         engine.epoch = next(_epochs)
         return gone
@@ -192,11 +226,17 @@ class EngineTable:
         return live | {r.rank for r in self.retired if r.engine_id == engine_id}
 
     def collectable(self) -> list[EngineRank]:
-        """Retired, unpinned ranks: their pools may be freed now."""
-        out = [r for r in self.retired if r.pins == 0]
-        self.retired = [r for r in self.retired if r.pins > 0]
-        busy = {r.engine_id for r in self.retired}
-        for engine_id, engine in list(self.engines.items()):
-            if not engine.ranks and engine_id not in busy:
-                del self.engines[engine_id]
+        """Retired, unpinned ranks, now FREEING: their pools may be freed. They stay on the
+        retired list until ``freed()``, so an interrupted collection loses nothing."""
+        out = [r for r in self.retired if r.state is RankState.RETIRED and r.pins == 0]
+        for r in out:
+            r.state = RankState.FREEING
         return out
+
+    def freed(self, rank: EngineRank) -> None:
+        rank.state = RankState.FREED
+        self.retired = [r for r in self.retired if r is not rank]
+        busy = {r.engine_id for r in self.retired}
+        engine = self.engines.get(rank.engine_id)
+        if engine is not None and not engine.ranks and rank.engine_id not in busy:
+            del self.engines[rank.engine_id]

@@ -2,7 +2,8 @@
 
 A Poll waits until its engine has events or its timeout ends; events are
 kept (bounded) until some client of that engine polls them, so an event is
-never lost because no poll happened to be waiting.
+never lost because no poll happened to be waiting. A poll with timeout 0 is
+answered at once. Dropped events (an engine that never polls) are counted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvd import protocol as P
 log = logging.getLogger("kvd.events")
 
 MAX_EVENTS_PER_ENGINE = 100_000
+MAX_POLL_WAIT_S = 60.0  # a longer Poll timeout is answered (empty) after this
 
 
 @dataclass
@@ -29,18 +31,18 @@ class Waiter:
 
 class EventHub:
     def __init__(self, reply: Callable[[bytes, int, P.Events], None],
-                 clock: Callable[[], float]) -> None:
+                 now: Callable[[], float], on_drop: Callable[[], None] = lambda: None) -> None:
         self._reply = reply
-        self._clock = clock
+        self._now = now
+        self._on_drop = on_drop
         self.queues: dict[str, deque[P.Event]] = {}
         self.waiters: dict[str, list[Waiter]] = {}
-        self.dropped = 0
 
     def push(self, engine_id: str, event: P.Event) -> None:
         q = self.queues.setdefault(engine_id, deque())
         if len(q) >= MAX_EVENTS_PER_ENGINE:
             lost = q.popleft()
-            self.dropped += 1
+            self._on_drop()
             log.warning("engine %s does not poll its events: dropped the oldest (%s %s)",
                         engine_id, lost.kind, lost.request_id, extra={"engine_id": engine_id})
         q.append(event)
@@ -48,11 +50,18 @@ class EventHub:
 
     def wait(self, engine_id: str, identity: bytes, msg_id: int, timeout_s: float,
              max_events: int) -> None:
-        timeout_s = min(max(timeout_s, 0.0), 60.0)
-        max_events = min(max(max_events, 1), 10_000)
+        """Answer now if events exist (or the timeout is 0), else when they come or time out.
+
+        ``timeout_s`` and ``max_events`` are validated at the decode boundary (finite,
+        bounded); the wait itself is capped at MAX_POLL_WAIT_S.
+        """
+        timeout_s = min(max(timeout_s, 0.0), MAX_POLL_WAIT_S)
+        max_events = min(max(max_events, 1), P.MAX_POLL_EVENTS)
         self.waiters.setdefault(engine_id, []).append(
-            Waiter(identity, msg_id, max_events, self._clock() + timeout_s))
+            Waiter(identity, msg_id, max_events, self._now() + timeout_s))
         self._deliver(engine_id)
+        if timeout_s == 0.0:
+            self.expire()
 
     def _deliver(self, engine_id: str) -> None:
         q = self.queues.get(engine_id)
@@ -64,7 +73,7 @@ class EventHub:
 
     def expire(self) -> None:
         """Answer polls whose timeout ended with an empty list."""
-        now = self._clock()
+        now = self._now()
         for engine_id, waiters in self.waiters.items():
             keep = []
             for w in waiters:

@@ -2,11 +2,17 @@
 
     HELD --acquire--> READING --all expected notices--> DONE
       |                  |
-      +---lease ends-----+--> EXPIRED          (engine gone) --> RELEASED
+      +---lease ends-----+--> EXPIRED
+      +---engine gone / abandoned / stopped-----------> RELEASED
 
-Pure: every method takes ``now_s`` from the daemon's injected monotonic clock;
-a peer's timestamps are never used, so clock skew between nodes cannot
-shorten or stretch a lease.
+Every state change goes through a HeldRequest method. Pure: every method takes
+``now_s`` from the daemon's injected clock; a peer's timestamps are never used,
+so clock skew between nodes cannot shorten or stretch a lease.
+
+Each consumer engine's expected read count is fixed when it acquires (from its
+parallelism, sent in the Acquire), together with the incarnation of the daemon
+that acquired: a restarted consumer daemon acquiring again starts its count over
+(the READs of its previous incarnation died with it).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvd.errors import BusyError, KvdError, NotFoundError
+from kvd.errors import BlockIdError, BusyError, KvdError, NotFoundError
 
 
 class HeldState(enum.Enum):
@@ -29,6 +35,15 @@ TERMINAL = {HeldState.DONE, HeldState.EXPIRED, HeldState.RELEASED}
 
 
 @dataclass
+class Reader:
+    """One consumer engine reading the request."""
+
+    expected_reads: int
+    instance: str  # the consumer daemon incarnation that acquired
+    reads: int = 0
+
+
+@dataclass
 class HeldRequest:
     engine_id: str
     request_id: str
@@ -38,36 +53,46 @@ class HeldRequest:
     consumers: int
     published_s: float
     state: HeldState = HeldState.HELD
-    reads_by_consumer: dict[str, int] = field(default_factory=dict)
+    readers: dict[str, Reader] = field(default_factory=dict)
     consumers_done: set[str] = field(default_factory=set)
     abandoned: set[str] = field(default_factory=set)
     nbytes: int = 0  # read out of our pools, as reported by the consumers' notices
 
-    def acquire(self, consumer_engine: str, block_ids: list[int], now_s: float) -> None:
-        if self.state in TERMINAL:
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def acquire(self, consumer_engine: str, block_ids: list[int], now_s: float,
+                expected_reads: int = 1, instance: str = "") -> None:
+        if self.terminal:
             raise NotFoundError(f"request {self.request_id!r} is no longer held "
                                 f"({self.state.value})")
         missing = set(block_ids) - self.block_ids
         if missing:
-            raise KvdError(f"request {self.request_id!r}: blocks {sorted(missing)[:8]} were not "
-                           "published")
+            raise BlockIdError(f"request {self.request_id!r}: blocks {sorted(missing)[:8]} were "
+                               "not published")
+        reader = self.readers.get(consumer_engine)
+        if reader is None or reader.instance != instance:
+            self.readers[consumer_engine] = Reader(expected_reads, instance)
+            self.consumers_done.discard(consumer_engine)
         self.state = HeldState.READING
-        self.reads_by_consumer.setdefault(consumer_engine, 0)
         self.renew(now_s)
 
     def renew(self, now_s: float) -> None:
-        if self.state not in TERMINAL:
+        if not self.terminal:
             self.deadline_s = max(self.deadline_s, now_s + self.lease_s)
 
-    def notice(self, consumer_engine: str, reads: int, expected_reads: int,
-               nbytes: int = 0) -> bool:
-        """Count a consumer's finished reads; True once every expected consumer is done."""
-        if self.state in TERMINAL:
+    def notice(self, consumer_engine: str, reads: int, nbytes: int = 0) -> bool:
+        """Count a consumer's finished reads; True once every expected consumer is done.
+
+        A notice from a consumer that never acquired is ignored: it cannot release a hold.
+        """
+        reader = self.readers.get(consumer_engine)
+        if self.terminal or reader is None:
             return False
         self.nbytes += max(nbytes, 0)
-        got = self.reads_by_consumer.get(consumer_engine, 0) + reads
-        self.reads_by_consumer[consumer_engine] = got
-        if got >= expected_reads:
+        reader.reads += max(reads, 0)
+        if reader.reads >= reader.expected_reads:
             self.consumers_done.add(consumer_engine)
         if len(self.consumers_done) >= self.consumers:
             self.state = HeldState.DONE
@@ -76,7 +101,7 @@ class HeldRequest:
 
     def abandon(self, consumer_engine: str) -> bool:
         """A consumer gave up (its READs are released); True once no consumer is left."""
-        if self.state in TERMINAL:
+        if self.terminal:
             return False
         self.abandoned.add(consumer_engine)
         self.consumers_done.add(consumer_engine)
@@ -86,7 +111,14 @@ class HeldRequest:
         return False
 
     def expired(self, now_s: float) -> bool:
-        return self.state not in TERMINAL and now_s >= self.deadline_s
+        return not self.terminal and now_s >= self.deadline_s
+
+    def end(self, outcome: str) -> None:
+        """Leave the state machine for good: ok (DONE), expired or released."""
+        if self.terminal:
+            return
+        self.state = {"ok": HeldState.DONE, "expired": HeldState.EXPIRED}.get(
+            outcome, HeldState.RELEASED)
 
 
 class HeldTable:

@@ -1,92 +1,60 @@
-"""Talking to other kvd daemons: request/reply over DEALER, and the handshake cache.
+"""Handshakes with other kvd daemons and what they teach us, cached until proven stale.
 
-One DEALER socket per remote daemon address; replies are matched to requests
-by header id, and every wait is bounded. The handshake result for a (local
-engine, remote engine) pair is computed once and cached: the remote engine's
-geometry, which daemon hosts each of its ranks, and each daemon's NIXL agent.
+The consumer greets the producer daemon a pull names (and every daemon in its
+``engine_daemons``) once per (local engine, remote engine): the remote engine's
+geometry, which daemon hosts each rank at which pool address, each daemon's NIXL
+agent and its incarnation (``instance``). The cache entry is dropped, and the
+next pull handshakes again, when:
+
+* a reply from one of its daemons carries another instance (the daemon restarted);
+* ZMQ reports the connection to one of its daemons dropped;
+* a READ from one of its daemons failed, or a request to it timed out
+  (``drop_address``, called by the consumer);
+* a pull names an address the entry does not contain;
+* an Acquire reports another epoch (pools came or went there; ``forget``).
+
+Dropping a daemon also drops its NIXL metadata (once no READ to it is in flight),
+so a restarted daemon is loaded afresh rather than through stale sections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import Awaitable, Callable
+import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvd import protocol as P
-from kvd.errors import (
-    IncompatibleError,
-    KvdError,
-    KvdTimeoutError,
-    ProtocolError,
-    error_from_code,
-)
+from kvd.config import Config
+from kvd.daemon.clock import Clock
+from kvd.daemon.datapath import DataPath
+from kvd.daemon.engines import Engine
+from kvd.daemon.peerconn import PeerConnection, Reply
+from kvd.errors import IncompatibleError, KvdError, KvdTimeoutError, ProtocolError
+from kvd.metrics import Metrics
 from kvd.planner import RankId
 
 log = logging.getLogger("kvd.peers")
 
+_REFUSED = ("incompatible", "not_found", "unauthorized")
 
-class PeerConnection:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, token: str,
-                 max_message_bytes: int) -> None:
-        self.address = address
-        self.token = token
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.sock.connect(address)
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def _read(self) -> None:
-        while True:
-            try:
-                frames = await self.sock.recv_multipart()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            try:
-                header, body = P.decode(frames, P.REPLIES)
-            except ProtocolError as exc:
-                log.warning("undecodable reply from %s: %s", self.address, exc)
-                continue
-            fut = self._waiting.pop(header.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(body)
-
-    async def request(self, msg: Any, timeout_s: float) -> Any:
-        msg_id = next(self._ids)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting[msg_id] = fut
-        try:
-            await self.sock.send_multipart(P.encode(msg, msg_id, self.token))
-            reply = await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            raise KvdTimeoutError(
-                f"peer {self.address} did not answer {type(msg).__name__} within {timeout_s}s"
-            ) from None
-        finally:
-            self._waiting.pop(msg_id, None)
-        if isinstance(reply, P.Error):
-            raise error_from_code(reply.code, f"peer {self.address}: {reply.message}")
-        return reply
-
-    def close(self) -> None:
-        self._reader.cancel()
-        self.sock.close(0)
+@dataclass(frozen=True)
+class RemoteDaemon:
+    address: str
+    agent: str  # NIXL agent name
+    instance: str  # incarnation that answered the handshake
+    epoch: int  # the engine's epoch on that daemon at handshake time
 
 
 @dataclass
 class RemoteRank:
     rank: RankId
     daemon: str  # peer address
-    agent: str  # NIXL agent name
+    agent: str
     desc: P.RankDesc
 
 
@@ -95,110 +63,151 @@ class RemoteEngine:
     """A remote engine as learned by handshakes with every daemon hosting its ranks."""
 
     desc: P.EngineDesc  # geometry (ranks field: as reported by the first daemon)
-    ranks: dict[RankId, RemoteRank]
-    daemons: dict[str, str]  # peer address -> agent name
-    epochs: dict[str, int] = field(default_factory=dict)  # peer address -> engine epoch
+    ranks: dict[RankId, RemoteRank] = field(default_factory=dict)
+    daemons: dict[str, RemoteDaemon] = field(default_factory=dict)  # by peer address
 
 
 class PeerTable:
     """Connections to remote daemons and the cached handshakes."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, token: str, max_message_bytes: int,
-                 timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: Config, clock: Clock, metrics: Metrics,
+                 datapath: DataPath, token: str, daemon_id: str, instance_id: str) -> None:
         self.ctx = ctx
+        self.cfg = cfg
+        self.clock = clock
+        self.metrics = metrics
+        self.datapath = datapath
         self.token = token
-        self.max_message_bytes = max_message_bytes
-        self.timeout_s = timeout_s
+        self.daemon_id = daemon_id
+        self.instance_id = instance_id
         self.conns: dict[str, PeerConnection] = {}
         self.remotes: dict[tuple[str, str], RemoteEngine] = {}
-        self._inflight: dict[tuple[str, str], asyncio.Task] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Task[RemoteEngine]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------ connections
 
     def conn(self, address: str) -> PeerConnection:
+        if self._closed:
+            raise KvdError("daemon is stopping: no new peer requests")
         if not address.startswith("tcp://"):
             raise KvdError(f"remote address {address!r} must be a tcp:// peer endpoint")
         c = self.conns.get(address)
         if c is None:
-            c = self.conns[address] = PeerConnection(self.ctx, address, self.token,
-                                                     self.max_message_bytes)
+            c = self.conns[address] = PeerConnection(
+                self.ctx, address, self.token, self.instance_id, self.cfg.max_message_bytes,
+                self.clock, self.drop_address)
         return c
 
-    def drop(self, address: str) -> None:
-        c = self.conns.pop(address, None)
-        if c is not None:
-            c.close()
+    async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:
+        """One request to a daemon; a timeout drops what we cached about it."""
+        try:
+            return await self.conn(address).request(
+                msg, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
+        except KvdTimeoutError:
+            self.drop_address(address, "timed out")
+            raise
+
+    def drop_address(self, address: str, why: str) -> None:
+        """Forget every cached handshake involving that daemon, and its NIXL metadata."""
+        agents = set()
         for key, remote in list(self.remotes.items()):
             if address in remote.daemons:
+                agents.add(remote.daemons[address].agent)
                 del self.remotes[key]
+        if agents:
+            log.info("dropped cached handshakes with %s (%s)", address, why,
+                     extra={"peer": address})
+            self._count_peers()
+        still_used = {d.agent for r in self.remotes.values() for d in r.daemons.values()}
+        for agent in agents - still_used:
+            asyncio.get_running_loop().create_task(self.datapath.forget_peer(agent))
 
     def forget(self, local_engine: str, remote_engine: str) -> None:
         self.remotes.pop((local_engine, remote_engine), None)
 
-    async def remote_engine(
-        self,
-        local_engine: str,
-        remote_engine: str,
-        address: str,
-        hello: Callable[[], Awaitable[P.Hello]],
-        load_agent: Callable[[bytes, str], Awaitable[str]],
-    ) -> tuple[RemoteEngine, bool]:
-        """Cached handshake; returns (remote engine, True if it was a cache hit).
+    # ------------------------------------------------------------ handshakes
 
-        Single flight: pulls arriving while a handshake for the same pair runs wait for that
-        one and share its outcome, so a dead peer fails them all after one timeout (not one
-        timeout each, in turn). They count as cache hits; a failure is raised to each of them
-        as the same exception object.
+    async def remote_engine(self, engine: Engine, remote_engine: str,
+                            address: str) -> RemoteEngine:
+        """The cached handshake for (engine, remote engine) through ``address``.
+
+        Single flight: pulls arriving while a handshake for the same pair runs wait for
+        that one and share its outcome (a dead peer fails them all after one timeout),
+        and only that one is counted in the metrics.
         """
-        key = (local_engine, remote_engine)
-        if key in self.remotes:
-            return self.remotes[key], True
+        key = (engine.engine_id, remote_engine)
+        cached = self.remotes.get(key)
+        if cached is not None:
+            if address in cached.daemons:
+                return cached
+            log.info("pull names %s, not a daemon of the cached handshake %s: handshaking",
+                     address, sorted(cached.daemons), extra={"peer": address})
+            del self.remotes[key]
         task = self._inflight.get(key)
-        leader = task is None
         if task is None:
             task = asyncio.get_running_loop().create_task(
-                self._handshake_and_cache(key, remote_engine, address, hello, load_agent))
+                self._counted_handshake(key, engine, remote_engine, address))
             self._inflight[key] = task
-            task.add_done_callback(lambda t: (self._inflight.pop(key, None)
-                                              if self._inflight.get(key) is t else None,
-                                              t.cancelled() or t.exception()))
+            task.add_done_callback(lambda t: self._handshake_done(key, t))
         # shield: one pull being cancelled must not cancel the handshake others wait for.
-        return await asyncio.shield(task), not leader
+        return await asyncio.shield(task)
 
-    async def _handshake_and_cache(self, key: tuple[str, str], remote_engine: str,
-                                   address: str, hello: Callable[[], Awaitable[P.Hello]],
-                                   load_agent: Callable[[bytes, str], Awaitable[str]]
-                                   ) -> RemoteEngine:
-        remote = await self._handshake(remote_engine, address, hello, load_agent)
+    def _handshake_done(self, key: tuple[str, str], task: asyncio.Task[RemoteEngine]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: waiters re-raise it themselves
+
+    async def _counted_handshake(self, key: tuple[str, str], engine: Engine,
+                                 remote_engine: str, address: str) -> RemoteEngine:
+        start = time.perf_counter()
+        try:
+            remote = await self._handshake(engine, remote_engine, address)
+        except KvdTimeoutError:
+            self.metrics.handshakes.labels(outcome="timeout").inc()
+            raise
+        except KvdError as exc:
+            outcome = "refused" if exc.code in _REFUSED else "failed"
+            self.metrics.handshakes.labels(outcome=outcome).inc()
+            raise
+        self.metrics.handshakes.labels(outcome="ok").inc()
+        self.metrics.handshake_duration.observe(time.perf_counter() - start)
         self.remotes[key] = remote
+        self._count_peers()
         return remote
 
-    async def _handshake(self, remote_engine: str, address: str,
-                         hello: Callable[[], Awaitable[P.Hello]],
-                         load_agent: Callable[[bytes, str], Awaitable[str]]) -> RemoteEngine:
-        todo = [address]
-        seen: set[str] = set()
+    def _count_peers(self) -> None:
+        self.metrics.peers.set(len({a for r in self.remotes.values() for a in r.daemons}))
+
+    async def _handshake(self, engine: Engine, remote_engine: str, address: str
+                         ) -> RemoteEngine:
+        hello = P.Hello(daemon_id=self.daemon_id, remote_engine_id=remote_engine,
+                        consumer=engine.desc(), agent_metadata=b"", compat_hash=engine.compat)
+        todo, seen = [address], set()
         remote: RemoteEngine | None = None
         while todo:
             addr = todo.pop(0)
             if addr in seen:
                 continue
             seen.add(addr)
-            reply = await self.conn(addr).request(await hello(), self.timeout_s)
-            if not isinstance(reply, P.HelloReply):
-                raise ProtocolError(f"peer {addr} answered Hello with {type(reply).__name__}")
-            if reply.engine.engine_id != remote_engine:
+            reply = await self.request(addr, hello)
+            body = reply.body
+            if not isinstance(body, P.HelloReply):
+                raise ProtocolError(f"peer {addr} answered Hello with {type(body).__name__}")
+            if body.engine.engine_id != remote_engine:
                 raise IncompatibleError(f"peer {addr} answered for engine "
-                                        f"{reply.engine.engine_id!r}, not {remote_engine!r}")
-            agent = await load_agent(reply.agent_metadata, reply.agent_name)
+                                        f"{body.engine.engine_id!r}, not {remote_engine!r}")
+            agent = await self.datapath.load_peer(body.agent_metadata, body.agent_name)
             if remote is None:
-                remote = RemoteEngine(desc=reply.engine, ranks={}, daemons={})
-            elif _geometry(remote.desc) != _geometry(reply.engine):
+                remote = RemoteEngine(desc=body.engine)
+            elif _geometry(remote.desc) != _geometry(body.engine):
                 raise IncompatibleError(f"daemons disagree on engine {remote_engine!r} geometry")
-            remote.daemons[addr] = agent
-            remote.epochs[addr] = reply.engine.epoch
-            for r in reply.engine.ranks:
+            remote.daemons[addr] = RemoteDaemon(addr, agent, reply.instance, body.engine.epoch)
+            for r in body.engine.ranks:
                 rid = RankId(r.tp_rank, r.pp_rank)
                 remote.ranks.setdefault(rid, RemoteRank(rid, addr, agent, r))
-            todo.extend(a for a in reply.engine_daemons if a not in seen)
+            todo.extend(a for a in body.engine_daemons if a not in seen)
         assert remote is not None
         want = {RankId(t, p) for t in range(remote.desc.tp_size)
                 for p in range(remote.desc.pp_size)}
@@ -211,7 +220,13 @@ class PeerTable:
             )
         return remote
 
+    def status(self) -> list[P.PeerStatus]:
+        return [P.PeerStatus(address=addr, local_engine=k[0], remote_engine=k[1], agent=d.agent,
+                             instance=d.instance)
+                for k, remote in self.remotes.items() for addr, d in remote.daemons.items()]
+
     def close(self) -> None:
+        self._closed = True
         for t in self._inflight.values():
             t.cancel()
         for c in self.conns.values():

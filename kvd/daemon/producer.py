@@ -1,26 +1,27 @@
-"""Producer side: publish, acquire, heartbeats, READ notices and lease expiry.
+"""Producer side: hello, publish, acquire, heartbeats, READ notices, progress, lease expiry.
 
 A held request pins the pools of every rank of its engine hosted here, from
 publish until it ends (all expected notices, lease expiry, or release because
 its engine left before anyone acquired it). Expected notices per consumer
-engine come from the planner's consumer counts for the ranks hosted here, so a
-consumer can neither release early nor be waited for forever: the lease bounds
-every hold.
+engine come from the planner's consumer counts for the ranks hosted here and
+the consumer's parallelism (sent in its Acquire), so a consumer can neither
+release early nor be waited for forever: the lease bounds every hold.
+
+The progress loop lives here too: it drives NIXL so that consumers' READs, and
+the notices riding on them, complete.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from kvd import protocol as P
-from kvd.daemon.engines import Engine, geometry, parallelism
+from kvd.daemon.engines import Engine, check_block_ids, geometry, parallelism
 from kvd.daemon.held import HeldRequest, HeldState, HeldTable
-from kvd.errors import KvdError, NotFoundError, ProtocolError
-from kvd.planner import plan_transfer
-
-if TYPE_CHECKING:
-    from kvd.daemon.server import Daemon
+from kvd.daemon.services import Services
+from kvd.errors import IncompatibleError, NotFoundError, ProtocolError, TooLargeError
+from kvd.planner import Parallelism, TransferPlan, check_parallelism, plan_transfer
 
 log = logging.getLogger("kvd.producer")
 
@@ -31,48 +32,83 @@ _END_REASONS = {
                  "or the daemon stopped)",
 }
 
+# Progress polling: every FAST_POLL_S for HOT_WINDOW_S after activity (a READ is likely
+# landing), then backing off x2 to READING_POLL_MAX_S while some acquired request is
+# being read, or IDLE_POLL_MAX_S when none is (an idle daemon costs ~1% of a core).
+FAST_POLL_S = 0.00025
+HOT_WINDOW_S = 0.005
+READING_POLL_MAX_S = 0.002
+IDLE_POLL_MAX_S = 0.05
+PLAN_CACHE_MAX = 256
+
 
 class Producer:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.held = HeldTable(daemon.cfg.max_held_requests)
-        self.consumers: dict[str, P.EngineDesc] = {}  # consumer engines met at handshake
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+        self.held = HeldTable(svc.cfg.max_held_requests)
         self._pinned: dict[tuple[str, str], list] = {}
         self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
+        self._plans: dict[tuple, TransferPlan] = {}
+        self._wake = asyncio.Event()
+        svc.registry.on_engine_gone(self.engine_gone)
 
     @property
     def reading(self) -> bool:
         """Some consumer is reading from us now: the progress loop must poll often."""
         return bool(self._reading)
 
+    def wake(self) -> None:
+        """READ notices may come soon (publish, acquire): poll now."""
+        self._wake.set()
+
+    # ------------------------------------------------------------ engine face
+
     def publish(self, msg: P.Publish) -> None:
-        cfg = self.d.cfg
-        engine = self.d.engines.get(msg.engine_id)
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
         if len(msg.block_ids) > cfg.max_blocks_per_request:
-            raise KvdError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request")
-        bad = [b for b in msg.block_ids if not 0 <= b < engine.layout.num_blocks]
-        if bad:
-            raise KvdError(f"block ids {bad[:8]} out of range [0, {engine.layout.num_blocks})")
-        if msg.consumers < 1 or msg.consumers > 1024:
-            raise KvdError(f"consumers must be 1..1024, got {msg.consumers}")
-        lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
-        if not 0 < lease_s <= 3600:
-            raise KvdError(f"lease_s must be in (0, 3600], got {lease_s}")
+            raise TooLargeError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request "
+                                f"({cfg.max_blocks_per_request})")
+        check_block_ids(msg.block_ids, engine.layout.num_blocks, "published")
         if not msg.request_id or len(msg.request_id) > 256:
-            raise KvdError("request_id must be 1..256 characters")
+            raise ProtocolError("request_id must be 1..256 characters")
+        lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
-                                 msg.consumers, self.d.clock())
+                                 msg.consumers, self.svc.clock.now())
         ranks = engine.live_ranks()
         for r in ranks:
             r.pins += 1
         self._pinned[(held.engine_id, held.request_id)] = ranks
-        self.d.metrics.held_requests.set(len(self.held))
+        self.svc.metrics.held_requests.set(len(self.held))
+        self.wake()
 
-    def acquire(self, msg: P.Acquire) -> P.Acquired:
+    # ------------------------------------------------------------ peer face
+
+    async def hello(self, msg: P.Hello) -> P.HelloReply:
+        engine = self.svc.registry.get(msg.remote_engine_id)
+        if msg.compat_hash != engine.compat:
+            raise IncompatibleError(
+                f"engine {engine.engine_id!r} here is incompatible with consumer "
+                f"{msg.consumer.engine_id!r}: model/dtype/layout differ "
+                f"({engine.model} {engine.layout} vs {msg.consumer.model} {msg.consumer.layout})")
+        dp = self.svc.datapath
+        return P.HelloReply(daemon_id=self.svc.daemon_id, agent_name=dp.agent_name,
+                            agent_metadata=await dp.metadata(), engine=engine.desc(),
+                            engine_daemons=list(engine.engine_daemons))
+
+    def acquire(self, msg: P.Acquire, consumer_instance: str) -> P.Acquired:
         held = self.held.get(msg.producer_engine_id, msg.request_id)
-        held.acquire(msg.consumer_engine_id, msg.block_ids, self.d.clock())
+        engine = self.svc.registry.engines.get(msg.producer_engine_id)
+        if engine is None:
+            raise NotFoundError(f"engine {msg.producer_engine_id!r} is not registered here")
+        cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
+                           msg.consumer_layer_partition)
+        check_parallelism(geometry(engine.model), cpar, "consumer")
+        held.acquire(msg.consumer_engine_id, msg.block_ids, self.svc.clock.now(),
+                     self.expected_reads(engine, cpar), consumer_instance)
         self._reading.add((held.engine_id, held.request_id))
-        return P.Acquired(epoch=self.d.engines.engines[msg.producer_engine_id].epoch)
+        self.wake()
+        return P.Acquired(epoch=engine.epoch)
 
     def abandon(self, msg: P.Abandon) -> P.Ok:
         held = self.held.get(msg.producer_engine_id, msg.request_id)
@@ -81,60 +117,92 @@ class Producer:
         return P.Ok()
 
     def heartbeat(self, msg: P.Heartbeat) -> P.HeartbeatAck:
-        now, unknown = self.d.clock(), []
-        for rid in msg.request_ids[:4096]:
+        now, unknown = self.svc.clock.now(), []
+        for rid in msg.request_ids:
             try:
                 self.held.get(msg.producer_engine_id, rid).renew(now)
             except NotFoundError:
                 unknown.append(rid)
         return P.HeartbeatAck(unknown=unknown)
 
+    def expected_reads(self, engine: Engine, consumer: Parallelism) -> int:
+        """Reads the planner sends to the producer ranks hosted on this daemon."""
+        key = (geometry(engine.model), engine.par, consumer)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= PLAN_CACHE_MAX:
+                self._plans.clear()
+            plan = self._plans[key] = plan_transfer(geometry(engine.model), engine.par, consumer)
+        return sum(plan.consumers.get(rank, 0)
+                   for rank in self.svc.registry.rank_ids(engine.engine_id))
+
+    # ------------------------------------------------------------ notices and progress
+
     def on_notification(self, agent: str, raw: bytes) -> None:
         try:
             notice = P.decode_notice(raw)
         except ProtocolError as exc:
-            self.d.metrics.protocol_error("peer", "decode")
+            self.svc.metrics.protocol_error("peer", exc.reason)
+            self.svc.metrics.notifications_failed.inc()
             log.warning("bad notification from %s: %s", agent, exc, extra={"peer": agent})
             return
         try:
             held = self.held.get(notice.producer_engine_id, notice.request_id)
-            engine = self.d.engines.engines.get(notice.producer_engine_id)
-            consumer = self.consumers.get(notice.consumer_engine_id)
-            if engine is None or consumer is None:
-                raise NotFoundError(f"unknown engine in notice {notice}")
         except NotFoundError as exc:
             log.warning("notice for a request not held (expired or never published): %s", exc,
                         extra={"request_id": notice.request_id, "peer": agent})
             return
-        expected = self.expected_reads(engine, consumer)
-        if held.notice(notice.consumer_engine_id, notice.reads, expected, notice.nbytes):
+        if held.notice(notice.consumer_engine_id, notice.reads, notice.nbytes):
             self.finish(held, "ok")
 
-    def expected_reads(self, engine: Engine, consumer: P.EngineDesc) -> int:
-        """Reads the planner sends to the producer ranks hosted on this daemon."""
-        plan = plan_transfer(
-            geometry(engine.model), engine.par,
-            parallelism(consumer.tp_size, consumer.pp_size, consumer.layer_partition))
-        return sum(plan.consumers.get(rank, 0)
-                   for rank in self.d.engines.rank_ids(engine.engine_id))
+    async def run_progress(self) -> None:
+        """Drive NIXL: collect READ notices, polling fast after activity, then backing off."""
+        clock = self.svc.clock
+        interval_s, last_activity_s = FAST_POLL_S, clock.now()
+        while True:
+            try:
+                notices = await self.svc.datapath.notifications()
+                for agent, raw in notices:
+                    self.on_notification(agent, raw)
+            except Exception:  # noqa: BLE001 - one bad poll must not stop progress
+                log.exception("notification poll failed")
+                notices = []
+            now_s = clock.now()
+            if notices:
+                last_activity_s = now_s
+            if now_s - last_activity_s < HOT_WINDOW_S:
+                interval_s = FAST_POLL_S
+            else:
+                cap_s = READING_POLL_MAX_S if self.reading else IDLE_POLL_MAX_S
+                interval_s = min(interval_s * 2, cap_s)
+            self._wake.clear()
+            try:
+                await clock.wait_for(self._wake.wait(), interval_s)
+                interval_s, last_activity_s = FAST_POLL_S, clock.now()
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ endings
 
     def finish(self, held: HeldRequest, outcome: str) -> None:
         """End a hold exactly once: unpin, emit done_sending, count."""
-        if held.state not in (HeldState.DONE, HeldState.EXPIRED, HeldState.RELEASED):
-            held.state = HeldState.EXPIRED if outcome == "expired" else HeldState.RELEASED
+        key = (held.engine_id, held.request_id)
+        if self.held.items.get(key) is not held:
+            return
+        held.end(outcome)
         self.held.pop(held)
-        self._reading.discard((held.engine_id, held.request_id))
-        for r in self._pinned.pop((held.engine_id, held.request_id), []):
+        self._reading.discard(key)
+        for r in self._pinned.pop(key, []):
             r.pins -= 1
-        m = self.d.metrics
+        m = self.svc.metrics
         m.held_requests.set(len(self.held))
-        duration_s = self.d.clock() - held.published_s
+        duration_s = self.svc.clock.now() - held.published_s
         m.transfer_finished("producer", outcome, held.nbytes, duration_s)
         if outcome == "expired":
             m.leases_expired.inc()
             log.warning("lease expired before every consumer read the request",
                         extra={"request_id": held.request_id, "engine_id": held.engine_id})
-        self.d.events.push(held.engine_id, P.Event(
+        self.svc.events.push(held.engine_id, P.Event(
             kind="done_sending", request_id=held.request_id, ok=outcome == "ok",
             error=_END_REASONS.get(outcome, outcome),
             nbytes=held.nbytes if outcome == "ok" else 0, duration_s=duration_s))
@@ -149,9 +217,14 @@ class Producer:
             if held.state is HeldState.HELD:
                 self.finish(held, "cancelled")
 
-    def status(self) -> list[dict]:
-        now = self.d.clock()
-        return [{"engine_id": h.engine_id, "request_id": h.request_id, "state": h.state.value,
-                 "blocks": len(h.block_ids), "lease_remaining_s": round(h.deadline_s - now, 3),
-                 "consumers_done": len(h.consumers_done), "consumers": h.consumers}
+    def cancel_all(self) -> None:
+        for held in list(self.held.items.values()):
+            self.finish(held, "cancelled")
+
+    def status(self) -> list[P.HeldStatus]:
+        now = self.svc.clock.now()
+        return [P.HeldStatus(engine_id=h.engine_id, request_id=h.request_id, state=h.state.value,
+                             blocks=len(h.block_ids),
+                             lease_remaining_s=round(h.deadline_s - now, 3),
+                             consumers_done=len(h.consumers_done), consumers=h.consumers)
                 for h in self.held.items.values()]

@@ -26,6 +26,7 @@ TOTAL_MESSAGES = 100_000
 MODEL = ModelSpec(name="fuzz", num_kv_heads=4, num_layers=2, head_dim=32)
 SHAPE = EngineShape(tp_size=1, num_blocks=16)
 ENC = msgspec.msgpack.Encoder()
+V = P.PROTOCOL_VERSION
 
 
 def _valid_bodies() -> list[msgspec.Struct]:
@@ -77,7 +78,7 @@ def _mutate(frame: bytes, rng: random.Random) -> bytes:
 def _hostile(rng: random.Random, bodies: list[msgspec.Struct], msg_id: int) -> list[bytes]:
     body = rng.choice(bodies)
     kind = type(body).__name__
-    good_header = ENC.encode(P.Header(v=P.PROTOCOL_VERSION, kind=kind, id=msg_id))
+    good_header = ENC.encode(P.Header(v=V, kind=kind, id=msg_id))
     r = rng.random()
     if r < 0.30:  # valid header, type-confused body
         return [good_header, _type_confused(body, rng)]
@@ -160,7 +161,7 @@ def test_fuzz_both_faces_then_transfer_is_exact(tmp_path):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(prefill.engine_address)
-        s.send_multipart([ENC.encode(P.Header(v=1, kind="Publish", id=1)), b"\x00" * 200_000])
+        s.send_multipart([ENC.encode(P.Header(v=V, kind="Publish", id=1)), b"\x00" * 200_000])
         assert not s.poll(500), "an oversized frame must not be answered"
         s.close(0)
         ctx.term()

@@ -129,9 +129,9 @@ def test_consumer_engine_gone_mid_pull_keeps_pool_until_reads_end(tmp_path):
             dc.pull("d", "big", "p", prefill.peer_address, ids, ids)
             dc.deregister(dr)  # the engine crashes while its READs may be running
             st = dc.status()
-            rank = [e for e in st.engines if e["engine_id"] == "d"]
+            rank = [e for e in st.engines if e.engine_id == "d"]
             # Either the pull still pins the retired pool, or it had already finished.
-            assert all(e["gone"] for e in rank)
+            assert all(e.gone for e in rank)
             assert _wait_until(lambda: not dc.status().pulls, 30)
             assert _wait_until(lambda: kvd_segments("kvd-cgd") == [], 10)
             # The producer saw the reads finish (or the lease bound it): nothing stays held.

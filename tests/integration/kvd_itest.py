@@ -84,7 +84,7 @@ def register(client: KvdClient, prefix: str, model: ModelSpec, shape: EngineShap
 
 
 def pools_of(client: KvdClient, engine_ids: set[str]) -> list[str]:
-    return [e["pool"] for e in client.status().engines if e["engine_id"] in engine_ids]
+    return [e.pool for e in client.status().engines if e.engine_id in engine_ids]
 
 
 def deregister_and_check_freed(client: KvdClient, *engines: Engine, timeout_s: float = 10.0
@@ -137,7 +137,8 @@ def run_transfer(prefill: DaemonProcess, decode: DaemonProcess, pc: KvdClient, d
             write_shard(r.kv, g, model, pshape, r.tp_rank, r.pp_rank, p_ids)
         rid = unique("req")
         pc.publish(p.engine_id, rid, p_ids)
-        dc.pull(d.engine_id, rid, p.engine_id, prefill.peer_address, p_ids, d_ids)
+        dc.pull(d.engine_id, rid, p.engine_id, prefill.peer_address, p_ids, d_ids,
+                num_tokens=tokens)
         recv = dc.wait(d.engine_id, rid, "done_recving", timeout_s=timeout_s)
         sent = pc.wait(p.engine_id, rid, "done_sending", timeout_s=timeout_s)
         mismatches = stray = 0

@@ -177,11 +177,11 @@ def test_second_rank_with_other_geometry_is_refused(pair) -> None:
             pair.pc.register(eid, MODEL, lay, 0, 2)
         with pytest.raises(KvdError):
             pair.pc.register(eid, MODEL, lay, 2, 2)  # rank outside TP
-        ranks = [e for e in pair.pc.status().engines if e["engine_id"] == eid]
-        assert [e["rank"] for e in ranks] == [r0_key(r0)]
+        ranks = [e for e in pair.pc.status().engines if e.engine_id == eid]
+        assert [e.rank for e in ranks] == [r0_key(r0)]
     finally:
         pair.pc.deregister(r0)
-    wait_until(lambda: not [e for e in pair.pc.status().engines if e["engine_id"] == eid])
+    wait_until(lambda: not [e for e in pair.pc.status().engines if e.engine_id == eid])
 
 
 def r0_key(handle) -> str:
@@ -240,13 +240,14 @@ def test_protocol_version_mismatch_gets_incompatible(pair, face) -> None:
 # (frames, metric reason, id the Error echoes: 7 where the header decodes, else 0)
 BAD_MESSAGES = {
     "garbage-header": ([b"\xc1\xc1", b"\x80"], "decode", 0),
-    "truncated-header": ([header()[:-2], ENC.encode(P.StatusQuery())], "decode", 0),
+    # The id is echoed wherever it can be read, even from a header that does not decode.
+    "truncated-header": ([header()[:-2], ENC.encode(P.StatusQuery())], "decode", 7),
     "header-not-a-map": ([ENC.encode([1, 2]), b"\x80"], "decode", 0),
     "non-utf8-kind": ([b"\x82\xa1v\x01\xa4kind\xa2\xff\xfe", b"\x80"], "decode", 0),
     "unknown-kind": ([header(kind="Bogus"), b"\x80"], "unknown", 7),
     "reply-kind-as-request": ([header(kind="Ok"), b"\x80"], "unknown", 7),
-    "one-frame": ([header()], "decode", 0),
-    "three-frames": ([header(), ENC.encode(P.StatusQuery()), b"x"], "decode", 0),
+    "one-frame": ([header()], "decode", 7),
+    "three-frames": ([header(), ENC.encode(P.StatusQuery()), b"x"], "decode", 7),
     "bad-body": ([header(kind="Publish"), ENC.encode({"engine_id": 5})], "decode", 7),
     "unknown-body-field": ([header(kind="StatusQuery"), ENC.encode({"zzz": 1})], "decode", 7),
     "non-utf8-body": ([header(kind="Ping"), b"\x82\xa9engine_id\xa2\xff\xfe\xa7tp_rank\x00"],
@@ -381,7 +382,7 @@ def test_prefill_daemon_killed_mid_transfer(pair, tmp_path: Path) -> None:
             # Best effort: kill while a READ is in flight (failing earlier is accepted too).
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and not any(
-                    j["state"] == "reading" for j in pair.dc.status().pulls):
+                    j.state == "reading" for j in pair.dc.status().pulls):
                 pass
             os.kill(victim.proc.pid, signal.SIGKILL)
             victim.proc.wait(10)
@@ -417,15 +418,15 @@ def test_silent_engine_rank_is_dropped_and_its_pool_freed(tmp_path: Path) -> Non
         with d.client(ping_interval_s=0) as silent, d.client(ping_interval_s=0.2) as alive:
             gone = register(silent, "silent", MODEL, SHAPE)
             kept = register(alive, "alive", MODEL, SHAPE)
-            pools = {e["engine_id"]: e["pool"] for e in alive.status().engines}
+            pools = {e.engine_id: e.pool for e in alive.status().engines}
             assert (SHM_DIR / pools[gone.engine_id]).exists()
             time.sleep(1.2)
             wait_until(lambda: gone.engine_id not in
-                       {e["engine_id"] for e in alive.status().engines}, 5,
+                       {e.engine_id for e in alive.status().engines}, 5,
                        what="the silent rank to be dropped")
             wait_until(lambda: not (SHM_DIR / pools[gone.engine_id]).exists(), 5,
                        what="its pool to be unlinked")
-            ids = {e["engine_id"] for e in alive.status().engines}
+            ids = {e.engine_id for e in alive.status().engines}
             assert kept.engine_id in ids, "a pinging rank must stay registered"
             with pytest.raises(KvdError, match="not registered"):
                 silent.call(P.Ping(engine_id=gone.engine_id, tp_rank=0))

@@ -41,7 +41,7 @@ def test_producer_waits_for_every_consumer_engine(tmp_path):
                 if name == "a":  # one consumer done of two: the blocks stay held
                     with pytest.raises(KvdTimeoutError):
                         pc.wait("p", "req", "done_sending", timeout_s=0.5)
-                    assert [h["consumers_done"] for h in pc.status().held] == [1]
+                    assert [h.consumers_done for h in pc.status().held] == [1]
             sent = pc.wait("p", "req", "done_sending", timeout_s=10)
             assert sent.ok and sent.nbytes == 2 * ev.nbytes
     finally:

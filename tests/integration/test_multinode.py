@@ -41,7 +41,7 @@ def test_decode_reads_prefill_ranks_from_two_daemons(tmp_path):
                 assert check_shard(r.kv, g, MODEL, dshape, r.tp_rank, 0, d_ids) == 0
             assert ac.wait("p", "req", "done_sending", timeout_s=10).ok
             assert bc.wait("p", "req", "done_sending", timeout_s=10).ok
-            peers = {p["address"] for p in dc.status().peers}
+            peers = {p.address for p in dc.status().peers}
             assert peers == set(daemons)
     finally:
         for d in (node_a, node_b, decode):

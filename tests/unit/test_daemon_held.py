@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.held import TERMINAL, HeldState, HeldTable
-from kvd.errors import BusyError, KvdError, NotFoundError
+from kvd.daemon.held import TERMINAL, HeldState, HeldTable, Reader
+from kvd.errors import BlockIdError, BusyError, KvdError, NotFoundError
 
 
 def table(max_held: int = 100) -> HeldTable:
@@ -46,13 +46,13 @@ def test_unknown_request_is_not_found() -> None:
 def test_acquire_checks_blocks_moves_to_reading_and_renews() -> None:
     t = table()
     h = t.publish("p", "r", [1, 2, 3], 5.0, 1, 0.0)
-    with pytest.raises(KvdError, match="not published"):
+    with pytest.raises(BlockIdError, match="not published"):
         h.acquire("c", [3, 4], now_s=1.0)
     assert h.state is HeldState.HELD  # a refused acquire changes nothing
-    h.acquire("c", [2, 3], now_s=4.0)
+    h.acquire("c", [2, 3], now_s=4.0, expected_reads=3, instance="i1")
     assert h.state is HeldState.READING
     assert h.deadline_s == 9.0
-    assert h.reads_by_consumer == {"c": 0}
+    assert h.readers == {"c": Reader(expected_reads=3, instance="i1")}
 
 
 def test_renew_never_shortens_a_lease() -> None:
@@ -86,30 +86,49 @@ def test_never_expires_while_heartbeats_renew_it() -> None:
 
 def test_notices_count_reads_per_consumer_engine() -> None:
     h = table().publish("p", "r", [1], 5.0, consumers=2, now_s=0.0)
-    h.acquire("c1", [1], 0.0)
-    h.acquire("c2", [1], 0.0)
-    assert not h.notice("c1", reads=1, expected_reads=2, nbytes=100)
-    assert not h.notice("c1", reads=1, expected_reads=2, nbytes=100)  # c1 done
+    h.acquire("c1", [1], 0.0, expected_reads=2)
+    h.acquire("c2", [1], 0.0, expected_reads=2)
+    assert not h.notice("c1", reads=1, nbytes=100)
+    assert not h.notice("c1", reads=1, nbytes=100)  # c1 done
     assert h.consumers_done == {"c1"}
-    assert not h.notice("c1", reads=1, expected_reads=2)  # c1 again does not count twice
+    assert not h.notice("c1", reads=1)  # c1 again does not count twice
     assert h.state is HeldState.READING
-    assert h.notice("c2", reads=2, expected_reads=2, nbytes=300)
+    assert h.notice("c2", reads=2, nbytes=300)
     assert h.state is HeldState.DONE
     assert h.nbytes == 500
-    assert not h.notice("c2", reads=2, expected_reads=2)  # terminal: ignored
+    assert not h.notice("c2", reads=2)  # terminal: ignored
 
 
 def test_a_notice_with_zero_reads_does_not_release_when_reads_were_expected() -> None:
     h = table().publish("p", "r", [1], 5.0, 1, 0.0)
-    assert not h.notice("c", reads=0, expected_reads=2)
-    assert h.state is HeldState.HELD
+    h.acquire("c", [1], 0.0, expected_reads=2)
+    assert not h.notice("c", reads=0)
+    assert h.state is HeldState.READING
+
+
+def test_a_notice_from_a_consumer_that_never_acquired_is_ignored() -> None:
+    h = table().publish("p", "r", [1], 5.0, 1, 0.0)
+    assert not h.notice("stranger", reads=100)
+    assert h.state is HeldState.HELD and h.consumers_done == set()
+
+
+def test_a_restarted_consumer_daemon_starts_its_count_over() -> None:
+    """Reads counted for the consumer's previous incarnation died with it."""
+    h = table().publish("p", "r", [1], 5.0, 1, 0.0)
+    h.acquire("c", [1], 0.0, expected_reads=2, instance="old")
+    assert not h.notice("c", reads=1)
+    h.acquire("c", [1], 1.0, expected_reads=2, instance="new")
+    assert not h.notice("c", reads=1), "the old incarnation's read must not count"
+    assert h.notice("c", reads=1)
+    assert h.state is HeldState.DONE
 
 
 def test_terminal_states_refuse_acquire_and_do_not_expire() -> None:
     t = table()
     for state in TERMINAL:
         h = t.publish("p", f"r-{state.value}", [1], 1.0, 1, 0.0)
-        h.state = state
+        h.end({HeldState.DONE: "ok", HeldState.EXPIRED: "expired"}.get(state, "cancelled"))
+        assert h.state is state
         with pytest.raises(NotFoundError, match="no longer held"):
             h.acquire("c", [1], 0.0)
         assert not h.expired(100.0)
@@ -137,6 +156,6 @@ def test_abandon_releases_once_every_consumer_is_done_or_gave_up() -> None:
     held.acquire("c2", [2], now_s=1.0)
     assert not held.abandon("c1")  # c2 may still read
     assert held.state is HeldState.READING
-    assert held.notice("c2", reads=1, expected_reads=1)
+    assert held.notice("c2", reads=1)
     assert held.state is HeldState.DONE
     assert not held.abandon("c2"), "a terminal hold never changes again"

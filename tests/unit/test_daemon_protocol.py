@@ -11,6 +11,7 @@ from kvd import protocol as P
 from kvd.errors import ProtocolError
 
 ENC = msgspec.msgpack.Encoder()
+V = P.PROTOCOL_VERSION
 MODEL = P.ModelSpec(name="m", num_kv_heads=4, num_layers=2, head_dim=32)
 LAYOUT = P.LayoutSpec(num_blocks=8, block_size_tokens=16)
 VALID = [
@@ -35,7 +36,7 @@ def decode_or_protocol_error(frames: list[bytes], allowed=ALL_REQUESTS) -> None:
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
 def test_roundtrip(msg) -> None:
     header, body = P.decode(P.encode(msg, msg_id=42, token="t"), ALL_REQUESTS)
-    assert header == P.Header(v=P.PROTOCOL_VERSION, kind=type(msg).__name__, id=42, token="t")
+    assert header == P.Header(v=V, kind=type(msg).__name__, id=42, token="t")
     assert body == msg
 
 
@@ -63,14 +64,14 @@ def test_header_tolerates_unknown_fields_bodies_do_not() -> None:
     ([b"", b"", b""], "decode"),
     ([b"", b""], None),
     ([b"\xc1", b""], None),
-    ([ENC.encode(P.Header(v=1, kind="Nope")), b"\x80"], "unknown"),
-    ([ENC.encode(P.Header(v=1, kind="Ok")), b"\x80"], "unknown"),  # a reply, not a request
+    ([ENC.encode(P.Header(v=V, kind="Nope")), b"\x80"], "unknown"),
+    ([ENC.encode(P.Header(v=V, kind="Ok")), b"\x80"], "unknown"),  # a reply, not a request
     ([ENC.encode({"v": "1", "kind": "Poll"}), b"\x80"], None),
     ([ENC.encode({"kind": "Poll"}), b"\x80"], None),
     ([b"\x82\xa1v\x01\xa4kind\xa2\xff\xfe", b"\x80"], None),  # invalid UTF-8 in the header
-    ([ENC.encode(P.Header(v=1, kind="Ping")), b"\x81\xa9engine_id\xa2\xff\xfe"], "decode"),
-    ([ENC.encode(P.Header(v=1, kind="Publish")), ENC.encode({"engine_id": "e"})], "decode"),
-    ([ENC.encode(P.Header(v=1, kind="Publish")),
+    ([ENC.encode(P.Header(v=V, kind="Ping")), b"\x81\xa9engine_id\xa2\xff\xfe"], "decode"),
+    ([ENC.encode(P.Header(v=V, kind="Publish")), ENC.encode({"engine_id": "e"})], "decode"),
+    ([ENC.encode(P.Header(v=V, kind="Publish")),
       ENC.encode({"engine_id": "e", "request_id": "r", "block_ids": ["1"]})], "decode"),
 ])
 def test_bad_frames(frames, reason) -> None:
@@ -125,7 +126,7 @@ _ANY = st.recursive(
 def test_type_confused_fields_only_raise_protocol_error(msg, key, value) -> None:
     data = msgspec.to_builtins(msg)
     data[key if key else next(iter(data))] = value
-    header = ENC.encode(P.Header(v=P.PROTOCOL_VERSION, kind=type(msg).__name__))
+    header = ENC.encode(P.Header(v=V, kind=type(msg).__name__))
     decode_or_protocol_error([header, ENC.encode(data)])
 
 
@@ -144,3 +145,4 @@ def test_notice_roundtrip_and_magic() -> None:
     assert P.decode_notice(P.encode_notice(n)) == n
     with pytest.raises(ProtocolError, match="magic"):
         P.decode_notice(ENC.encode(n))
+

@@ -1,0 +1,45 @@
+"""The one clock of a daemon: every deadline, lease, sleep, timeout and loop cadence.
+
+Injecting one object (rather than ``time.monotonic`` here and ``asyncio.sleep``
+there) is what lets a test move a daemon through a 30 s lease or a 60 s transfer
+timeout in milliseconds, deterministically: the fake in ``tests/support/clock.py``
+implements the same three methods on virtual time. Only measurements reported as
+metrics (how long a post or handshake took) use ``time.perf_counter`` directly.
+
+Monotonic only: no timestamp is ever exchanged with a peer, so clock skew between
+nodes cannot shorten or stretch a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic scale (only differences mean anything)."""
+        ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        """``aw``'s result, or TimeoutError (``aw`` cancelled) once ``timeout_s`` passed."""
+        ...
+
+
+class MonotonicClock:
+    """Real time: ``time.monotonic`` and the event loop's own timers."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        return await asyncio.wait_for(aw, timeout_s)

@@ -1,0 +1,123 @@
+"""One connection to another kvd daemon: request/reply over a DEALER, with its identity.
+
+Replies are matched to requests by header id, and every wait is bounded by the
+daemon's clock. Every reply header carries the remote daemon's ``instance`` (one
+random id per process incarnation): when it changes, or when ZMQ reports the TCP
+connection dropped, the connection tells its owner (``on_lost``), which drops
+whatever it cached about that daemon (NIXL metadata, pool addresses, epochs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvd import protocol as P
+from kvd.daemon.clock import Clock
+from kvd.errors import KvdTimeoutError, ProtocolError, error_from_code
+
+log = logging.getLogger("kvd.peers")
+
+RECONNECT_INTERVAL_MS = 100
+
+
+@dataclass(frozen=True)
+class Reply:
+    body: Any
+    instance: str  # the answering daemon's incarnation ("" from a daemon too old to say)
+
+
+class PeerConnection:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, token: str, instance: str,
+                 max_message_bytes: int, clock: Clock,
+                 on_lost: Callable[[str, str], None]) -> None:
+        self.address = address
+        self.token = token
+        self.clock = clock
+        self.own_instance = instance
+        self.remote_instance = ""  # learnt from the first reply
+        self._on_lost = on_lost
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Reply]] = {}
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._watcher = loop.create_task(self._watch())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                header, body = P.decode(frames, P.REPLIES)
+            except ProtocolError as exc:
+                log.warning("undecodable reply from %s: %s", self.address, exc)
+                continue
+            self._saw_instance(header.instance)
+            fut = self._waiting.pop(header.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(Reply(body, header.instance))
+
+    def _saw_instance(self, instance: str) -> None:
+        if not instance or instance == self.remote_instance:
+            return
+        old, self.remote_instance = self.remote_instance, instance
+        if old:
+            log.warning("peer %s restarted (instance %s -> %s): dropping what was cached",
+                        self.address, old, instance, extra={"peer": self.address})
+            self._on_lost(self.address, "restarted")
+
+    async def _watch(self) -> None:
+        """ZMQ's disconnect events: the TCP connection to the daemon dropped."""
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.info("peer %s disconnected", self.address, extra={"peer": self.address})
+                self._on_lost(self.address, "disconnected")
+
+    async def request(self, msg: Any, timeout_s: float) -> Reply:
+        """Send ``msg``; its reply (an Error reply raised as its KvdError class), or
+        KvdTimeoutError after ``timeout_s`` on the daemon's clock."""
+        msg_id = next(self._ids)
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiting[msg_id] = fut
+        try:
+            await self.sock.send_multipart(P.encode(msg, msg_id, self.token, self.own_instance))
+            reply = await self.clock.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise KvdTimeoutError(
+                f"peer {self.address} did not answer {type(msg).__name__} within {timeout_s}s"
+            ) from None
+        finally:
+            self._waiting.pop(msg_id, None)
+        if isinstance(reply.body, P.Error):
+            raise error_from_code(reply.body.code, f"peer {self.address}: {reply.body.message}")
+        return reply
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self._watcher.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self.sock.close(0)

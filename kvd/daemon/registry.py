@@ -1,0 +1,197 @@
+"""The engine registry: registration, allocation, liveness, expiry and pool collection.
+
+One owner for everything about an engine rank's life on this daemon: refuse a
+bad registration before any memory exists (pool size capped by
+``max_pool_bytes``), allocate and NIXL-register the pool (freeing it again on
+any error), keep ranks alive on ping, retire silent ones, and free a retired
+rank's pool once nothing pins it. Other owners hear "an engine is gone" through
+``on_engine_gone`` (the producer releases its un-acquired requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvd import protocol as P
+from kvd.config import Config
+from kvd.daemon.clock import Clock
+from kvd.daemon.datapath import DataPath
+from kvd.daemon.engines import Engine, EngineRank, EngineTable, validate_registration
+from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
+from kvd.metrics import Metrics
+from kvd.planner import RankId
+from kvd.pool import ShmPool
+
+log = logging.getLogger("kvd.registry")
+
+RANK_WAIT_POLL_S = 0.01  # how often a pull re-checks for its engine's missing ranks
+
+
+class EngineRegistry:
+    def __init__(self, cfg: Config, clock: Clock, metrics: Metrics, datapath: DataPath,
+                 daemon_id: str, instance_id: str) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.metrics = metrics
+        self.datapath = datapath
+        self.daemon_id = daemon_id
+        self.instance_id = instance_id
+        self.table = EngineTable(cfg.max_engines)
+        self._gone_listeners: list[Callable[[str], None]] = []
+        self._collect_lock = asyncio.Lock()
+
+    def on_engine_gone(self, listener: Callable[[str], None]) -> None:
+        """``listener(engine_id)`` runs when the last rank of an engine here goes."""
+        self._gone_listeners.append(listener)
+
+    # ------------------------------------------------------------ lookups
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        return self.table.engines
+
+    def get(self, engine_id: str) -> Engine:
+        return self.table.get(engine_id)
+
+    def rank_ids(self, engine_id: str) -> set[RankId]:
+        return self.table.rank_ids(engine_id)
+
+    def rank_count(self) -> int:
+        return self.table.rank_count()
+
+    async def complete(self, engine_id: str, timeout_s: float) -> Engine:
+        """The engine once every rank it needs here is registered, waiting at most
+        ``timeout_s`` (ranks of one engine register one by one); else a clear error."""
+        deadline = self.clock.now() + timeout_s
+        while True:
+            engine = self.get(engine_id)
+            missing = engine.missing_ranks(self.cfg.peer_advertise)
+            if not missing:
+                return engine
+            if self.clock.now() >= deadline:
+                raise IncompleteEngineError(
+                    f"engine {engine_id!r} TP {engine.par.tp_size} x PP {engine.par.pp_size}: "
+                    f"ranks {[r.key for r in missing][:16]} are not registered on this daemon "
+                    f"(waited {timeout_s}s); register every rank, or list the daemons hosting "
+                    "them in engine_daemons")
+            await self.clock.sleep(RANK_WAIT_POLL_S)
+
+    # ------------------------------------------------------------ engine face
+
+    async def register(self, msg: P.RegisterEngine) -> P.Registered:
+        par, cache, first = validate_registration(msg)
+        self.table.check_joinable(msg, par)
+        if self.rank_count() >= self.cfg.max_engines:
+            raise BusyError(f"{self.rank_count()} engine ranks registered (max_engines)")
+        nbytes = cache.total_nbytes  # Python ints: no overflow, whatever the message says
+        if nbytes > self.cfg.max_pool_bytes:
+            raise TooLargeError(f"pool of {nbytes} bytes exceeds max_pool_bytes "
+                                f"({self.cfg.max_pool_bytes}); lower num_blocks")
+        pool, mem_type, device_id = self._allocate(msg, nbytes)
+        try:
+            reg_id = await self.datapath.register(pool.addr, pool.nbytes, mem_type, device_id)
+        except BaseException:
+            pool.close()
+            raise
+        rank = EngineRank(engine_id=msg.engine_id, rank=RankId(msg.tp_rank, msg.pp_rank), msg=msg,
+                          cache=cache, first_layer=first, pool=pool, reg_id=reg_id,
+                          last_seen_s=self.clock.now(), device_id=device_id)
+        self.table.add(msg, par, rank, mem_type)
+        self.metrics.pool_bytes.inc(pool.nbytes)
+        self.metrics.engines.set(self.rank_count())
+        log.info("registered engine %s rank %s (%d bytes)", msg.engine_id, rank.rank.key,
+                 pool.nbytes, extra={"engine_id": msg.engine_id})
+        return P.Registered(pool=pool.handle(cache.shape, msg.model.dtype),
+                            daemon_id=self.daemon_id, peer_address=self.cfg.peer_advertise,
+                            instance_id=self.instance_id)
+
+    def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
+        """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU."""
+        try:
+            if self.cfg.device == "cuda":
+                from kvd.cuda_pool import CudaPool
+
+                return (CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM",
+                        msg.device_index)
+            return ShmPool.create(self.cfg.shm_prefix, nbytes, self.cfg.shm_dir), "DRAM", 0
+        except KvdError:
+            raise
+        except (OSError, OverflowError, ValueError, MemoryError) as exc:
+            raise KvdError(f"cannot allocate a pool of {nbytes} bytes: {exc}") from None
+
+    def deregister(self, engine_id: str, rank: RankId) -> None:
+        self.mark_gone(engine_id, rank, "deregistered")
+
+    def ping(self, engine_id: str, rank_id: RankId) -> None:
+        engine = self.table.engines.get(engine_id)
+        rank = engine.ranks.get(rank_id) if engine else None
+        if rank is None:
+            raise NotFoundError(f"engine {engine_id!r} rank {rank_id.key} is not registered "
+                                f"(daemon restarted? instance {self.instance_id}): register "
+                                "again")
+        rank.last_seen_s = self.clock.now()
+
+    def mark_gone(self, engine_id: str, rank: RankId, why: str) -> None:
+        """Retire a rank now (its pool is freed after the last unpin)."""
+        if self.table.mark_gone(engine_id, rank) is None:
+            raise NotFoundError(f"engine {engine_id!r} rank {rank.key} is not registered")
+        log.info("engine %s rank %s %s", engine_id, rank.key, why,
+                 extra={"engine_id": engine_id})
+        engine = self.table.engines.get(engine_id)
+        if engine is None or not engine.ranks:
+            for listener in self._gone_listeners:
+                listener(engine_id)
+        self.metrics.engines.set(self.rank_count())
+
+    # ------------------------------------------------------------ housekeeping
+
+    def expire(self, now_s: float) -> None:
+        """Retire ranks silent (no ping) for engine_timeout_s."""
+        timeout_s = self.cfg.engine_timeout_s
+        for engine in list(self.table.engines.values()):
+            for rank in engine.live_ranks():
+                if now_s - rank.last_seen_s > timeout_s:
+                    self.mark_gone(engine.engine_id, rank.rank,
+                                   f"silent for {timeout_s}s: treated as gone")
+
+    async def collect(self) -> None:
+        """Free retired, unpinned pools, shielded from cancellation.
+
+        stop() cancels housekeeping, possibly in the middle of a deregistration; the
+        shielded collection finishes anyway (a rank stays on the retired list until its
+        pool is freed) and the next collect() waits for it on the lock.
+        """
+        await asyncio.shield(self._collect_locked())
+
+    async def _collect_locked(self) -> None:
+        async with self._collect_lock:
+            for rank in self.table.collectable():
+                try:
+                    await self.datapath.deregister(rank.reg_id)
+                finally:
+                    rank.pool.close()
+                    self.table.freed(rank)
+                    self.metrics.pool_bytes.dec(rank.pool.nbytes)
+
+    async def release_all(self) -> None:
+        """At stop, after every transfer task was cancelled and released: free every pool."""
+        for engine in list(self.table.engines.values()):
+            for rank_id in list(engine.ranks):
+                self.mark_gone(engine.engine_id, rank_id, "released at stop")
+        for rank in self.table.retired:
+            rank.pins = 0  # nothing can touch them any more
+        await self.collect()
+
+    def status(self) -> list[P.RankStatus]:
+        out = []
+        for e in self.table.engines.values():
+            retired = [x for x in self.table.retired if x.engine_id == e.engine_id]
+            for r in [*e.live_ranks(), *retired]:
+                out.append(P.RankStatus(engine_id=e.engine_id, rank=r.rank.key,
+                                        tp_size=e.par.tp_size, pp_size=e.par.pp_size,
+                                        pool=r.pool.name, pool_bytes=r.pool.nbytes,
+                                        gone=r.gone, pins=r.pins))
+        return out

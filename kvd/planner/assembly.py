@@ -1,0 +1,174 @@
+"""Pull assembly: from a plan, block ids and both sides' pools to descriptor arrays.
+
+The consumer daemon and ``kvd bench`` both call ``assemble_pull``, so the bench
+times the product's own descriptors by construction. Pure: no sockets, NIXL or
+clocks; addresses are plain integers (a pool's base address plus the byte
+offsets ``build_read_descriptors`` computes).
+
+Two steps:
+
+1. ``match_tail``: which remote blocks feed which local ones. Fewer local than
+   remote tokens means a prefix-cache hit: only the tail is read. When prefill
+   blocks are larger than decode blocks, where that tail starts depends on the
+   prompt's token count; without it (``num_tokens = -1``) an ambiguous pull is
+   refused, never placed at a guess.
+2. ``assemble_pull``: every read of the plan for every local rank, as descriptors
+   grouped by the producer (NIXL agent) hosting its remote rank: one READ each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.errors import BlockIdError, LayoutError
+from kvd.planner.layout import CacheLayout, build_read_descriptors
+from kvd.planner.plan import RankId, TransferPlan
+
+
+@dataclass(frozen=True)
+class RankPool:
+    """One rank's pool as the assembly sees it."""
+
+    rank: RankId
+    cache: CacheLayout
+    first_layer: int  # global index of the rank's first layer (its PP stage)
+    base_addr: int
+    device_id: int = 0  # GPU index of VRAM pools (0 for DRAM)
+    owner: str = ""  # remote side: the producer (NIXL agent) hosting it
+
+
+@dataclass
+class ProducerReads:
+    """Everything one pull reads from one producer: one NIXL READ plus its notice."""
+
+    owner: str
+    reads: int = 0  # planner reads served (what the producer's notice counts)
+    _parts: list[tuple[np.ndarray, ...]] = field(default_factory=list, repr=False)
+
+    def add(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, local_dev: int,
+            remote_dev: int) -> None:
+        n = len(nbytes)
+        self._parts.append((local, remote, nbytes, np.full(n, local_dev, dtype=np.int64),
+                            np.full(n, remote_dev, dtype=np.int64)))
+
+    def _column(self, i: int) -> np.ndarray:
+        if not self._parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([p[i] for p in self._parts]).astype(np.int64, copy=False)
+
+    @property
+    def local_addrs(self) -> np.ndarray:
+        return self._column(0)
+
+    @property
+    def remote_addrs(self) -> np.ndarray:
+        return self._column(1)
+
+    @property
+    def nbytes(self) -> np.ndarray:
+        return self._column(2)
+
+    @property
+    def local_devs(self) -> np.ndarray:
+        return self._column(3)
+
+    @property
+    def remote_devs(self) -> np.ndarray:
+        return self._column(4)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(len(p[2]) for p in self._parts)
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(sum(int(p[2].sum()) for p in self._parts))
+
+
+def _ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64).reshape(-1)
+    if arr.size and arr.min() < 0:
+        raise BlockIdError(f"{what} block ids {arr[arr < 0][:8].tolist()} are negative")
+    return arr
+
+
+def match_tail(local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
+               local_block_tokens: int, remote_block_tokens: int, num_tokens: int = -1
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(local ids, the remote ids that fill them): exact, or LayoutError.
+
+    ``num_tokens`` (the prompt's token count, -1 unknown) is checked against the remote
+    blocks when given. Without it a pull is ambiguous, and refused, only when prefill
+    blocks are larger than decode blocks and the local blocks do not cover every remote
+    block exactly (a prefix hit, or a partial last prefill block).
+    """
+    local = _ids(local_ids, "local")
+    remote = _ids(remote_ids, "remote")
+    if local.size == 0:
+        return local, remote[:0]  # notify only
+    if remote.size == 0:
+        raise LayoutError("pull names local blocks but no remote blocks")
+    bs_l, bs_r = local_block_tokens, remote_block_tokens
+    if max(bs_l, bs_r) % min(bs_l, bs_r):
+        raise LayoutError(f"block sizes {bs_l} (decode) and {bs_r} (prefill) do not divide")
+    if num_tokens >= 0 and -(-num_tokens // bs_r) != remote.size:
+        raise LayoutError(f"num_tokens {num_tokens} fills {-(-num_tokens // bs_r)} prefill "
+                          f"blocks of {bs_r} tokens, but the pull names {remote.size}")
+    if bs_l >= bs_r:  # decode blocks hold m prefill blocks: a hit is whole prefill blocks
+        m = bs_l // bs_r
+        groups = -(-remote.size // m)
+        skip = groups - local.size
+        if skip < 0:
+            raise LayoutError(f"pull names {local.size} local blocks but the remote request only "
+                              f"fills {groups}")
+        return local, remote[skip * m:]
+    m = bs_r // bs_l  # prefill blocks hold m decode blocks
+    if num_tokens < 0:
+        if local.size != remote.size * m:
+            raise LayoutError(
+                f"ambiguous pull: {local.size} decode blocks of {bs_l} tokens from {remote.size} "
+                f"prefill blocks of {bs_r} tokens (prefix hit or partial last block?); pass "
+                "num_tokens")
+        return local, remote
+    skip = -(-num_tokens // bs_l) - local.size  # decode blocks the engine already holds
+    if skip < 0:
+        raise LayoutError(f"pull names {local.size} local blocks but {num_tokens} tokens fill "
+                          f"only {-(-num_tokens // bs_l)}")
+    first_token = skip * bs_l
+    if first_token % bs_r:
+        raise LayoutError(
+            f"prefix hit of {first_token} tokens ends inside a prefill block of {bs_r} tokens: "
+            "a decode block would mix cached and read tokens; recompute that block instead")
+    return local, remote[first_token // bs_r:]
+
+
+def assemble_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
+                  remote_ranks: Mapping[RankId, RankPool], local_ids: np.ndarray,
+                  remote_ids: np.ndarray, owners: Iterable[str] = ()
+                  ) -> dict[str, ProducerReads]:
+    """Descriptors of one pull, grouped by producer.
+
+    Every plan read of every local rank counts for its producer, with or without
+    descriptors (no local blocks = notify only: the producer still counts the reads to
+    release the request). ``owners`` lists producers to report even when no read goes
+    to them.
+    """
+    groups: dict[str, ProducerReads] = {o: ProducerReads(o) for o in owners}
+    notify_only = len(local_ids) == 0
+    for lr in local_ranks:
+        for read in plan.reads_for(lr.rank):
+            rr = remote_ranks.get(read.remote)
+            if rr is None:
+                raise LayoutError(f"plan reads remote rank {read.remote.key}, which is not known")
+            g = groups.setdefault(rr.owner, ProducerReads(rr.owner))
+            g.reads += 1
+            if notify_only:
+                continue
+            d = build_read_descriptors(read, lr.cache, lr.first_layer, rr.cache, rr.first_layer,
+                                       local_ids, remote_ids)
+            g.add(d.local_offsets + lr.base_addr, d.remote_offsets + rr.base_addr, d.nbytes,
+                  lr.device_id, rr.device_id)
+    return groups

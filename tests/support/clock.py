@@ -1,0 +1,98 @@
+"""The one fake clock of the test suites: virtual time that moves only when told.
+
+It implements ``kvd.daemon.clock.Clock`` (``now``, ``sleep``, ``wait_for``), so a
+daemon built with it takes every lease, timeout and loop cadence from it: a test
+moves through a 30 s lease in a few milliseconds of real time, and nothing
+expires because the machine was slow. ``run()`` advances in small steps and gives
+the event loop real time between them, so that messages between the test's
+client and an in-process daemon are delivered as virtual time passes.
+
+It is also callable (``clock()`` is ``clock.now()``) for code that takes a plain
+``Callable[[], float]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class FakeClock:
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self._now = start_s
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def __call__(self) -> float:
+        return self._now
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
+        await fut
+
+    async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
+        task = asyncio.ensure_future(aw)
+        timer = asyncio.ensure_future(self.sleep(timeout_s))
+        try:
+            await asyncio.wait({task, timer}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self._cancel_and_wait(task)  # like asyncio.wait_for: the inner task ends first
+            raise
+        finally:
+            timer.cancel()
+        if not task.done():
+            await self._cancel_and_wait(task)
+            raise TimeoutError(f"timed out after {timeout_s} s of fake time")
+        return task.result()
+
+    @staticmethod
+    async def _cancel_and_wait(task: asyncio.Future) -> None:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is being discarded
+            pass
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward and wake every sleeper whose deadline has come."""
+        self._now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self._now:
+            _, _, fut = heapq.heappop(self._sleepers)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def run(self, seconds: float, step_s: float = 0.01, real_step_s: float = 0.001
+                  ) -> None:
+        """Let ``seconds`` of virtual time pass in ``step_s`` steps, yielding real time
+        (``real_step_s``) to the event loop after each so that I/O keeps flowing."""
+        steps = max(1, round(seconds / step_s))
+        for _ in range(steps):
+            self.advance(seconds / steps)
+            await asyncio.sleep(real_step_s)
+
+    async def until(self, predicate, timeout_s: float = 10.0, step_s: float = 0.01,
+                    what: str = "condition") -> None:
+        """Run virtual time until ``predicate()`` (sync or async) holds, at most timeout_s."""
+        waited = 0.0
+        while True:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return
+            if waited >= timeout_s:
+                raise AssertionError(f"{what} not reached within {timeout_s} s of fake time")
+            await self.run(step_s, step_s)
+            waited += step_s
