@@ -56,7 +56,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -201,8 +201,6 @@ class SimEngine:
     computed: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # Per request: its block ids when this engine last computed some of its tokens.
     blocks_seen: dict[str, list[int]] = field(default_factory=dict)
-    # Per request: the tag written when this engine computes its tokens (default: self.tag).
-    kv_tags: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, list[EngineCoreOutput]] = field(default_factory=dict)
     # Per request whose receive the workers reported: its blocks and a copy of every
     # rank's cache taken that very step, before vLLM schedules the request again
@@ -246,8 +244,7 @@ class SimEngine:
         return req
 
     def abort(self, request_id: str) -> None:
-        from vllm.v1.request import RequestStatus
-
+        """What the API server does when a client disconnects."""
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finished(self, request_id: str) -> EngineCoreOutput | None:
@@ -326,9 +323,9 @@ class SimEngine:
         return so
 
     def _forward(self, request_id: str, start: int, end: int) -> None:
-        """The fake forward pass: write this engine's pattern into tokens [start, end)."""
+        """The fake forward pass: write this engine's pattern into tokens [start, end)
+        of every rank (each its own heads), through vLLM's per-layer views."""
         self.computed.setdefault(request_id, []).append((start, end))
-        tag = self.kv_tags.get(request_id, self.tag)
         block_ids = self.blocks_seen[request_id] = self.block_ids(request_id)
         pos, blk, off = _slots(block_ids, self.block_size, start, end)
         for rank, cache in enumerate(self.caches):
@@ -336,7 +333,7 @@ class SimEngine:
             for layer, name in enumerate(LAYER_NAMES):
                 view = cache[name].view(torch.int32)  # [block, head, token, K||V]
                 # Advanced indices on dims 0 and 2 around a slice: result is [n, H, C].
-                view[blk, :, off, :] = kv_pattern(tag, layer, pos, heads, view.shape[-1])
+                view[blk, :, off, :] = kv_pattern(self.tag, layer, pos, heads, view.shape[-1])
 
     def _zero(self, block_ids: list[int]) -> None:
         for cache in self.caches:

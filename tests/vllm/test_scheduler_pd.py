@@ -86,17 +86,27 @@ MakeEngine = Callable[..., SimEngine]
 
 @pytest.fixture
 def engines(model_dir: Path) -> Iterator[MakeEngine]:
-    """``engines(name, daemon, **make_engine kwargs)``; all closed (deregistered) at the end."""
-    made: list[SimEngine] = []
+    """``engines(name, daemon, **make_engine kwargs)``; all closed at the end, and every
+    live daemon must then drop their ranks and free their pools (workers deregistered)."""
+    made: list[tuple[SimEngine, DaemonProcess]] = []
 
     def make(name: str, daemon: DaemonProcess, **kwargs: Any) -> SimEngine:
         engine = make_engine(name, model_dir, daemon.engine_address, **kwargs)
-        made.append(engine)
+        made.append((engine, daemon))
         return engine
 
     yield make
-    for engine in made:
+    for engine, _ in made:
         engine.close()
+    for engine, daemon in made:
+        if daemon.proc.poll() is None:
+            with daemon.client(ping_interval_s=0) as c:
+                deadline = time.monotonic() + 10
+                while left := [e for e in c.status().engines
+                               if e.engine_id == engine.engine_id]:
+                    assert time.monotonic() < deadline, \
+                        f"{engine.engine_id}'s ranks and pools not freed after close: {left}"
+                    time.sleep(0.05)
 
 
 def block_nbytes(e: SimEngine) -> int:
