@@ -7,6 +7,9 @@ must not pay for torch or NIXL (0.5 s budget), only ``serve``, ``demo`` and
 
 from __future__ import annotations
 
+import inspect
+from typing import Optional
+
 import typer
 
 app = typer.Typer(
@@ -100,41 +103,46 @@ def plan(
         _fail(str(exc))
 
 
-@app.command()
-def serve(
-    config: str | None = typer.Option(None, "--config", help="TOML config file ([kvd] table)."),
-    engine_address: str | None = typer.Option(None, help="Engine face endpoint."),
-    peer_address: str | None = typer.Option(None, help="Peer face endpoint (tcp)."),
-    advertise_address: str | None = typer.Option(None, help="Peer address announced to peers."),
-    metrics_host: str | None = typer.Option(None, help="Metrics/health server host."),
-    metrics_port: int | None = typer.Option(None, help="Metrics/health port (0: off)."),
-    device: str | None = typer.Option(None, help="cpu or cuda."),
-    lease_s: float | None = typer.Option(None, help="Default lease of published requests."),
-    log_format: str | None = typer.Option(None, help="text or json."),
-    log_level: str | None = typer.Option(None, help="debug, info, warning, error."),
-    auth_token_file: str | None = typer.Option(None, help="Shared token file."),
-    insecure: bool | None = typer.Option(None, "--insecure", help="Allow unauthenticated "
-                                         "non-loopback binds."),
-    set_: list[str] = typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable)."),
-) -> None:
+def _escape(text: str) -> str:
+    """Typer renders help as rich markup: keep literal brackets such as ``[kvd]``."""
+    return text.replace("[", "\\[")
+
+
+def _serve_parameters() -> list[inspect.Parameter]:
+    """One option per Config field, generated from the schema (kvd.config), so every
+    documented field is a flag; None means "not given" (env, file or default apply)."""
+    from kvd.config import FIELD_HELP, Config, field_types
+
+    defaults = Config()
+    params = [inspect.Parameter(
+        "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],  # noqa: UP045
+        default=typer.Option(None, "--config", help=_escape("TOML config file ([kvd] table).")))]
+    for name, typ in field_types().items():
+        flag = "--" + name.replace("_", "-")
+        help_text = _escape(f"{FIELD_HELP[name]} [default: {getattr(defaults, name)!r}]")
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=Optional[typ],  # noqa: UP045
+                                        default=typer.Option(None, flag, help=help_text)))
+    params.append(inspect.Parameter(
+        "set_", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
+        default=typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable).")))
+    return params
+
+
+def serve(**options: object) -> None:
     """Run the daemon (flags > KVD_* environment > config file > defaults)."""
     from kvd import config as cfgmod
     from kvd.errors import KvdError
 
-    overrides: dict[str, object] = {
-        "engine_address": engine_address, "peer_address": peer_address,
-        "advertise_address": advertise_address, "metrics_host": metrics_host,
-        "metrics_port": metrics_port, "device": device, "lease_s": lease_s,
-        "log_format": log_format, "log_level": log_level, "auth_token_file": auth_token_file,
-        "insecure": insecure,
-    }
-    for item in set_:
-        key, sep, value = item.partition("=")
+    config = options.pop("config")
+    overrides: dict[str, object] = {k: v for k, v in options.items() if k != "set_"}
+    for item in options["set_"]:  # type: ignore[union-attr]
+        key, sep, value = str(item).partition("=")
         if not sep:
             _fail(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
     try:
-        cfg = cfgmod.load(config, overrides=overrides)
+        cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
         from kvd.daemon.run import load_token
         from kvd.logsetup import configure_logging
 
@@ -145,6 +153,11 @@ def serve(
         raise typer.Exit(run(cfg))
     except KvdError as exc:
         _fail(str(exc))
+
+
+serve.__signature__ = inspect.Signature(_serve_parameters())  # type: ignore[attr-defined]
+serve.__annotations__ = {p.name: p.annotation for p in _serve_parameters()}
+app.command()(serve)
 
 
 @app.command()

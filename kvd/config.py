@@ -142,7 +142,8 @@ def _coerce(name: str, typ: type, raw: Any, source: str) -> Any:
     raise ConfigError(f"{name}: {raw!r} from {source} is not a valid {typ.__name__}")
 
 
-def _field_types() -> dict[str, type]:
+def field_types() -> dict[str, type]:
+    """Every Config field and its type: the schema the CLI flags are generated from."""
     hints = {"str": str, "int": int, "float": float, "bool": bool}
     return {f.name: hints[f.type] for f in fields(Config) if f.type in hints}
 
@@ -193,7 +194,7 @@ def load(
     overrides: dict[str, Any] | None = None,
 ) -> Config:
     """Merge file, environment and flag overrides (None means 'not given') and validate."""
-    types = _field_types()
+    types = field_types()
     values: dict[str, Any] = {}
     if path is not None:
         try:
