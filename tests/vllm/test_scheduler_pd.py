@@ -150,31 +150,35 @@ PROMPT_TOKENS = prompt_tokens(1, PROMPT)
 # ------------------------------------------------------------------ the basic hand-off
 
 
-def test_basic_prefill_to_decode(daemons: Daemons, engines: MakeEngine) -> None:
+@pytest.mark.parametrize("length", [PROMPT, 3 * BLOCK, 20])
+def test_basic_prefill_to_decode(length: int, daemons: Daemons, engines: MakeEngine) -> None:
     """P publishes on request_finished and holds its blocks; D pulls all of them, decodes
-    after computing only the last prompt token; P's blocks come back once D read them."""
+    after computing only the last prompt token; P's blocks come back once D read them.
+    Prompts end inside a block, on a block boundary, and inside the first block."""
     p = engines("prefill", daemons.prefill)
     d = engines("decode", daemons.decode)
-    params = prefill(p, "req-0", PROMPT_TOKENS)
+    prompt = prompt_tokens(length, length)
+    params = prefill(p, "req-0", prompt)
 
     p_blocks = p.block_ids("req-0")
-    n = n_blocks(PROMPT, BLOCK)
+    n = n_blocks(length, BLOCK)
     assert params["remote_engine_id"] == p.engine_id
     assert params["remote_request_id"] == "req-0"
     assert params["remote_block_ids"] == p_blocks[:n]
-    assert params["remote_num_tokens"] == PROMPT
+    assert params["remote_num_tokens"] == length
     assert params["kvd_address"] == daemons.prefill.peer_address
     assert p.num_free_blocks() == p.initial_free - len(p_blocks), "P must hold the blocks"
     [h] = held(daemons.prefill, p)
     assert (h.request_id, h.blocks) == ("req-0", n)
 
-    pull_to_decode(p, d, params, "dec-0")
-    check_pulled(d, "dec-0", p, 0, PROMPT)
+    d.add("dec-0", prompt, max_tokens=3, kv_transfer_params=params)
+    run_until([p, d], lambda: "dec-0" in d.received, what="dec-0 received")
+    check_pulled(d, "dec-0", p, 0, length)
     got = d.received["dec-0"]
     assert d.nonzero_outside(got.block_ids[:n], got.caches) == 0, "kvd wrote other blocks"
 
     run_until([p, d], lambda: d.finished("dec-0"), what="decode to finish")
-    assert d.computed["dec-0"][0] == (PROMPT - 1, PROMPT), "D recomputed more than 1 token"
+    assert d.computed["dec-0"][0] == (length - 1, length), "D recomputed more than 1 token"
     assert generated(d, "dec-0") == [SAMPLED_TOKEN] * 3
     assert d.stat("pulls_ok") == 1 and d.stat("nbytes") == n * block_nbytes(d)
     drain([p, d])
