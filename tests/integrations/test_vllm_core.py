@@ -214,3 +214,15 @@ def test_views_elsewhere_or_swapped_or_strided_otherwise_fail_naming_the_layer()
         check_views(geom, views, pool.ctypes.data, pool.nbytes)
     with pytest.raises(LayoutError, match=r"no KV view for layers \['l1'\]"):
         check_views(geom, _views(geom, pool)[:1], pool.ctypes.data, pool.nbytes)
+
+
+def test_prefill_block_size_travels_and_is_checked() -> None:
+    remote = RemotePrefill(engine_id="p", request_id="r", address="tcp://p:1", block_ids=(1,),
+                           num_tokens=10, block_size_tokens=64)
+    params = json.loads(json.dumps(remote.to_params()))
+    assert params["kvd_block_size"] == 64
+    assert parse_remote_prefill(params) == remote
+    for bad in (0, -64, "64", True):
+        params["kvd_block_size"] = bad
+        with pytest.raises(ParamsError, match="kvd_block_size"):
+            parse_remote_prefill(params)
