@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvd import protocol as P
 from kvd.daemon.clock import Clock
-from kvd.errors import KvdTimeoutError, ProtocolError, error_from_code
+from kvd.errors import KvdTimeoutError, PeerLostError, ProtocolError, error_from_code
 
 log = logging.getLogger("kvd.peers")
 
@@ -44,12 +44,14 @@ class PeerConnection:
         self.clock = clock
         self.own_instance = instance
         self.remote_instance = ""  # learnt from the first reply
+        self.connected: bool | None = None  # None: never connected yet
         self._on_lost = on_lost
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED
+                                                     | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Reply]] = {}
@@ -83,19 +85,23 @@ class PeerConnection:
             self._on_lost(self.address, "restarted")
 
     async def _watch(self) -> None:
-        """ZMQ's disconnect events: the TCP connection to the daemon dropped."""
+        """ZMQ's connection events: a dropped TCP connection means the daemon may be gone."""
         while True:
             try:
                 event = parse_monitor_message(await self._monitor.recv_multipart())
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
                 self._on_lost(self.address, "disconnected")
 
     async def request(self, msg: Any, timeout_s: float) -> Reply:
-        """Send ``msg``; its reply (an Error reply raised as its KvdError class), or
-        KvdTimeoutError after ``timeout_s`` on the daemon's clock."""
+        """Send ``msg``; its reply (an Error reply raised as its KvdError class), or after
+        ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped (the
+        daemon died) or KvdTimeoutError when it is connected, or never was, but silent."""
         msg_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiting[msg_id] = fut
@@ -103,9 +109,10 @@ class PeerConnection:
             await self.sock.send_multipart(P.encode(msg, msg_id, self.token, self.own_instance))
             reply = await self.clock.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise KvdTimeoutError(
-                f"peer {self.address} did not answer {type(msg).__name__} within {timeout_s}s"
-            ) from None
+            what = f"peer {self.address} did not answer {type(msg).__name__} within {timeout_s}s"
+            if self.connected is False:
+                raise PeerLostError(f"{what}: its connection dropped (daemon gone?)") from None
+            raise KvdTimeoutError(what) from None
         finally:
             self._waiting.pop(msg_id, None)
         if isinstance(reply.body, P.Error):

@@ -33,7 +33,13 @@ from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines import Engine
 from kvd.daemon.peerconn import PeerConnection, Reply
-from kvd.errors import IncompatibleError, KvdError, KvdTimeoutError, ProtocolError
+from kvd.errors import (
+    IncompatibleError,
+    KvdError,
+    KvdTimeoutError,
+    PeerLostError,
+    ProtocolError,
+)
 from kvd.metrics import Metrics
 from kvd.planner import RankId
 
@@ -100,12 +106,12 @@ class PeerTable:
         return c
 
     async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:
-        """One request to a daemon; a timeout drops what we cached about it."""
+        """One request to a daemon; no answer drops what we cached about it."""
         try:
             return await self.conn(address).request(
                 msg, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
-        except KvdTimeoutError:
-            self.drop_address(address, "timed out")
+        except (KvdTimeoutError, PeerLostError):
+            self.drop_address(address, "no answer")
             raise
 
     def drop_address(self, address: str, why: str) -> None:

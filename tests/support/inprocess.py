@@ -50,8 +50,9 @@ class Pair:
 
 async def start_daemon(prefix: str, clock: FakeClock,
                        transport: Callable[[], Transport] = LoopbackTransport,
-                       **overrides: Any) -> Daemon:
-    d = Daemon(config(prefix, **overrides), transport_factory=transport, clock=clock)
+                       cfg: Config | None = None, **overrides: Any) -> Daemon:
+    """A daemon on the fake clock; ``cfg`` to restart one on the same addresses."""
+    d = Daemon(cfg or config(prefix, **overrides), transport_factory=transport, clock=clock)
     await d.start()
     return d
 
@@ -65,13 +66,14 @@ async def daemon_pair(transport: Callable[[], Transport] = LoopbackTransport,
     decode = await start_daemon(prefix, clock, transport, **overrides)
     pc = AsyncKvdClient(prefill.cfg.engine_address, timeout_s=5, ping_interval_s=0)
     dc = AsyncKvdClient(decode.cfg.engine_address, timeout_s=5, ping_interval_s=0)
+    pair = Pair(prefill, decode, pc, dc, clock, prefix)
     try:
-        yield Pair(prefill, decode, pc, dc, clock, prefix)
+        yield pair  # a test may replace pair.prefill / pair.decode (a restart)
     finally:
-        pc.close()
-        dc.close()
-        await prefill.stop()
-        await decode.stop()
+        pair.pc.close()
+        pair.dc.close()
+        await pair.prefill.stop()
+        await pair.decode.stop()
     assert kvd_segments(prefix) == [], "stop() must free every pool"
 
 

@@ -1,0 +1,160 @@
+"""kill -9 and restart of each side, real processes and NIXL: no pull fails forever.
+
+Each daemon incarnation has a random instance id that its peers see in every
+reply. A prefill daemon killed during pulls fails them promptly with ``peer_lost``;
+restarted on the same address with the same engine id, the first pull of a newly
+published request succeeds without any retry by the engine. A decode daemon
+killed while the prefill side holds requests: restarted, its re-registered engine
+pulls them again and the producer is released ``ok``.
+
+What an engine does after its local daemon restarted: its pings fail with
+``not_found`` ("not registered"), ``on_lost`` fires; it registers again and gets
+a NEW pool (the old mapping is not the daemon's any more), so every block it held
+is gone: requests in flight on the old incarnation never report success.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvd.client import KvdClient
+from kvd.localcluster import DaemonProcess
+from kvd.pool import SHM_DIR, kvd_segments
+from kvd.protocol import ModelSpec
+from kvd.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+
+pytestmark = pytest.mark.nixl
+
+MODEL = ModelSpec(name="restart", num_kv_heads=4, num_layers=8, head_dim=64)
+BIG = EngineShape(tp_size=1, num_blocks=512)  # 64 KiB per block-layer-kv: 32 MiB a request
+SMALL_IDS = [3, 5, 7]
+ARGS = ["--set", "handshake_timeout_s=2", "--set", "heartbeat_interval_s=0.5"]
+
+
+def _start(tmp: Path, name: str, like: DaemonProcess | None = None) -> DaemonProcess:
+    if like is None:
+        return DaemonProcess.start(name, tmp, extra_args=ARGS)
+    return DaemonProcess.start(name, tmp / "again", extra_args=ARGS,
+                               engine_address=like.engine_address, peer_address=like.peer_address)
+
+
+def _kill(d: DaemonProcess) -> None:
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait(10)
+
+
+def _cleanup(*daemons: DaemonProcess) -> None:
+    for d in daemons:
+        d.stop()
+        for name in kvd_segments(f"kvd-{d.name}"):  # a SIGKILLed incarnation's pools
+            (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def _pull_small(pc: KvdClient, dc: KvdClient, paddr: str, rid: str, dst: list[int]
+                ) -> tuple[object, object]:
+    pc.publish("pre", rid, SMALL_IDS)
+    dc.pull("dec", rid, "pre", paddr, SMALL_IDS, dst, num_tokens=len(SMALL_IDS) * 16)
+    return dc.wait("dec", rid, "done_recving", timeout_s=20), pc.wait("pre", rid,
+                                                                      "done_sending", 20)
+
+
+def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -> None:
+    prefill, decode = _start(tmp_path, "rkp"), _start(tmp_path, "rkd")
+    lost = threading.Event()
+    g = global_kv(MODEL, len(SMALL_IDS) * 16)
+    try:
+        with prefill.client(ping_interval_s=0.2, on_lost=lambda _: lost.set()) as pc, \
+                decode.client() as dc:
+            pre = pc.register("pre", MODEL, layout_spec(BIG))
+            dec = dc.register("dec", MODEL, layout_spec(BIG))
+            write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
+            recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+            assert recv.ok, recv.error  # the handshake is cached now
+            # Big pulls in flight, then kill -9 (best effort: mid-READ).
+            src = pre.kv.view(np.uint64).reshape(-1)
+            src[:] = np.arange(src.size, dtype=np.uint64)
+            rng = random.Random(3)
+            reqs = []
+            for i in range(4):
+                ids = rng.sample(range(BIG.num_blocks), 128)
+                pc.publish("pre", f"big{i}", ids)
+                reqs.append((f"big{i}", ids))
+            for rid, ids in reqs:
+                dc.pull("dec", rid, "pre", prefill.peer_address, ids, ids)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any(
+                    j.state == "reading" for j in dc.status().pulls):
+                pass
+            _kill(prefill)
+            t0 = time.monotonic()
+            failed = []
+            for rid, ids in reqs:
+                ev = dc.wait("dec", rid, "done_recving", timeout_s=30)
+                if ev.ok:  # finished before the kill: exact
+                    assert np.array_equal(dec.kv[:, :, ids], pre.kv[:, :, ids]), rid
+                else:
+                    assert ev.invalid_block_ids == ids and ev.nbytes == 0
+                    failed.append(ev)
+            assert failed, "the kill landed after every pull had finished"
+            assert all(ev.error.startswith("peer_lost") for ev in failed), \
+                [ev.error for ev in failed]
+            assert time.monotonic() - t0 < 10, "pulls against the dead daemon were not prompt"
+            # A pull while nothing answers at that address fails promptly, too.
+            dc.pull("dec", "while-down", "pre", prefill.peer_address, SMALL_IDS, [1, 2, 4])
+            ev = dc.wait("dec", "while-down", "done_recving", timeout_s=15)
+            assert not ev.ok and ev.error.split(":")[0] in ("peer_lost", "timeout"), ev.error
+
+            # Restart on the same addresses; the engine hears it and registers again.
+            again = _start(tmp_path, "rkp", like=prefill)
+            assert lost.wait(10), "the engine never noticed its daemon restarted"
+            pre2 = pc.register("pre", MODEL, layout_spec(BIG))
+            assert pre2.instance_id and pre2.instance_id != pre.instance_id
+            write_shard(pre2.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
+            recv, sent = _pull_small(pc, dc, again.peer_address, "after", [20, 21, 22])
+            assert recv.ok, f"first pull after the restart failed: {recv.error}"
+            assert sent.ok
+            assert check_shard(dec.kv, g, MODEL, BIG, 0, 0, [20, 21, 22]) == 0
+            [peer] = dc.status().peers
+            assert peer.instance == pc.status().instance_id
+            prefill = again
+    finally:
+        _cleanup(prefill, decode)
+
+
+def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_path: Path
+                                                                          ) -> None:
+    prefill, decode = _start(tmp_path, "rdp"), _start(tmp_path, "rdd")
+    g = global_kv(MODEL, len(SMALL_IDS) * 16)
+    try:
+        with prefill.client() as pc:
+            pre = pc.register("pre", MODEL, layout_spec(BIG))
+            write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
+            with decode.client(ping_interval_s=0) as dc:
+                dc.register("dec", MODEL, layout_spec(BIG))
+                recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+                assert recv.ok, recv.error
+                pc.publish("pre", "held", SMALL_IDS, lease_s=60)
+                dc.pull("dec", "held", "pre", prefill.peer_address, SMALL_IDS, [1, 2, 4],
+                        num_tokens=len(SMALL_IDS) * 16)
+                _kill(decode)  # maybe mid-pull: the producer still holds "held"
+            again = _start(tmp_path, "rdd", like=decode)
+            decode = again
+            with again.client() as dc:
+                dec = dc.register("dec", MODEL, layout_spec(BIG))
+                dc.pull("dec", "held", "pre", prefill.peer_address, SMALL_IDS, [5, 6, 8],
+                        num_tokens=len(SMALL_IDS) * 16)
+                recv = dc.wait("dec", "held", "done_recving", timeout_s=20)
+                assert recv.ok, f"pull by the restarted decode daemon failed: {recv.error}"
+                assert check_shard(dec.kv, g, MODEL, BIG, 0, 0, [5, 6, 8]) == 0
+                sent = pc.wait("pre", "held", "done_sending", timeout_s=20)
+                assert sent.ok, sent.error
+    finally:
+        _cleanup(prefill, decode)
