@@ -1,10 +1,56 @@
-"""Root conftest: make ``tests/support`` importable from every suite (``import support``)."""
+"""Root conftest: ``tests/support`` importable from every suite, and the one daemon pair.
+
+``pair`` is one prefill and one decode ``kvd serve`` process (real NIXL) shared by a
+whole module (starting one costs ~1 s); a module may set ``DAEMON_ARGS`` (extra
+``kvd serve`` arguments for both). In-process daemons on the fake clock:
+``support.inprocess.daemon_pair``.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+from support.cluster import start_daemon, stop_and_check_clean  # noqa: E402
+
+from kvd.client import KvdClient  # noqa: E402
+from kvd.localcluster import DaemonProcess  # noqa: E402
+
+
+@dataclass
+class Pair:
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    pc: KvdClient
+    dc: KvdClient
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("kvd-logs")
+    args = list(getattr(request.module, "DAEMON_ARGS", []))
+    prefill = start_daemon(logs, "p", args)
+    try:
+        decode = start_daemon(logs, "d", args)
+    except BaseException:
+        prefill.kill()
+        raise
+    pc, dc = prefill.client(), decode.client()
+    try:
+        yield Pair(prefill, decode, pc, dc)
+    finally:
+        pc.close()
+        dc.close()
+        try:
+            stop_and_check_clean(prefill)
+        finally:
+            stop_and_check_clean(decode)

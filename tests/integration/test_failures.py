@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from kvd_itest import (
+from support.cluster import (
     deregister_and_check_freed,
     metric,
     register,

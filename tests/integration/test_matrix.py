@@ -8,7 +8,7 @@ the producer's done_sending, and that deregistering frees every pool.
 from __future__ import annotations
 
 import pytest
-from kvd_itest import run_transfer
+from support.cluster import run_transfer
 
 from kvd.protocol import ModelSpec
 from kvd.sim import EngineShape
