@@ -4,6 +4,9 @@ A Poll waits until its engine has events or its timeout ends; events are
 kept (bounded) until some client of that engine polls them, so an event is
 never lost because no poll happened to be waiting. A poll with timeout 0 is
 answered at once. Dropped events (an engine that never polls) are counted.
+
+Delivery after a push is scheduled (the daemon passes ``loop.call_soon``), so a
+burst of events of one loop iteration (pulls failed together) is one reply.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ class Waiter:
 
 class EventHub:
     def __init__(self, reply: Callable[[bytes, int, P.Events], None],
-                 now: Callable[[], float], on_drop: Callable[[], None] = lambda: None) -> None:
+                 now: Callable[[], float], on_drop: Callable[[], None] = lambda: None,
+                 schedule: Callable[[Callable[[], None]], object] | None = None) -> None:
         self._reply = reply
         self._now = now
         self._on_drop = on_drop
+        self._schedule = schedule
+        self._due: set[str] = set()  # engines with a delivery scheduled
         self.queues: dict[str, deque[P.Event]] = {}
         self.waiters: dict[str, list[Waiter]] = {}
 
@@ -46,7 +52,11 @@ class EventHub:
             log.warning("engine %s does not poll its events: dropped the oldest (%s %s)",
                         engine_id, lost.kind, lost.request_id, extra={"engine_id": engine_id})
         q.append(event)
-        self._deliver(engine_id)
+        if self._schedule is None:
+            self._deliver(engine_id)
+        elif engine_id not in self._due:
+            self._due.add(engine_id)
+            self._schedule(lambda: self._deliver(engine_id))
 
     def wait(self, engine_id: str, identity: bytes, msg_id: int, timeout_s: float,
              max_events: int) -> None:
@@ -64,6 +74,7 @@ class EventHub:
             self.expire()
 
     def _deliver(self, engine_id: str) -> None:
+        self._due.discard(engine_id)
         q = self.queues.get(engine_id)
         waiters = self.waiters.get(engine_id)
         while q and waiters:
@@ -90,6 +101,9 @@ class EventHub:
             del self.queues[engine_id]
 
     def flush_all(self) -> None:
+        """At stop: answer every waiting poll, with the events still queued for it."""
+        for engine_id in list(self.waiters):
+            self._deliver(engine_id)
         for waiters in self.waiters.values():
             for w in waiters:
                 self._reply(w.identity, w.msg_id, P.Events(events=[]))

@@ -79,7 +79,8 @@ class Daemon:
         self.instance_id = uuid.uuid4().hex  # this incarnation; never reused
         self.token = token
         self._transport_factory = transport_factory
-        self.events = EventHub(self._reply_poll, self.clock.now, self.metrics.events_dropped.inc)
+        self.events = EventHub(self._reply_poll, self.clock.now, self.metrics.events_dropped.inc,
+                               schedule=self._call_soon)
         self.draining = self.ready = self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
@@ -140,6 +141,10 @@ class Daemon:
         if not self.ready:
             return False, "starting"
         return True, f"serving {self.registry.rank_count()} engine ranks"
+
+    @staticmethod
+    def _call_soon(fn: Callable[[], None]) -> None:
+        asyncio.get_running_loop().call_soon(fn)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

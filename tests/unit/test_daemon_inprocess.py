@@ -267,3 +267,30 @@ def test_stop_during_pool_collection_still_frees_the_pool() -> None:
         assert kvd_segments(prefix) == [], "stop() must free every pool"
 
     run(body())
+
+
+def test_drain_timeout_fails_a_reading_pull_after_releasing_its_read() -> None:
+    """At drain_timeout_s a pull still reading is failed ``draining``: its READ handle is
+    released before its pool is unpinned, and the event says why."""
+    async def body() -> None:
+        async with daemon_pair(drain_timeout_s=2.0) as p:
+            await register(p.pc, "pre")
+            await register(p.dc, "dec")
+            await p.pc.publish("pre", "r1", [1, 2], lease_s=60)
+            transport = p.decode.datapath.transport
+            transport.hold_reads = True  # the READ never completes
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
+            await _until_state(p.dc, p.clock, "pulls", "reading")
+            [rank] = p.decode.registry.get("dec").live_ranks()
+            assert rank.pins == 1 and transport.counts().transfers == 1
+            drain = asyncio.ensure_future(p.decode.drain())
+            await p.clock.run(1.9)
+            assert not drain.done() and transport.counts().transfers == 1
+            await p.clock.run(0.2)
+            await asyncio.wait_for(drain, 5)
+            assert transport.counts().transfers == 0 and rank.pins == 0
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")
+            assert not ev.ok and ev.error.startswith("draining"), ev.error
+            assert ev.invalid_block_ids == [5, 6]
+
+    run(body())
