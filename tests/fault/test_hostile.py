@@ -295,3 +295,42 @@ def test_drain_timeout_fails_stuck_pulls_on_time(tmp_path) -> None:
         silent.close(0)
         ctx.term()
 
+
+
+# ------------------------------------------------------------------ 3: prefix placement
+
+
+def test_prefix_hit_with_larger_prefill_blocks_is_exact_or_refused(pair) -> None:
+    """10.3: with a partial decode-side hit and no token count, wrong tokens were placed
+    and the event said ok. 80 tokens in 32-token prefill blocks (3 blocks, the last
+    half full) and 16-token decode blocks (5 blocks)."""
+    pshape = EngineShape(tp_size=1, block_size_tokens=32, num_blocks=8)
+    dshape = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)
+    pe, de = unique("pre"), unique("dec")
+    g = global_kv(MODEL, 80)
+    pr = pair.pc.register(pe, MODEL, layout_spec(pshape))
+    dr = pair.dc.register(de, MODEL, layout_spec(dshape))
+    addr = pair.prefill.peer_address
+    try:
+        write_shard(pr.kv, g, MODEL, pshape, 0, 0, [1, 2, 3])
+        cases = {  # request id: (local ids, num_tokens, expected error prefix or None)
+            "hit16-no-count": ([4, 5, 6, 7], -1, "bad_layout"),  # ambiguous: refused
+            "hit16-count": ([4, 5, 6, 7], 80, "bad_layout"),  # hit ends mid prefill block
+            "hit32-count": ([8, 9, 10], 80, None),  # tokens 32..80: exact
+            "nohit-count": ([11, 12, 13, 14, 15], 80, None),
+        }
+        for rid, (local, tokens, _) in cases.items():
+            pair.pc.publish(pe, rid, [1, 2, 3])
+            pair.dc.pull(de, rid, pe, addr, [1, 2, 3], local, num_tokens=tokens)
+        for rid, (local, tokens, err) in cases.items():
+            ev = pair.dc.wait(de, rid, "done_recving", timeout_s=10)
+            if err is None:
+                assert ev.ok, (rid, ev.error)
+                first = 80 - 16 * len(local)
+                assert check_shard(dr.kv, g, MODEL, dshape, 0, 0, local, first_token=first) == 0
+            else:
+                assert not ev.ok and ev.error.startswith(err), (rid, ev.error)
+                assert ev.invalid_block_ids == local
+    finally:
+        pair.pc.deregister(pr)
+        pair.dc.deregister(dr)
