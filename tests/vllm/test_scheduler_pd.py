@@ -13,6 +13,7 @@ request or a block left behind.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -485,3 +486,41 @@ def test_prefix_hit_inside_a_larger_prefill_block_computes_the_tail(
     assert d.computed["dec-12"][0] == (32, PROMPT)
     drain([p, d])
     assert p.stat("sends_ok") == 1
+
+
+# ------------------------------------------------------------------ sleep mode
+
+
+def test_sleep_mode_refused(daemons: Daemons, engines: MakeEngine) -> None:
+    """kvd owns the KV pool, so vLLM's sleep mode is refused. With enable_sleep_mode the
+    connector refuses to start (and vLLM 0.33 refuses the config itself, having asked
+    ``supports_sleep_mode``). vLLM 0.33's sleep and KV discard call
+    ``unregister_kv_caches`` first, even without enable_sleep_mode: it raises before any
+    memory is touched, and the engine then still hands off as before."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd.integrations.vllm import VLLM_VERSION, KvdConnector
+
+    p = engines("prefill", daemons.prefill)
+    d = engines("decode", daemons.decode)
+    assert KvdConnector.supports_sleep_mode(p.vllm_config.kv_transfer_config) is False
+
+    sleepy = copy.copy(p.vllm_config)
+    sleepy.model_config = copy.copy(p.vllm_config.model_config)
+    sleepy.model_config.enable_sleep_mode = True
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="does not support vLLM sleep mode"):
+            KvdConnector(sleepy, role, p.kv_cache_config)
+    if not VLLM_VERSION.startswith("0.32."):
+        with pytest.raises(ValueError, match="KvdConnector does not support sleep mode"):
+            sleepy._verify_kv_transfer_compat()  # what VllmConfig runs when it is built
+
+    for w in p.workers + d.workers:
+        with pytest.raises(RuntimeError, match="does not support vLLM sleep mode"):
+            w.unregister_kv_caches()
+        w.restore_kv_caches()  # wake-up: nothing to redo
+    params = prefill(p, "req-13", PROMPT_TOKENS)
+    pull_to_decode(p, d, params, "dec-13")
+    check_pulled(d, "dec-13", p, 0, PROMPT)
+    run_until([p, d], lambda: d.finished("dec-13"), what="decode to finish")
+    drain([p, d])

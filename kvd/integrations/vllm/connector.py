@@ -36,6 +36,9 @@ log = logging.getLogger("kvd.vllm")
 DEFAULT_LAYOUT = "BHLNC"
 CPU_LAYOUT = "LBHNC"
 
+SLEEP_REFUSED = ("KvdConnector does not support vLLM sleep mode: kvd owns the KV pool and "
+                 "cannot release it while asleep")
+
 
 class KvdConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -43,8 +46,7 @@ class KvdConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config.kv_transfer_config)
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):
-            raise ConnectorConfigError("KvdConnector does not support vLLM sleep mode: kvd owns "
-                                       "the KV pool and cannot release it while asleep")
+            raise ConnectorConfigError(SLEEP_REFUSED)
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
         self._invalid: set[int] = set()
@@ -69,6 +71,13 @@ class KvdConnector(KVConnectorBase_V1):
         return CPU_LAYOUT if current_platform.device_type == "cpu" else DEFAULT_LAYOUT
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks when it checks its config: with enable_sleep_mode it then
+        refuses to start ("KvdConnector does not support sleep mode."). 0.32 never asks;
+        __init__ refuses there."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KvdConnectorStats | None:
         return KvdConnectorStats(data=dict(data or {}))
@@ -91,6 +100,16 @@ class KvdConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.check_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 calls this before a sleep or a KV discard (``release_kv_cache_memory``),
+        even without enable_sleep_mode. Refuse before vLLM frees or remaps memory that
+        kvd serves to its peers: the sleep fails before any memory is touched."""
+        raise RuntimeError(SLEEP_REFUSED)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 calls this on wake-up: nothing to redo, unregister_kv_caches never
+        lets a sleep through, so the rank's registration with kvd is intact."""
 
     def get_handshake_metadata(self) -> Any:
         return self._worker.handshake() if self._worker is not None else None
