@@ -31,6 +31,11 @@ from kvd.bench.raw import _check_pattern, _fill_pattern
 
 MiB = 1 << 20
 KiB = 1 << 10
+# The target polls NIXL (progress, notifications) every TARGET_POLL_S seconds, sleeping in
+# between: a READ completes only once the target has progressed it, even without a
+# notification (measured: a 512 MiB READ to a target that never polls never finishes),
+# and a target spinning flat out competes with the copy on 2 cores. 0: spin.
+TARGET_POLL_S = float(os.environ.get("KVD_BENCH_TARGET_POLL_S", "0.0002"))
 KINDS = ("anon", "shm", "tmpfs_huge", "hugetlbfs", "memfd_hugetlb")
 
 
@@ -86,9 +91,10 @@ def _target(conn: Any, stop: Any, kind: str, nbytes: int, dirs: dict[str, str]) 
     _fill_pattern(buf)
     t.register(int(buf.ctypes.data), nbytes, "DRAM", 0)
     conn.send((t.metadata(), int(buf.ctypes.data), _huge_kb(buf)))
-    while not stop.is_set():
-        for _ in range(256):
-            t.notifications()
+    while not stop.is_set():  # progress + notifications, sleeping in between (see top)
+        t.notifications()
+        if TARGET_POLL_S:
+            time.sleep(TARGET_POLL_S)
     t.close()
     del buf
     if owner is not None:
