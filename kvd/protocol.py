@@ -48,7 +48,8 @@ MAX_LEASE_S = 3600.0
 MAX_CONSUMERS = 1024
 MAX_POLL_EVENTS = 10_000
 MAX_HEARTBEAT_IDS = 4096
-
+MAX_ID_CHARS = 256
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # engine, request
 TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
 
 
@@ -125,7 +126,7 @@ class EngineDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    engine_id: str
+    engine_id: Id
     model: ModelSpec
     layout: LayoutSpec
     tp_rank: int
@@ -161,8 +162,8 @@ class Ping(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    engine_id: str
-    request_id: str
+    engine_id: Id
+    request_id: Id
     block_ids: list[int]
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LEASE_S)] | None = None
     consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
@@ -181,13 +182,13 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     starts: without it such a pull is refused rather than placed ambiguously.
     """
 
-    engine_id: str
-    request_id: str
-    remote_engine_id: str
+    engine_id: Id
+    request_id: Id
+    remote_engine_id: Id
     remote_address: str
     remote_block_ids: list[int]
     local_block_ids: list[int]
-    remote_request_id: str = ""
+    remote_request_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
     num_tokens: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
     @property

@@ -27,6 +27,7 @@ from kvd.daemon.datapath import PostResult, XferState
 from kvd.daemon.engines import (
     Engine,
     EngineRank,
+    PlanCache,
     check_block_ids,
     compat_hash,
     geometry,
@@ -45,7 +46,6 @@ from kvd.errors import (
     TooLargeError,
     TransferError,
 )
-from kvd.planner import TransferPlan, plan_transfer
 from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
 from kvd.transport.base import ReadPost
 
@@ -56,7 +56,10 @@ log = logging.getLogger("kvd.consumer")
 FIRST_POLL_S = 0.0001
 MAX_POLL_S = 0.002
 PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
-PLAN_CACHE_MAX = 256
+# A producer that no longer holds our request (or restarted) fails the pull only if the
+# READ from it is still pending this long after: a producer releases the hold when our
+# READ's notice arrives, which may be a moment before we see the READ done ourselves.
+LOST_GRACE_S = 0.05
 
 
 class PullState(enum.Enum):
@@ -80,7 +83,8 @@ class PullJob:
     pinned: list[EngineRank] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
     remote: RemoteEngine | None = None
-    lost: PeerLostError | None = None  # set by the heartbeat: the producer lost our request
+    reading_from: dict[int, str] = field(default_factory=dict)  # pending xfer -> agent
+    lost: dict[str, tuple[float, PeerLostError]] = field(default_factory=dict)  # by agent
     cancel_reason: KvdError | None = None  # why the daemon cancelled the task
     task: asyncio.Task[None] | None = None
 
@@ -93,7 +97,7 @@ class Consumer:
     def __init__(self, svc: Services) -> None:
         self.svc = svc
         self.jobs: dict[tuple[str, str], PullJob] = {}
-        self.plans: dict[tuple, TransferPlan] = {}
+        self.plans = PlanCache()
 
     def start(self, msg: P.Pull) -> None:
         """Validate cheaply and queue; the outcome arrives later as a done_recving event."""
@@ -229,19 +233,6 @@ class Consumer:
                    and r.body.epoch == remote.daemons[a].epoch
                    for a, r in zip(addrs, replies, strict=True))
 
-    def _plan(self, engine: Engine, remote: RemoteEngine) -> TransferPlan:
-        rpar = parallelism(remote.desc.tp_size, remote.desc.pp_size, remote.desc.layer_partition)
-        key = (geometry(engine.model), rpar, engine.par)
-        plan = self.plans.get(key)
-        if plan is None:
-            self.svc.metrics.plan_cache_misses.inc()
-            if len(self.plans) >= PLAN_CACHE_MAX:
-                self.plans.clear()
-            plan = self.plans[key] = plan_transfer(geometry(engine.model), rpar, engine.par)
-        else:
-            self.svc.metrics.plan_cache_hits.inc()
-        return plan
-
     def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
                   ) -> dict[str, ProducerReads]:
         rdesc = remote.desc
@@ -254,8 +245,10 @@ class Consumer:
                                        rr.desc.num_blocks)
             remote_pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
                                          owner=rr.agent)
-        return assemble_pull(self._plan(engine, remote), local, remote_pools, local_ids,
-                             remote_ids, owners=[d.agent for d in remote.daemons.values()])
+        plan, hit = self.plans.get(geometry(engine.model), rpar, engine.par)
+        (self.svc.metrics.plan_cache_hits if hit else self.svc.metrics.plan_cache_misses).inc()
+        return assemble_pull(plan, local, remote_pools, local_ids, remote_ids,
+                             owners=[d.agent for d in remote.daemons.values()])
 
     async def _post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
                              groups: dict[str, ProducerReads]) -> None:
@@ -286,6 +279,8 @@ class Consumer:
             if errors:
                 await self._read_failed(job, remote, errors[0])
             pending = [r.xfer_id for r in results if r.xfer_id is not None and not r.done]
+            job.reading_from = {r.xfer_id: p.peer for p, r in zip(posts, results, strict=True)
+                                if r.xfer_id is not None and not r.done}
             hb = svc.spawn(self._heartbeat(job, remote)) if pending else None
             try:
                 await self._wait(job, remote, pending)
@@ -316,13 +311,16 @@ class Consumer:
         interval_s = FIRST_POLL_S
         while pending:
             await self.svc.clock.sleep(interval_s)
-            if job.lost is not None:
-                raise job.lost
             states = await self.svc.datapath.poll_many(pending)
             failed = [s.error for s in states.values() if s.error is not None]
             if failed:
                 await self._read_failed(job, remote, failed[0])
             pending = [x for x, s in states.items() if s.state is XferState.PENDING]
+            job.reading_from = {x: job.reading_from[x] for x in pending}
+            now = self.svc.clock.now()
+            for agent, (since_s, exc) in job.lost.items():
+                if agent in job.reading_from.values() and now - since_s >= LOST_GRACE_S:
+                    raise exc
             interval_s = min(interval_s * 2, MAX_POLL_S)
 
     async def _read_failed(self, job: PullJob, remote: RemoteEngine, exc: TransferError) -> None:
@@ -351,17 +349,22 @@ class Consumer:
         while True:
             await self.svc.clock.sleep(self.svc.cfg.heartbeat_interval_s)
             for addr, known in remote.daemons.items():
+                if known.agent not in job.reading_from.values() or known.agent in job.lost:
+                    continue  # its READ is done: nothing to keep alive there
                 try:
                     reply = await self.svc.peers.request(addr, beat)
                 except KvdError as exc:
                     log.warning("lease heartbeat to %s failed: %s", addr, exc,
                                 extra={"request_id": msg.request_id, "peer": addr})
                     continue
+                now = self.svc.clock.now()
                 if reply.instance != known.instance:
-                    job.lost = PeerLostError(f"producer daemon {addr} restarted during the pull")
+                    job.lost[known.agent] = (now, PeerLostError(
+                        f"producer daemon {addr} restarted during the pull"))
                 elif reply.body.unknown:
-                    job.lost = PeerLostError(f"producer daemon {addr} no longer holds request "
-                                             f"{msg.producer_request_id!r} (lease expired?)")
+                    job.lost[known.agent] = (now, PeerLostError(
+                        f"producer daemon {addr} no longer holds request "
+                        f"{msg.producer_request_id!r} (lease expired?)"))
 
     async def _abandon(self, msg: P.Pull, addrs: list[str]) -> None:
         note = P.Abandon(request_id=msg.producer_request_id,

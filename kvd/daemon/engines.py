@@ -26,8 +26,10 @@ from kvd.planner import (
     ModelGeometry,
     Parallelism,
     RankId,
+    TransferPlan,
     check_parallelism,
     heads_per_rank,
+    plan_transfer,
     stage_layers,
 )
 from kvd.protocol import DTYPE_NBYTES, EngineDesc, LayoutSpec, ModelSpec, RankDesc, RegisterEngine
@@ -70,6 +72,30 @@ def rank_layout(model: ModelSpec, layout: LayoutSpec, par: Parallelism, pp_rank:
     )
     cache.validate()
     return cache, first
+
+
+class PlanCache:
+    """Transfer plans per (model, prefill parallelism, decode parallelism), bounded:
+    engines come and go, a long-lived daemon must not keep every pairing forever."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self._plans: dict[tuple[ModelGeometry, Parallelism, Parallelism], TransferPlan] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, model: ModelGeometry, prefill: Parallelism, decode: Parallelism
+            ) -> tuple[TransferPlan, bool]:
+        """(plan, True if it was cached)."""
+        key = (model, prefill, decode)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan, True
+        if len(self._plans) >= self.max_entries:
+            self._plans.clear()
+        plan = self._plans[key] = plan_transfer(model, prefill, decode)
+        return plan, False
 
 
 def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:

@@ -17,11 +17,11 @@ import asyncio
 import logging
 
 from kvd import protocol as P
-from kvd.daemon.engines import Engine, check_block_ids, geometry, parallelism
+from kvd.daemon.engines import Engine, PlanCache, check_block_ids, geometry, parallelism
 from kvd.daemon.held import HeldRequest, HeldState, HeldTable
 from kvd.daemon.services import Services
 from kvd.errors import IncompatibleError, NotFoundError, ProtocolError, TooLargeError
-from kvd.planner import Parallelism, TransferPlan, check_parallelism, plan_transfer
+from kvd.planner import Parallelism, check_parallelism
 
 log = logging.getLogger("kvd.producer")
 
@@ -39,7 +39,6 @@ FAST_POLL_S = 0.00025
 HOT_WINDOW_S = 0.005
 READING_POLL_MAX_S = 0.002
 IDLE_POLL_MAX_S = 0.05
-PLAN_CACHE_MAX = 256
 
 
 class Producer:
@@ -48,7 +47,7 @@ class Producer:
         self.held = HeldTable(svc.cfg.max_held_requests)
         self._pinned: dict[tuple[str, str], list] = {}
         self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
-        self._plans: dict[tuple, TransferPlan] = {}
+        self._plans = PlanCache()
         self._wake = asyncio.Event()
         svc.registry.on_engine_gone(self.engine_gone)
 
@@ -70,8 +69,6 @@ class Producer:
             raise TooLargeError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request "
                                 f"({cfg.max_blocks_per_request})")
         check_block_ids(msg.block_ids, engine.layout.num_blocks, "published")
-        if not msg.request_id or len(msg.request_id) > 256:
-            raise ProtocolError("request_id must be 1..256 characters")
         lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
                                  msg.consumers, self.svc.clock.now())
@@ -127,12 +124,7 @@ class Producer:
 
     def expected_reads(self, engine: Engine, consumer: Parallelism) -> int:
         """Reads the planner sends to the producer ranks hosted on this daemon."""
-        key = (geometry(engine.model), engine.par, consumer)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= PLAN_CACHE_MAX:
-                self._plans.clear()
-            plan = self._plans[key] = plan_transfer(geometry(engine.model), engine.par, consumer)
+        plan, _ = self._plans.get(geometry(engine.model), engine.par, consumer)
         return sum(plan.consumers.get(rank, 0)
                    for rank in self.svc.registry.rank_ids(engine.engine_id))
 

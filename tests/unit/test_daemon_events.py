@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+from support.clock import FakeClock
+
 from kvd import protocol as P
+from kvd.daemon import events as E
 from kvd.daemon.events import EventHub
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def hub() -> tuple[EventHub, Clock, list[tuple[bytes, int, list[P.Event]]]]:
+def hub(**kw) -> tuple[EventHub, FakeClock, list[tuple[bytes, int, list[P.Event]]]]:
     sent: list[tuple[bytes, int, list[P.Event]]] = []
-    clock = Clock()
+    clock = FakeClock()
     h = EventHub(lambda ident, msg_id, evs: sent.append((ident, msg_id, list(evs.events))),
-                 clock)
+                 clock.now, **kw)
     return h, clock, sent
 
 
@@ -62,10 +57,10 @@ def test_max_events_splits_batches_without_loss() -> None:
 def test_poll_times_out_empty_on_the_injected_clock() -> None:
     h, clock, sent = hub()
     h.wait("e", b"a", 1, timeout_s=2.0, max_events=10)
-    clock.t += 1.999
+    clock.advance(1.999)
     h.expire()
     assert sent == []
-    clock.t += 0.001
+    clock.advance(0.001)
     h.expire()
     assert sent == [(b"a", 1, [])]
     h.expire()
@@ -77,11 +72,10 @@ def test_poll_times_out_empty_on_the_injected_clock() -> None:
 
 def test_timeouts_are_clamped() -> None:
     h, clock, sent = hub()
-    h.wait("e", b"a", 1, timeout_s=-5.0, max_events=0)  # negative: answered at next expire
-    h.expire()
+    h.wait("e", b"a", 1, timeout_s=-5.0, max_events=0)  # (refused at decode) answered now
     assert sent == [(b"a", 1, [])]
     h.wait("e", b"b", 2, timeout_s=1e9, max_events=10)  # huge: capped at 60 s
-    clock.t += 60.0
+    clock.advance(60.0)
     h.expire()
     assert sent[-1] == (b"b", 2, [])
 
@@ -102,3 +96,29 @@ def test_flush_all_answers_every_waiter() -> None:
     h.wait("f", b"b", 2, 5.0, 10)
     h.flush_all()
     assert sorted(sent) == [(b"a", 1, []), (b"b", 2, [])]
+
+
+def test_a_zero_timeout_poll_is_answered_at_once() -> None:
+    h, _, sent = hub()
+    h.wait("e", b"a", 1, timeout_s=0.0, max_events=10)
+    assert sent == [(b"a", 1, [])]
+
+
+def test_dropped_events_are_counted() -> None:
+    drops: list[int] = []
+    h, _, _ = hub(on_drop=lambda: drops.append(1))
+    for i in range(E.MAX_EVENTS_PER_ENGINE + 3):
+        h.push("e", ev(f"r{i}"))
+    assert len(drops) == 3 and len(h.queues["e"]) == E.MAX_EVENTS_PER_ENGINE
+    assert h.queues["e"][0].request_id == "r3"  # the oldest went first
+
+
+def test_a_burst_of_one_loop_iteration_is_one_reply() -> None:
+    scheduled: list = []
+    h, _, sent = hub(schedule=scheduled.append)
+    h.wait("e", b"a", 1, 5.0, 10)
+    for i in range(3):
+        h.push("e", ev(f"r{i}"))
+    assert sent == [] and len(scheduled) == 1  # one delivery for the burst
+    scheduled.pop()()
+    assert sent == [(b"a", 1, [ev("r0"), ev("r1"), ev("r2")])]

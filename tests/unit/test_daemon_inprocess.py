@@ -294,3 +294,24 @@ def test_drain_timeout_fails_a_reading_pull_after_releasing_its_read() -> None:
             assert ev.invalid_block_ids == [5, 6]
 
     run(body())
+
+
+def test_a_producer_that_lost_the_hold_mid_read_fails_the_pull() -> None:
+    """If the producer no longer holds the request while our READ runs (its lease ended,
+    its blocks may be reused), the bytes cannot be trusted: peer_lost, never ok."""
+    async def body() -> None:
+        async with daemon_pair(heartbeat_interval_s=0.5) as p:
+            await register(p.pc, "pre")
+            await register(p.dc, "dec")
+            await p.pc.publish("pre", "r1", [1, 2])
+            p.decode.datapath.transport.hold_reads = True
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
+            await _until_state(p.dc, p.clock, "pulls", "reading")
+            held = p.prefill.producer.held.get("pre", "r1")
+            p.prefill.producer.finish(held, "expired")  # as if the lease had run out
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=3.0)
+            assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
+            assert "no longer holds" in ev.error and ev.invalid_block_ids == [5, 6]
+            assert p.decode.datapath.transport.counts().transfers == 0
+
+    run(body())
