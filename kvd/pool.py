@@ -151,7 +151,8 @@ def hugepages_free_nbytes() -> int:
     return max(0, free) * HUGE_PAGE_NBYTES
 
 
-def _page_nbytes_of_dir(directory: Path, mount: MountInfo | None) -> int:
+def page_nbytes_of_dir(directory: Path, mount: MountInfo | None) -> int:
+    """Page size a pool file in ``directory`` gets (tmpfs huge: what is asked for)."""
     if mount is not None and mount.is_hugetlbfs:
         return os.statvfs(directory).f_bsize  # hugetlbfs reports its page size here
     if mount is not None and mount.is_huge_tmpfs:
@@ -379,7 +380,7 @@ class ShmPool:
             raise unavailable(f"{directory} is not a hugetlbfs mount")
         if backing is PoolBacking.TMPFS_HUGE and not (mount and mount.is_huge_tmpfs):
             raise unavailable(f"{directory} is not a tmpfs mounted huge=always|within_size")
-        page = _page_nbytes_of_dir(directory, mount)
+        page = page_nbytes_of_dir(directory, mount)
         size = mapped_nbytes(nbytes, page)
         path = directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

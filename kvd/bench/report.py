@@ -67,6 +67,12 @@ def machine_info(shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     info["ucx_tls"] = os.environ.get("UCX_TLS", "(default)")
     info["shm_dir"] = shm_dir  # where every "shm" buffer and both daemons' pools live
     info["shm_mount"] = _mount_of(shm_dir)
+    # Page size the pools get in shm_dir (kvd.pool: 2 MiB on hugetlbfs / huge tmpfs, else
+    # 4 KiB) and the reserved huge pages free for memfd pools (pool_backing=auto).
+    from kvd.pool import hugepages_free_nbytes, mount_of, page_nbytes_of_dir
+
+    info["shm_page_nbytes"] = page_nbytes_of_dir(Path(shm_dir), mount_of(shm_dir))
+    info["hugepages_free_mib"] = hugepages_free_nbytes() >> 20
     info["loadavg_1m_start"] = round(os.getloadavg()[0], 2)
     return info
 
@@ -181,7 +187,8 @@ def render(result: dict[str, Any]) -> str:
         f"{g['dtype']}, {g['block_size_tokens']}-token blocks ({g['token_nbytes'] // 1024} "
         f"KiB/token), kv_layout {g['kv_layout']} {g['head_layout']}",
         f"machine: {m.get('cores')} cores, {m.get('mem_gib')} GiB, {m.get('cpu', '?')}, "
-        f"nixl {m.get('nixl')}",
+        f"nixl {m.get('nixl')}; pools in {m.get('shm_dir')} ({m.get('shm_mount')}), "
+        f"{(m.get('shm_page_nbytes') or 0) // 1024} KiB pages",
         f"targets: kvd >= {TARGET_RATIO_KVD_MEMCPY}x memcpy: "
         f"{'met' if result['targets']['met']['ratio_kvd_memcpy'] else 'MISSED'}; "
         f"1-block p50 <= {TARGET_P50_MS} ms: "
