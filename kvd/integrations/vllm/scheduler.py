@@ -169,7 +169,7 @@ class KvdScheduler:
                              remote_block_ids=list(pull.remote.block_ids),
                              local_block_ids=pull.local_block_ids,
                              remote_request_id=pull.remote.request_id,
-                             **_num_tokens_kw(pull.num_tokens))
+                             num_tokens=pull.num_tokens if pull.local_block_ids else -1)
         except KvdError as exc:
             log.warning("request %s: kvd refused the pull (%s)", request_id, exc)
             if not pull.quiet:
@@ -184,11 +184,3 @@ class KvdScheduler:
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _num_tokens_kw(num_tokens: int) -> dict[str, int]:
-    """Pass the prompt token count where this kvd's Pull carries it (exact placement)."""
-    import inspect
-
-    return ({"num_tokens": num_tokens}
-            if "num_tokens" in inspect.signature(KvdClient.pull).parameters else {})
