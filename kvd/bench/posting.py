@@ -91,8 +91,8 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, nbyte
     t.register(base, pool_nbytes, "DRAM", 0)
     peer = t.add_peer(meta)
     poster = PreppedPoster(t)
-    poster.set_local_pools([PoolSpan(base, pool_nbytes)])
-    poster.set_remote_pools(peer, [PoolSpan(remote_base, pool_nbytes)])
+    local_pools, remote_pools = (PoolSpan(base, pool_nbytes),), (PoolSpan(remote_base,
+                                                                           pool_nbytes),)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"cases": []}
     for chunk in chunks:
@@ -109,7 +109,8 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, nbyte
             sizes = np.full(len(li), chunk, dtype=np.int64)
             return ReadPost(peer=peer, local_addrs=base + li * chunk,
                             remote_addrs=remote_base + ri * chunk, nbytes=sizes,
-                            mem_type="DRAM", notif=b"bench")
+                            mem_type="DRAM", notif=b"bench", local_pools=local_pools,
+                            remote_pools=remote_pools)
 
         def fresh(li: np.ndarray, ri: np.ndarray) -> tuple[int, bool]:
             return t.post_read(read_post(li, ri))

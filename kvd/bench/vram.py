@@ -142,8 +142,7 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, nbytes: int, device: st
     t.register(base, nbytes, mem, dev_id)
     peer = t.add_peer(meta)
     poster = PreppedPoster(t)
-    poster.set_local_pools([PoolSpan(base, nbytes, dev_id)])
-    poster.set_remote_pools(peer, [PoolSpan(remote_base, nbytes, dev_id)])
+    pools = ((PoolSpan(base, nbytes, dev_id),), (PoolSpan(remote_base, nbytes, dev_id),))
     one_l = t.prepare_local(DescRows.grid(base, nbytes, 1, mem_type=mem, dev=dev_id))
     one_r = t.prepare_remote(peer, DescRows.grid(remote_base, nbytes, 1, mem_type=mem,
                                                  dev=dev_id))
@@ -181,7 +180,7 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, nbytes: int, device: st
             devs = np.full(len(nb), dev_id, dtype=np.int64)
             return ReadPost(peer=peer, local_addrs=base + lo, remote_addrs=remote_base + ro,
                             nbytes=nb, mem_type=mem, notif=b"v", local_devs=devs,
-                            remote_devs=devs)
+                            remote_devs=devs, local_pools=pools[0], remote_pools=pools[1])
 
         run(f"{name}:fresh", lambda rp=read_post: t.post_read(rp()), (lo, ro, nb))
         run(f"{name}:prepped", lambda rp=read_post: poster.post(rp()), (lo, ro, nb))

@@ -52,8 +52,23 @@ class PostTiming:
 
 
 @dataclass(frozen=True)
+class PoolSpan:
+    """A registered pool: base address, size, device (GPU index; 0 for DRAM)."""
+
+    base: int
+    nbytes: int
+    dev: int = 0
+
+
+@dataclass(frozen=True)
 class ReadPost:
-    """One READ of many descriptors from one peer: parallel arrays, one row each."""
+    """One READ of many descriptors from one peer: parallel arrays, one row each.
+
+    ``local_pools`` / ``remote_pools``: the pools the descriptors lie in (this side's
+    and the peer's). Optional; with them, `kvd.transport.prepped.PreppedPoster` posts
+    the READ through prepared lists (adjacent descriptors merge), without them it
+    falls back to a fresh list.
+    """
 
     peer: str
     local_addrs: np.ndarray
@@ -63,6 +78,8 @@ class ReadPost:
     notif: bytes
     local_devs: np.ndarray | None = None  # GPU index per descriptor (None: all 0, DRAM)
     remote_devs: np.ndarray | None = None
+    local_pools: tuple[PoolSpan, ...] = ()
+    remote_pools: tuple[PoolSpan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,11 @@ class Transport(Protocol):
 
     def release_prepared(self, list_id: int) -> None:
         """Release a prepared list (unknown ids are ignored). Posted READs are unaffected."""
+        ...
+
+    def is_prepared(self, list_id: int) -> bool:
+        """Whether a list id is still valid (deregistering its memory or removing its
+        peer releases a list)."""
         ...
 
     def post_prepped_read(self, post: PreppedRead) -> tuple[int, bool]:

@@ -137,6 +137,9 @@ class LoopbackTransport:
     def release_prepared(self, list_id: int) -> None:
         self._prepared.pop(list_id, None)
 
+    def is_prepared(self, list_id: int) -> bool:
+        return list_id in self._prepared
+
     def post_prepped_read(self, post: PreppedRead) -> tuple[int, bool]:
         """Checks what NIXL's make_prepped_xfer checks, then copies like post_read."""
         local, remote_list = self._prepared.get(post.local_list), self._prepared.get(

@@ -193,6 +193,9 @@ class NixlTransport:
         except TransferError as exc:
             log.warning("%s", exc)
 
+    def is_prepared(self, list_id: int) -> bool:
+        return list_id in self._prepared
+
     def post_prepped_read(self, post: PreppedRead) -> tuple[int, bool]:
         t0 = time.perf_counter()
         local, remote = self._prepared.get(post.local_list), self._prepared.get(post.remote_list)

@@ -7,30 +7,26 @@ lists. NIXL then merges consecutive indices adjacent on both sides: consecutive
 blocks become one descriptor, which fresh lists (``post_read``) never do.
 
 `PoolGrid` is the arithmetic (pools -> rows; addresses -> indices). `PreppedPoster`
-is what the daemon's NIXL thread calls instead of ``transport.post_read``: it keeps
-one local and one remote list per (peer, chunk), picks the chunk of each READ (the
-gcd of its descriptor sizes and pool offsets), prepares lists the first time a
-chunk is seen, re-prepares when pools change, and falls back to ``post_read`` for
-descriptors outside known pools or too finely cut to be worth it.
+is what the daemon's NIXL thread calls instead of ``transport.post_read``: given a
+`ReadPost` that names its pools (``local_pools``, ``remote_pools``), it picks the
+chunk of the READ (the gcd of its descriptor sizes and pool offsets), prepares a
+local and a remote list for (peer, chunk, pools) the first time and reuses them
+after, re-prepares when the transport has released them (memory deregistered, peer
+removed), and falls back to ``post_read`` for posts without pools, descriptors
+outside them, or a grid too fine to be worth it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.transport.base import DescRows, PreppedRead, ReadPost, Transport
+from kvd.transport.base import DescRows, PoolSpan, PreppedRead, ReadPost, Transport
 
-
-@dataclass(frozen=True)
-class PoolSpan:
-    """A registered pool: base address, size, device (GPU index; 0 for DRAM)."""
-
-    base: int
-    nbytes: int
-    dev: int = 0
+__all__ = ["PoolGrid", "PoolSpan", "PreppedPoster", "common_chunk"]
 
 
 @dataclass(frozen=True)
@@ -138,50 +134,35 @@ class _Lists:
     remote_grid: PoolGrid
 
 
-class PreppedPoster:
-    """Posts ReadPosts through prepared lists; one instance per transport (NIXL thread).
+_Key = tuple[str, int, str, tuple[PoolSpan, ...], tuple[PoolSpan, ...]]
 
-    ``max_expansion``: a READ whose chunk grid would need more than this many indices
-    per descriptor goes through ``post_read`` instead (index arrays would cost more than
-    the validation they save). ``max_chunks_per_peer``: lists kept per peer (one pair
-    per distinct chunk size in use), oldest released first.
+
+class PreppedPoster:
+    """Posts ReadPosts through prepared lists; one per transport, on its (NIXL) thread.
+
+    Lists are cached per (peer, chunk, memory type, local pools, remote pools): a pull
+    between the same two engines reuses them, so only the first pull of a chunk size
+    prepares (constant cost: one strided row per pool). ``max_expansion``: a READ whose
+    chunk grid needs more than this many indices per descriptor goes through
+    ``post_read`` (index arrays would cost more than the validation they save).
+    ``max_lists``: list pairs kept, least recently used released first.
     """
 
     def __init__(self, transport: Transport, max_expansion: int = 8,
-                 max_chunks_per_peer: int = 4) -> None:
+                 max_lists: int = 64) -> None:
         self.transport = transport
         self.max_expansion = max_expansion
-        self.max_chunks_per_peer = max_chunks_per_peer
-        self._local: tuple[PoolSpan, ...] = ()
-        self._remote: dict[str, tuple[PoolSpan, ...]] = {}
-        self._lists: dict[tuple[str, int, str], _Lists] = {}  # insertion order = age
+        self.max_lists = max_lists
+        self._lists: OrderedDict[_Key, _Lists] = OrderedDict()
         self.prepped_posts = 0
         self.fresh_posts = 0
 
-    def set_local_pools(self, pools: list[PoolSpan]) -> None:
-        """This agent's registered pools changed (registration, deregistration)."""
-        pools_t = tuple(sorted(pools, key=lambda p: p.base))
-        if pools_t != self._local:
-            self._local = pools_t
-            for key in list(self._lists):
-                self._drop(key)
-
-    def set_remote_pools(self, peer: str, pools: list[PoolSpan]) -> None:
-        """A peer's pools as its handshake describes them (call again after a reload)."""
-        pools_t = tuple(sorted(pools, key=lambda p: p.base))
-        if self._remote.get(peer) != pools_t:
-            self._remote[peer] = pools_t
-            self.forget_peer(peer, keep_pools=True)
-
-    def forget_peer(self, peer: str, keep_pools: bool = False) -> None:
-        """Release the peer's lists. Call it before the transport removes or reloads the
-        peer (NixlTransport.remove_peer releases them too, leaving stale ids here)."""
+    def forget_peer(self, peer: str) -> None:
+        """Release every list of a peer (optional: stale ones are re-prepared anyway)."""
         for key in [k for k in self._lists if k[0] == peer]:
             self._drop(key)
-        if not keep_pools:
-            self._remote.pop(peer, None)
 
-    def _drop(self, key: tuple[str, int, str]) -> None:
+    def _drop(self, key: _Key) -> None:
         lists = self._lists.pop(key)
         self.transport.release_prepared(lists.local)
         self.transport.release_prepared(lists.remote)
@@ -190,22 +171,28 @@ class PreppedPoster:
         for key in list(self._lists):
             self._drop(key)
 
-    def _lists_for(self, peer: str, chunk: int, mem_type: str) -> _Lists:
-        key = (peer, chunk, mem_type)
+    def lists(self) -> int:
+        return len(self._lists)
+
+    def _lists_for(self, key: _Key) -> _Lists:
         lists = self._lists.get(key)
-        if lists is not None:
+        if lists is not None and self.transport.is_prepared(lists.local) and \
+                self.transport.is_prepared(lists.remote):
+            self._lists.move_to_end(key)
             return lists
-        local_grid = PoolGrid(self._local, chunk, mem_type)
-        remote_grid = PoolGrid(self._remote[peer], chunk, mem_type)
+        if lists is not None:  # released under us: memory deregistered or peer reloaded
+            self._drop(key)
+        peer, chunk, mem_type, local_pools, remote_pools = key
+        local_grid = PoolGrid(local_pools, chunk, mem_type)
+        remote_grid = PoolGrid(remote_pools, chunk, mem_type)
         local = self.transport.prepare_local(local_grid.rows())
         try:
             remote = self.transport.prepare_remote(peer, remote_grid.rows())
         except BaseException:
             self.transport.release_prepared(local)
             raise
-        mine = [k for k in self._lists if k[0] == peer]
-        if len(mine) >= self.max_chunks_per_peer:
-            self._drop(mine[0])
+        while len(self._lists) >= self.max_lists:
+            self._drop(next(iter(self._lists)))
         lists = self._lists[key] = _Lists(local, remote, local_grid, remote_grid)
         return lists
 
@@ -222,20 +209,22 @@ class PreppedPoster:
         return self.transport.post_prepped_read(prepped)
 
     def _prepped(self, post: ReadPost) -> PreppedRead | None:
-        if not self._local or post.peer not in self._remote or len(post.nbytes) == 0:
+        if not post.local_pools or not post.remote_pools or len(post.nbytes) == 0:
             return None
+        local_pools = tuple(sorted(post.local_pools, key=lambda p: p.base))
+        remote_pools = tuple(sorted(post.remote_pools, key=lambda p: p.base))
         nbytes = np.asarray(post.nbytes, dtype=np.int64)
         laddrs = np.asarray(post.local_addrs, dtype=np.int64)
         raddrs = np.asarray(post.remote_addrs, dtype=np.int64)
         # Located on byte grids first: the chunk depends on the offsets.
-        local = PoolGrid(self._local, 1).locate(laddrs, nbytes)
-        remote = PoolGrid(self._remote[post.peer], 1).locate(raddrs, nbytes)
+        local = PoolGrid(local_pools, 1).locate(laddrs, nbytes)
+        remote = PoolGrid(remote_pools, 1).locate(raddrs, nbytes)
         if local is None or remote is None:
             return None
         chunk = common_chunk(nbytes, local[1], remote[1])
         if int(nbytes.sum()) // chunk > self.max_expansion * len(nbytes):
             return None
-        lists = self._lists_for(post.peer, chunk, post.mem_type)
+        lists = self._lists_for((post.peer, chunk, post.mem_type, local_pools, remote_pools))
         # The chunk grids hold whole chunks only: a pool's tail may lie outside them.
         if not (lists.local_grid.fits(local[0], local[2])
                 and lists.remote_grid.fits(remote[0], remote[2])):

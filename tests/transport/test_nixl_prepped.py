@@ -214,3 +214,30 @@ def test_peer_reload_releases_its_lists_and_deregister_the_local_ones(peer: Peer
                                                                      np.array([2])))
     t.release_prepared(local)
     t.release_prepared(remote)
+
+
+def test_poster_posts_readposts_through_prepared_lists(peer: Peer) -> None:
+    """The daemon's wiring (PreppedPoster) through real NIXL: a ReadPost naming its pools
+    goes through prepared lists, adjacent blocks merge, bytes land exactly."""
+    from kvd.transport.base import PoolSpan
+    from kvd.transport.prepped import PreppedPoster
+
+    peer.local[:] = 0
+    t = peer.transport
+    poster = PreppedPoster(t)
+    base = int(peer.local.ctypes.data)
+    li = np.array([10, 11, 12, 40, 41, 200])  # 32 KiB blocks: two runs and a single
+    ri = np.array([5, 6, 7, 90, 91, 2])
+    block = 32 * 1024
+    post = ReadPost(peer=peer.name, local_addrs=base + li * block,
+                    remote_addrs=peer.remote_addr + ri * block, nbytes=np.full(6, block),
+                    mem_type="DRAM", notif=b"poster",
+                    local_pools=(PoolSpan(base, NBYTES),),
+                    remote_pools=(PoolSpan(peer.remote_addr, NBYTES),))
+    xfer_id, done = poster.post(post)
+    _wait(t, xfer_id, done)
+    assert t.xfer_descriptors(xfer_id) == 3
+    t.release(xfer_id)
+    assert poster.prepped_posts == 1
+    assert np.array_equal(_chunks(peer.local, li, block), _chunks(pattern(NBYTES), ri, block))
+    poster.close()

@@ -36,34 +36,36 @@ def setup():
     rng = np.random.default_rng(3)
     srcs = [rng.integers(0, 256, 64 * KiB, dtype=np.uint8) for _ in range(2)]
     dsts = [np.zeros(64 * KiB, dtype=np.uint8) for _ in range(2)]
-    for d in dsts:
-        a.register(int(d.ctypes.data), d.nbytes, "DRAM", 0)
+    regs = [a.register(int(d.ctypes.data), d.nbytes, "DRAM", 0) for d in dsts]
     for s in srcs:
         b.register(int(s.ctypes.data), s.nbytes, "DRAM", 0)
     peer = a.add_peer(b.metadata())
     poster = PreppedPoster(a)
-    poster.set_local_pools([PoolSpan(int(d.ctypes.data), d.nbytes) for d in dsts])
-    poster.set_remote_pools(peer, [PoolSpan(int(s.ctypes.data), s.nbytes) for s in srcs])
-    yield a, b, peer, poster, srcs, dsts
+    yield a, b, peer, poster, srcs, dsts, regs
     poster.close()
     assert a.counts().prepared_lists == 0
     a.close()
     b.close()
 
 
-def _post(peer: str, dst: np.ndarray, src: np.ndarray, pairs: list[tuple[int, int, int]]
-          ) -> ReadPost:
-    """pairs: (local offset, remote offset, bytes)."""
+def _spans(bufs: list[np.ndarray]) -> tuple[PoolSpan, ...]:
+    return tuple(PoolSpan(int(x.ctypes.data), x.nbytes) for x in bufs)
+
+
+def _post(peer: str, dsts: list[np.ndarray], srcs: list[np.ndarray], dst: int, src: int,
+          pairs: list[tuple[int, int, int]], pools: bool = True) -> ReadPost:
+    """pairs: (local offset, remote offset, bytes) into dsts[dst] <- srcs[src]."""
     lo, ro, nb = (np.array(x, dtype=np.int64) for x in zip(*pairs, strict=True))
-    return ReadPost(peer=peer, local_addrs=int(dst.ctypes.data) + lo,
-                    remote_addrs=int(src.ctypes.data) + ro, nbytes=nb, mem_type="DRAM",
-                    notif=b"n")
+    return ReadPost(peer=peer, local_addrs=int(dsts[dst].ctypes.data) + lo,
+                    remote_addrs=int(srcs[src].ctypes.data) + ro, nbytes=nb, mem_type="DRAM",
+                    notif=b"n", local_pools=_spans(dsts) if pools else (),
+                    remote_pools=_spans(srcs) if pools else ())
 
 
 def test_posts_through_prepared_lists_byte_exact_and_merged(setup) -> None:
-    a, _, peer, poster, srcs, dsts = setup
+    a, b, peer, poster, srcs, dsts, _ = setup
     # Two 8 KiB descriptors adjacent on both sides, and one 16 KiB elsewhere (chunk 8 KiB).
-    post = _post(peer, dsts[1], srcs[0], [(0, 8 * KiB, 8 * KiB), (8 * KiB, 16 * KiB, 8 * KiB),
+    post = _post(peer, dsts, srcs, 1, 0, [(0, 8 * KiB, 8 * KiB), (8 * KiB, 16 * KiB, 8 * KiB),
                                           (32 * KiB, 48 * KiB, 16 * KiB)])
     xfer, done = poster.post(post)
     assert done and poster.prepped_posts == 1 and poster.fresh_posts == 0
@@ -71,46 +73,57 @@ def test_posts_through_prepared_lists_byte_exact_and_merged(setup) -> None:
     assert np.array_equal(dsts[1][:16 * KiB], srcs[0][8 * KiB:24 * KiB])
     assert np.array_equal(dsts[1][32 * KiB:48 * KiB], srcs[0][48 * KiB:])
     assert not dsts[0].any()
+    assert b.notifications() == [(a.name, b"n")]
     assert a.counts().prepared_lists == 2
-    poster.post(post)  # same chunk: the lists are reused
-    assert a.counts().prepared_lists == 2
+    poster.post(post)  # same chunk, same pools: the lists are reused
+    assert a.counts().prepared_lists == 2 and poster.lists() == 1
 
 
-def test_falls_back_for_descriptors_outside_pools_or_too_fine(setup) -> None:
-    a, _, peer, poster, srcs, dsts = setup
-    scratch = np.zeros(4 * KiB, dtype=np.uint8)  # registered, but not a pool it was told of
+def test_falls_back_without_pools_outside_them_or_too_fine(setup) -> None:
+    a, _, peer, poster, srcs, dsts, _ = setup
+    poster.post(_post(peer, dsts, srcs, 0, 0, [(0, 0, 4 * KiB)], pools=False))
+    assert poster.fresh_posts == 1
+    scratch = np.zeros(4 * KiB, dtype=np.uint8)  # registered, but not in the post's pools
     a.register(int(scratch.ctypes.data), scratch.nbytes, "DRAM", 0)
     outside = ReadPost(peer=peer, local_addrs=np.array([int(scratch.ctypes.data)]),
                        remote_addrs=np.array([int(srcs[0].ctypes.data)]),
-                       nbytes=np.array([4 * KiB]), mem_type="DRAM", notif=b"")
+                       nbytes=np.array([4 * KiB]), mem_type="DRAM", notif=b"",
+                       local_pools=_spans(dsts), remote_pools=_spans(srcs))
     poster.post(outside)
-    assert poster.fresh_posts == 1
+    assert poster.fresh_posts == 2
     assert np.array_equal(scratch, srcs[0][:4 * KiB])
-    fine = _post(peer, dsts[0], srcs[0], [(0, 3, 16 * KiB)])  # gcd 1: 16,384 indices
+    fine = _post(peer, dsts, srcs, 0, 0, [(0, 3, 16 * KiB)])  # gcd 1: 16,384 indices
     poster.post(fine)
-    assert poster.fresh_posts == 2 and poster.prepped_posts == 0
+    assert poster.fresh_posts == 3 and poster.prepped_posts == 0
     assert np.array_equal(dsts[0][:16 * KiB], srcs[0][3:3 + 16 * KiB])
 
 
-def test_pool_changes_and_peer_loss_drop_lists(setup) -> None:
-    a, _, peer, poster, srcs, dsts = setup
-    poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, 4 * KiB)]))
-    poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, 8 * KiB)]))  # a second chunk size
-    assert a.counts().prepared_lists == 4
-    poster.set_remote_pools(peer, [PoolSpan(int(srcs[0].ctypes.data), srcs[0].nbytes)])
-    assert a.counts().prepared_lists == 0
-    poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, 4 * KiB)]))
-    poster.set_local_pools([PoolSpan(int(dsts[0].ctypes.data), dsts[0].nbytes)])
-    assert a.counts().prepared_lists == 0
-    poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, 4 * KiB)]))
+def test_lists_released_under_it_are_prepared_again(setup) -> None:
+    a, b, peer, poster, srcs, dsts, regs = setup
+    poster.post(_post(peer, dsts, srcs, 0, 0, [(0, 0, 4 * KiB)]))
+    a.remove_peer(peer)  # the transport releases the peer's lists (a reload)
+    a.add_peer(b.metadata())
+    dsts[0][:] = 0
+    poster.post(_post(peer, dsts, srcs, 0, 1, [(0, 0, 4 * KiB)]))
+    assert poster.prepped_posts == 2 and poster.lists() == 1
+    assert np.array_equal(dsts[0][:4 * KiB], srcs[1][:4 * KiB])
+    a.deregister(regs[1])  # the local list covered it: released
+    regs[1] = a.register(int(dsts[1].ctypes.data), dsts[1].nbytes, "DRAM", 0)
+    poster.post(_post(peer, dsts, srcs, 1, 1, [(0, 0, 4 * KiB)]))
+    assert poster.prepped_posts == 3 and a.counts().prepared_lists == 2
+
+
+def test_pool_sets_and_chunks_get_their_own_lists_bounded(setup) -> None:
+    a, _, peer, poster, srcs, dsts, _ = setup
+    poster.max_lists = 3
+    for k in range(5):
+        poster.post(_post(peer, dsts, srcs, 0, 0, [(0, 0, (2 ** k) * KiB)]))
+    assert poster.lists() == 3 and a.counts().prepared_lists == 6
+    one_pool = ReadPost(peer=peer, local_addrs=np.array([int(dsts[0].ctypes.data)]),
+                        remote_addrs=np.array([int(srcs[0].ctypes.data)]),
+                        nbytes=np.array([16 * KiB]), mem_type="DRAM", notif=b"",
+                        local_pools=_spans(dsts[:1]), remote_pools=_spans(srcs))
+    poster.post(one_pool)  # same chunk as before, other pools: other lists
+    assert poster.lists() == 3 and poster.prepped_posts == 6
     poster.forget_peer(peer)
-    assert a.counts().prepared_lists == 0
-    poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, 4 * KiB)]))  # unknown peer: fresh
-    assert poster.fresh_posts == 1
-
-
-def test_keeps_a_bounded_number_of_chunk_sizes(setup) -> None:
-    a, _, peer, poster, srcs, dsts = setup
-    for k in range(6):
-        poster.post(_post(peer, dsts[0], srcs[0], [(0, 0, (2 ** k) * KiB)]))
-    assert a.counts().prepared_lists == 2 * poster.max_chunks_per_peer
+    assert poster.lists() == 0 and a.counts().prepared_lists == 0
