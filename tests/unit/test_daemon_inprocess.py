@@ -280,9 +280,9 @@ def test_drain_timeout_fails_a_reading_pull_after_releasing_its_read() -> None:
             transport = p.decode.datapath.transport
             transport.hold_reads = True  # the READ never completes
             await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
-            await _until_state(p.dc, p.clock, "pulls", "reading")
+            await p.clock.until(lambda: transport.counts().transfers == 1, what="READ posted")
             [rank] = p.decode.registry.get("dec").live_ranks()
-            assert rank.pins == 1 and transport.counts().transfers == 1
+            assert rank.pins == 1
             drain = asyncio.ensure_future(p.decode.drain())
             await p.clock.run(1.9)
             assert not drain.done() and transport.counts().transfers == 1
