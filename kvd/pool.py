@@ -210,8 +210,7 @@ class PoolOwner:
         tmp = directory / f".{prefix}-{owner_id}.lock.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # empty: hugetlbfs has no write()
             os.rename(tmp, owner.lock_path)
         except BaseException:
             os.close(fd)

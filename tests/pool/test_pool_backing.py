@@ -25,10 +25,12 @@ from kvd.pool import (
     HUGE_PAGE_NBYTES,
     MountInfo,
     PoolBacking,
+    PoolOwner,
     ShmPool,
     hugepages_free_nbytes,
     mount_of,
     page_stats,
+    reap_dead_pools,
 )
 
 PREFIX = "kvd-backingtest"
@@ -107,12 +109,16 @@ def test_hugetlbfs_pool_engine_maps_it() -> None:
     if hugepages_free_nbytes() < 2 * NBYTES:
         pytest.skip("no free reserved huge pages")
     assert HUGETLBFS_DIR is not None
+    owner = PoolOwner.acquire(HUGETLBFS_DIR, PREFIX)  # lock files work on hugetlbfs too
     for backing in ("hugetlbfs", "auto"):
-        pool = ShmPool.create(PREFIX, NBYTES, HUGETLBFS_DIR, backing=backing)
+        pool = ShmPool.create(PREFIX, NBYTES, HUGETLBFS_DIR, backing=backing, owner=owner)
         assert pool.backing is PoolBacking.HUGETLBFS and pool.page_nbytes >= HUGE_PAGE_NBYTES
         _round_trip(pool)
         pool.close()
         assert pool.name not in os.listdir(HUGETLBFS_DIR)
+    assert reap_dead_pools(HUGETLBFS_DIR, PREFIX) == []  # our own lock: alive
+    owner.release()
+    assert owner.lock_path.name not in os.listdir(HUGETLBFS_DIR)
 
 
 @pytest.mark.skipif(HUGE_TMPFS_DIR is None, reason="no writable tmpfs mounted huge=always")
