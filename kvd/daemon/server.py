@@ -9,19 +9,17 @@ Two ZMQ ROUTER faces feed one dispatch table; every other job has one owner:
     completion events                                  kvd.daemon.events
     every NIXL call                                    kvd.daemon.datapath
 
-Each message is answered or raises a KvdError that becomes an Error reply; the
-token is checked from the header before the body is decoded; nothing a client
-or a peer sends can stop the loops (a handler bug is answered ``internal``).
+The faces (kvd.daemon.faces) decode, authenticate and reply; here each message
+type is mapped to its owner, and the daemon's lifecycle is composed: start,
+housekeeping, drain on SIGTERM, stop with every resource released.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import zmq
@@ -34,19 +32,12 @@ from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.daemon.consumer import Consumer
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.events import EventHub
+from kvd.daemon.faces import Face, Handler, Request
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.producer import Producer
 from kvd.daemon.registry import EngineRegistry
 from kvd.daemon.services import Services
-from kvd.errors import (
-    AuthError,
-    BusyError,
-    DrainingError,
-    InternalError,
-    KvdError,
-    NotFoundError,
-    ProtocolError,
-)
+from kvd.errors import DrainingError, NotFoundError
 from kvd.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
@@ -56,16 +47,6 @@ log = logging.getLogger("kvd.daemon")
 HOUSEKEEPING_INTERVAL_S = 0.05  # leases, poll timeouts, engine liveness, pool freeing
 DRAIN_POLL_S = 0.05
 DRAIN_RELEASE_TIMEOUT_S = 0.4  # after drain_timeout_s: pulls failed, their READs released
-MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
-
-
-@dataclass(frozen=True)
-class Request:
-    identity: bytes
-    header: P.Header
-
-
-Handler = Callable[[Any, Request], Awaitable[Any]]
 
 
 class Daemon:
@@ -104,10 +85,14 @@ class Daemon:
         svc = Services(self.cfg, self.clock, self.metrics, self.datapath, self.registry,
                        self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
         self.producer, self.consumer = Producer(svc), Consumer(svc)
-        self.engine_sock = self._bind(self.cfg.engine_address)
-        self.peer_sock = self._bind(self.cfg.peer_address)
-        self.spawn(self._serve(self.engine_sock, "engine", P.ENGINE_REQUESTS, self._engine_face()))
-        self.spawn(self._serve(self.peer_sock, "peer", P.PEER_REQUESTS, self._peer_face()))
+        cfg = self.cfg
+        self.engine_face, self.peer_face = (
+            Face(self.ctx, name, address, allowed, cfg.max_message_bytes,
+                 cfg.receive_queue_bytes, self.token, self.instance_id, self.metrics)
+            for name, address, allowed in (("engine", cfg.engine_address, P.ENGINE_REQUESTS),
+                                           ("peer", cfg.peer_address, P.PEER_REQUESTS)))
+        self.spawn(self.engine_face.serve(self._engine_handlers()))
+        self.spawn(self.peer_face.serve(self._peer_handlers()))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
         if self.cfg.metrics_port:
@@ -123,17 +108,6 @@ class Daemon:
 
         return NixlTransport(name=f"kvd-{self.daemon_id}", backend=self.cfg.nixl_backend,
                              progress_thread=self.cfg.nixl_progress_thread)
-
-    def _bind(self, address: str) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-        # The receive queue is bounded in bytes: at most receive_queue_bytes of messages
-        # of the largest allowed size wait per connection (ZMQ counts messages).
-        hwm = max(MIN_RECEIVE_HWM, self.cfg.receive_queue_bytes // self.cfg.max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.bind(address)
-        return sock
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:
@@ -186,8 +160,8 @@ class Daemon:
                  self.shutdown_counts.peers)
         await self.datapath.close()
         self.peers.close()
-        self.engine_sock.close(0)
-        self.peer_sock.close(0)
+        self.engine_face.close()
+        self.peer_face.close()
         self.ctx.term()
         if self.http is not None:
             self.http.close()
@@ -206,61 +180,16 @@ class Daemon:
             except Exception:  # noqa: BLE001 - housekeeping must go on
                 log.exception("housekeeping failed")
 
-    # ------------------------------------------------------------ faces
-
-    async def _serve(self, sock: zmq.asyncio.Socket, face: str, allowed: tuple[type, ...],
-                     handlers: dict[type, Handler]) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            payload = [f.buffer for f in frames[1:]]
-            msg_id = 0
-            try:
-                if len(payload) != 2:
-                    raise ProtocolError(f"expected 2 frames, got {len(payload)}")
-                try:
-                    header = P.decode_header(payload[0])
-                except ProtocolError:
-                    # Reply to the right call even when the header does not decode.
-                    msg_id = P.peek_id(bytes(payload[0]))
-                    raise
-                msg_id = header.id
-                if self.token and not hmac.compare_digest(header.token.encode(),
-                                                          self.token.encode()):
-                    self.metrics.auth_failures.labels(face=face).inc()
-                    raise AuthError("bad or missing token")
-                body = P.decode_body(header, payload[1], allowed)
-                reply = await handlers[type(body)](body, Request(identity, header))
-            except ProtocolError as exc:
-                self.metrics.protocol_error(face, exc.reason)
-                if not msg_id and payload:
-                    msg_id = P.peek_id(bytes(payload[0]))
-                reply = P.Error(code=exc.code, message=str(exc))
-            except KvdError as exc:
-                if isinstance(exc, BusyError):
-                    self.metrics.busy_rejections.inc()
-                reply = P.Error(code=exc.code, message=str(exc))
-            except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the face
-                log.exception("handler failed on the %s face", face)
-                reply = P.Error(code=InternalError.code, message=f"internal error: {exc!r}")
-            if reply is not None:
-                self._send(sock, identity, msg_id, reply)
-
-    def _send(self, sock: zmq.asyncio.Socket, identity: bytes, msg_id: int, body: Any) -> None:
-        try:
-            sock.send_multipart([identity, *P.encode(body, msg_id, instance=self.instance_id)],
-                                flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("reply dropped: %s", exc)
+    # ------------------------------------------------------------ dispatch
 
     def _reply_poll(self, identity: bytes, msg_id: int, events: P.Events) -> None:
-        self._send(self.engine_sock, identity, msg_id, events)
+        self.engine_face.send(identity, msg_id, events)
 
     def _refuse_if_draining(self, what: str) -> None:
         if self.draining:
             raise DrainingError(f"daemon is draining; not accepting new {what}")
 
-    def _engine_face(self) -> dict[type, Handler]:
+    def _engine_handlers(self) -> dict[type, Handler]:
         reg, producer, consumer = self.registry, self.producer, self.consumer
 
         async def register(m: P.RegisterEngine, _: Request) -> P.Registered:
@@ -299,7 +228,7 @@ class Daemon:
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}
 
-    def _peer_face(self) -> dict[type, Handler]:
+    def _peer_handlers(self) -> dict[type, Handler]:
         producer = self.producer
 
         async def hello(m: P.Hello, _: Request) -> P.HelloReply:

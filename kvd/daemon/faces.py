@@ -1,0 +1,103 @@
+"""A face: one ZMQ ROUTER socket, its receive bound, and the loop that answers it.
+
+Per message: decode the header alone (kvd.codec), check the token in constant time,
+decode the body only then, call the handler for its type, and send exactly one
+reply, an ``Error`` carrying the request id (read even from a header that does not
+decode) when anything fails. Nothing a sender does stops the loop: a handler bug is
+answered ``internal`` and logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvd import protocol as P
+from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolError
+from kvd.metrics import Metrics
+
+log = logging.getLogger("kvd.daemon")
+
+MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
+
+
+@dataclass(frozen=True)
+class Request:
+    identity: bytes
+    header: P.Header
+
+
+Handler = Callable[[Any, Request], Awaitable[Any]]
+
+
+class Face:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str,
+                 allowed: tuple[type, ...], max_message_bytes: int, receive_queue_bytes: int,
+                 token: str, instance_id: str, metrics: Metrics) -> None:
+        self.name = name
+        self.allowed = allowed
+        self.token = token
+        self.instance_id = instance_id
+        self.metrics = metrics
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        # Bounded in bytes: at most receive_queue_bytes of messages of the largest allowed
+        # size wait per connection (ZMQ counts messages); past it, TCP back-pressure.
+        self.sock.setsockopt(zmq.RCVHWM,
+                             max(MIN_RECEIVE_HWM, receive_queue_bytes // max_message_bytes))
+        self.sock.bind(address)
+
+    async def serve(self, handlers: dict[type, Handler]) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            reply, msg_id = await self._answer([f.buffer for f in frames[1:]], identity,
+                                               handlers)
+            if reply is not None:
+                self.send(identity, msg_id, reply)
+
+    async def _answer(self, payload: list[Any], identity: bytes,
+                      handlers: dict[type, Handler]) -> tuple[Any, int]:
+        """(reply or None for a long poll answered later, the id to reply with)."""
+        msg_id = 0
+        try:
+            if len(payload) != 2:
+                raise ProtocolError(f"expected 2 frames, got {len(payload)}")
+            header = P.decode_header(payload[0])
+            msg_id = header.id
+            if self.token and not hmac.compare_digest(header.token.encode(),
+                                                      self.token.encode()):
+                self.metrics.auth_failures.labels(face=self.name).inc()
+                raise AuthError("bad or missing token")
+            body = P.decode_body(header, payload[1], self.allowed)
+            return await handlers[type(body)](body, Request(identity, header)), msg_id
+        except ProtocolError as exc:
+            self.metrics.protocol_error(self.name, exc.reason)
+            if not msg_id and payload:  # reply to the right call even so
+                msg_id = P.peek_id(bytes(payload[0]))
+            return P.Error(code=exc.code, message=str(exc)), msg_id
+        except KvdError as exc:
+            if isinstance(exc, BusyError):
+                self.metrics.busy_rejections.inc()
+            return P.Error(code=exc.code, message=str(exc)), msg_id
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the face
+            log.exception("handler failed on the %s face", self.name)
+            return P.Error(code=InternalError.code, message=f"internal error: {exc!r}"), msg_id
+
+    def send(self, identity: bytes, msg_id: int, body: Any) -> None:
+        try:
+            self.sock.send_multipart([identity, *P.encode(body, msg_id,
+                                                          instance=self.instance_id)],
+                                     flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("reply dropped: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
