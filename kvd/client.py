@@ -15,124 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvd import protocol as P
-from kvd.errors import KvdError, KvdTimeoutError, error_from_code
-from kvd.pool import MappedPool, map_pool
+from kvd.client_core import (  # noqa: F401 - RankHandle and the defaults are public here
+    CLOSE_DEREGISTER_TIMEOUT_S,
+    DEFAULT_ADDRESS,
+    EventStash,
+    Messages,
+    RankHandle,
+    default_address,
+    default_token,
+)
+from kvd.errors import KvdError, KvdTimeoutError
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
-CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at most this
-
-
-def default_address() -> str:
-    return os.environ.get("KVD_ENGINE_ADDRESS", DEFAULT_ADDRESS)
-
-
-def default_token() -> str:
-    path = os.environ.get("KVD_AUTH_TOKEN_FILE", "")
-    return open(path).read().strip() if path else ""
-
-
-@dataclass
-class RankHandle:
-    """A registered engine rank and its mapped pool."""
-
-    engine_id: str
-    tp_rank: int
-    pp_rank: int
-    pool: MappedPool
-    daemon_id: str
-    peer_address: str
-    instance_id: str = ""  # the daemon incarnation it is registered with
-
-    @property
-    def kv(self) -> Any:
-        """numpy view of the whole pool, shaped by the layout."""
-        return self.pool.array
-
-
-class Messages:
-    """The sans-IO core: every request both clients send, and what a reply means."""
-
-    @staticmethod
-    def register(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
-                 tp_size: int, pp_rank: int, pp_size: int,
-                 layer_partition: Sequence[int] | None,
-                 engine_daemons: Sequence[str]) -> P.RegisterEngine:
-        return P.RegisterEngine(engine_id=engine_id, model=model, layout=layout,
-                                tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                                pp_size=pp_size,
-                                layer_partition=list(layer_partition) if layer_partition else None,
-                                engine_daemons=list(engine_daemons))
-
-    @staticmethod
-    def handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
-        return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
-                          pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
-                          peer_address=reply.peer_address, instance_id=reply.instance_id)
-
-    @staticmethod
-    def deregister(handle: RankHandle) -> P.Deregister:
-        return P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
-                            pp_rank=handle.pp_rank)
-
-    @staticmethod
-    def ping(handle: RankHandle) -> P.Ping:
-        return P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank, pp_rank=handle.pp_rank)
-
-    @staticmethod
-    def publish(engine_id: str, request_id: str, block_ids: Sequence[int],
-                lease_s: float | None, consumers: int) -> P.Publish:
-        return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
-                         lease_s=lease_s, consumers=consumers)
-
-    @staticmethod
-    def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
-             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-             remote_request_id: str, num_tokens: int) -> P.Pull:
-        return P.Pull(engine_id=engine_id, request_id=request_id,
-                      remote_engine_id=remote_engine_id, remote_address=remote_address,
-                      remote_block_ids=list(remote_block_ids),
-                      local_block_ids=list(local_block_ids),
-                      remote_request_id=remote_request_id, num_tokens=num_tokens)
-
-    @staticmethod
-    def poll(engine_id: str, timeout_s: float) -> P.Poll:
-        return P.Poll(engine_id=engine_id, timeout_s=timeout_s)
-
-    @staticmethod
-    def check(reply: Any) -> Any:
-        """The reply, or the daemon's Error raised as its KvdError class."""
-        if isinstance(reply, P.Error):
-            raise error_from_code(reply.code, reply.message)
-        return reply
-
-
-class EventStash:
-    """Events polled while waiting for another request's, kept for later waits."""
-
-    def __init__(self) -> None:
-        self._kept: dict[str, list[P.Event]] = {}
-
-    def add(self, engine_id: str, events: Sequence[P.Event]) -> None:
-        self._kept.setdefault(engine_id, []).extend(events)
-
-    def take(self, engine_id: str, request_id: str, kind: str) -> P.Event | None:
-        kept = self._kept.get(engine_id, [])
-        for ev in kept:
-            if ev.request_id == request_id and ev.kind == kind:
-                kept.remove(ev)
-                return ev
-        return None
+# Kept for kvd/bench/vram.py, which builds a RegisterEngine by hand; use
+# register(device_index=...) or Messages.handle instead.
+_handle = Messages.handle
 
 
 def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -207,9 +112,10 @@ class KvdClient(_ClientSettings):
     def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                  layer_partition: Sequence[int] | None = None,
-                 engine_daemons: Sequence[str] = ()) -> RankHandle:
+                 engine_daemons: Sequence[str] = (), device_index: int = 0) -> RankHandle:
+        """Register one rank; ``device_index`` is its GPU when the daemon runs device=cuda."""
         msg = Messages.register(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
-                                layer_partition, engine_daemons)
+                                layer_partition, engine_daemons, device_index)
         handle = Messages.handle(msg, self.call(msg))
         self._ranks.append(handle)
         if self._pinger is None and self._ping_interval_s > 0:
@@ -342,9 +248,10 @@ class AsyncKvdClient(_ClientSettings):
     async def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec,
                        tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                        layer_partition: Sequence[int] | None = None,
-                       engine_daemons: Sequence[str] = ()) -> RankHandle:
+                       engine_daemons: Sequence[str] = (), device_index: int = 0
+                       ) -> RankHandle:
         msg = Messages.register(engine_id, model, layout, tp_rank, tp_size, pp_rank, pp_size,
-                                layer_partition, engine_daemons)
+                                layer_partition, engine_daemons, device_index)
         handle = Messages.handle(msg, await self.call(msg))
         self._ranks.append(handle)
         if self._pinger is None and self._ping_interval_s > 0:

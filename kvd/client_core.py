@@ -1,0 +1,122 @@
+"""The sans-IO core of both engine clients: messages, replies, handles, the event stash.
+
+``KvdClient`` and ``AsyncKvdClient`` (kvd.client) differ only in how they do I/O;
+everything they send and how they read an answer is built here, once, so the two
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvd import protocol as P
+from kvd.errors import error_from_code
+from kvd.pool import MappedPool, map_pool
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
+CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at most this
+
+
+def default_address() -> str:
+    return os.environ.get("KVD_ENGINE_ADDRESS", DEFAULT_ADDRESS)
+
+
+def default_token() -> str:
+    path = os.environ.get("KVD_AUTH_TOKEN_FILE", "")
+    return open(path).read().strip() if path else ""
+
+
+@dataclass
+class RankHandle:
+    """A registered engine rank and its mapped pool."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    pool: MappedPool
+    daemon_id: str
+    peer_address: str
+    instance_id: str = ""  # the daemon incarnation it is registered with
+
+    @property
+    def kv(self) -> Any:
+        """numpy view of the whole pool, shaped by the layout."""
+        return self.pool.array
+
+
+class Messages:
+    """The sans-IO core: every request both clients send, and what a reply means."""
+
+    @staticmethod
+    def register(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
+                 tp_size: int, pp_rank: int, pp_size: int,
+                 layer_partition: Sequence[int] | None,
+                 engine_daemons: Sequence[str], device_index: int = 0) -> P.RegisterEngine:
+        return P.RegisterEngine(engine_id=engine_id, model=model, layout=layout,
+                                tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                pp_size=pp_size,
+                                layer_partition=list(layer_partition) if layer_partition else None,
+                                engine_daemons=list(engine_daemons), device_index=device_index)
+
+    @staticmethod
+    def handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
+        return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
+                          pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
+                          peer_address=reply.peer_address, instance_id=reply.instance_id)
+
+    @staticmethod
+    def deregister(handle: RankHandle) -> P.Deregister:
+        return P.Deregister(engine_id=handle.engine_id, tp_rank=handle.tp_rank,
+                            pp_rank=handle.pp_rank)
+
+    @staticmethod
+    def ping(handle: RankHandle) -> P.Ping:
+        return P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank, pp_rank=handle.pp_rank)
+
+    @staticmethod
+    def publish(engine_id: str, request_id: str, block_ids: Sequence[int],
+                lease_s: float | None, consumers: int) -> P.Publish:
+        return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
+                         lease_s=lease_s, consumers=consumers)
+
+    @staticmethod
+    def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
+             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             remote_request_id: str, num_tokens: int) -> P.Pull:
+        return P.Pull(engine_id=engine_id, request_id=request_id,
+                      remote_engine_id=remote_engine_id, remote_address=remote_address,
+                      remote_block_ids=list(remote_block_ids),
+                      local_block_ids=list(local_block_ids),
+                      remote_request_id=remote_request_id, num_tokens=num_tokens)
+
+    @staticmethod
+    def poll(engine_id: str, timeout_s: float) -> P.Poll:
+        return P.Poll(engine_id=engine_id, timeout_s=timeout_s)
+
+    @staticmethod
+    def check(reply: Any) -> Any:
+        """The reply, or the daemon's Error raised as its KvdError class."""
+        if isinstance(reply, P.Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply
+
+
+class EventStash:
+    """Events polled while waiting for another request's, kept for later waits."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, list[P.Event]] = {}
+
+    def add(self, engine_id: str, events: Sequence[P.Event]) -> None:
+        self._kept.setdefault(engine_id, []).extend(events)
+
+    def take(self, engine_id: str, request_id: str, kind: str) -> P.Event | None:
+        kept = self._kept.get(engine_id, [])
+        for ev in kept:
+            if ev.request_id == request_id and ev.kind == kind:
+                kept.remove(ev)
+                return ev
+        return None
