@@ -244,7 +244,6 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
     from kvd.bench.e2e import _check_blocks, _one_pull
     from kvd.bench.geometry import Geometry
     from kvd.localcluster import DaemonProcess
-    from kvd.protocol import RegisterEngine
     from kvd.sim import layout_spec
 
     geom = Geometry(kv_layout=kv_layout)
@@ -260,17 +259,8 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
     model = geom.model()
     try:
         def register(client: Any, engine: str) -> Any:
-            layout = layout_spec(geom.shape(1, pool_blocks))
-            if gpu == 0:
-                return client.register(engine, model, layout, 0, 1)
-            # KvdClient.register has no device_index yet: the same message by hand.
-            from kvd.client import _handle
-
-            msg = RegisterEngine(engine_id=engine, model=model, layout=layout, tp_rank=0,
-                                 tp_size=1, device_index=gpu)
-            handle = _handle(msg, client.call(msg))
-            client._ranks.append(handle)  # deregistered and closed with the client
-            return handle
+            return client.register(engine, model, layout_spec(geom.shape(1, pool_blocks)), 0, 1,
+                                   device_index=gpu)
 
         prank, drank = register(pc, "prefill"), register(dc, "decode")
         _random_fill(_as_torch(prank.kv), seed)
