@@ -8,6 +8,7 @@ whole module (starting one costs ~1 s); a module may set ``DAEMON_ARGS`` (extra
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,9 +16,23 @@ from pathlib import Path
 
 import pytest
 
-_TESTS = str(Path(__file__).resolve().parent)
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
+
+def _register_support() -> None:
+    """Import ``tests/support`` as the package ``support`` without putting ``tests/`` on
+    sys.path: there, its subdirectories would shadow real packages (``tests/vllm`` as a
+    namespace package ``vllm`` would defeat ``importorskip("vllm")``)."""
+    if "support" in sys.modules:
+        return
+    init = Path(__file__).resolve().parent / "support" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("support", init,
+                                                  submodule_search_locations=[str(init.parent)])
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["support"] = module
+    spec.loader.exec_module(module)
+
+
+_register_support()
 
 from support.cluster import start_daemon, stop_and_check_clean  # noqa: E402
 
