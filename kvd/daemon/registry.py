@@ -23,7 +23,7 @@ from kvd.daemon.engines import Engine, EngineRank, EngineTable, validate_registr
 from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
 from kvd.metrics import Metrics
 from kvd.planner import RankId
-from kvd.pool import ShmPool
+from kvd.pool import PoolOwner, ShmPool, reap_dead_pools
 
 log = logging.getLogger("kvd.registry")
 
@@ -42,6 +42,21 @@ class EngineRegistry:
         self.table = EngineTable(cfg.max_engines)
         self._gone_listeners: list[Callable[[str], None]] = []
         self._collect_lock = asyncio.Lock()
+        self.pool_owner: PoolOwner | None = None
+
+    def open(self) -> None:
+        """At start: remove the pool files that dead incarnations with this shm_dir and
+        prefix left behind (kill -9 skips every cleanup), then claim this incarnation's
+        with an owner lock held until close(). Live daemons' files are never touched."""
+        if self.cfg.device != "cpu":
+            return
+        reap_dead_pools(self.cfg.shm_dir, self.cfg.shm_prefix)
+        self.pool_owner = PoolOwner.acquire(self.cfg.shm_dir, self.cfg.shm_prefix)
+
+    def close(self) -> None:
+        if self.pool_owner is not None:
+            self.pool_owner.release()
+            self.pool_owner = None
 
     def on_engine_gone(self, listener: Callable[[str], None]) -> None:
         """``listener(engine_id)`` runs when the last rank of an engine here goes."""
@@ -116,7 +131,9 @@ class EngineRegistry:
 
                 return (CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM",
                         msg.device_index)
-            return ShmPool.create(self.cfg.shm_prefix, nbytes, self.cfg.shm_dir), "DRAM", 0
+            return ShmPool.create(self.cfg.shm_prefix, nbytes, self.cfg.shm_dir,
+                                  owner=self.pool_owner, max_nbytes=self.cfg.max_pool_bytes), \
+                "DRAM", 0
         except KvdError:
             raise
         except (OSError, OverflowError, ValueError, MemoryError) as exc:

@@ -80,6 +80,7 @@ class Daemon:
         self.datapath = DataPath(transport, executor, self.clock)
         self.registry = EngineRegistry(self.cfg, self.clock, self.metrics, self.datapath,
                                        self.daemon_id, self.instance_id)
+        self.registry.open()
         self.peers = PeerTable(self.ctx, self.cfg, self.clock, self.metrics, self.datapath,
                                self.token, self.daemon_id, self.instance_id)
         svc = Services(self.cfg, self.clock, self.metrics, self.datapath, self.registry,
@@ -154,6 +155,7 @@ class Daemon:
             await asyncio.gather(*others, return_exceptions=True)
         self.events.flush_all()
         await self.registry.release_all()
+        self.registry.close()
         self.shutdown_counts = await self.datapath.counts()
         log.info("shutdown balance: registrations=%d transfers=%d (must be 0), peers=%d",
                  self.shutdown_counts.registrations, self.shutdown_counts.transfers,

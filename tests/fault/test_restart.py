@@ -113,7 +113,11 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             assert not ev.ok and ev.error.split(":")[0] in ("peer_lost", "timeout"), ev.error
 
             # Restart on the same addresses; the engine hears it and registers again.
+            leftovers = kvd_segments(f"kvd-{prefill.name}")
+            assert leftovers, "kill -9 should have left the pool file behind"
             again = _start(tmp_path, "rkp", like=prefill)
+            assert not set(kvd_segments(f"kvd-{prefill.name}")) & set(leftovers), \
+                "the restarted daemon did not remove its dead incarnation's pools (10.2)"
             assert lost.wait(10), "the engine never noticed its daemon restarted"
             pre2 = pc.register("pre", MODEL, layout_spec(BIG))
             assert pre2.instance_id and pre2.instance_id != pre.instance_id
