@@ -322,7 +322,7 @@ def test_prefix_hit_with_larger_prefill_blocks_is_exact_or_refused(pair) -> None
         for rid, (local, tokens, _) in cases.items():
             pair.pc.publish(pe, rid, [1, 2, 3])
             pair.dc.pull(de, rid, pe, addr, [1, 2, 3], local, num_tokens=tokens)
-        for rid, (local, tokens, err) in cases.items():
+        for rid, (local, _, err) in cases.items():
             ev = pair.dc.wait(de, rid, "done_recving", timeout_s=10)
             if err is None:
                 assert ev.ok, (rid, ev.error)
