@@ -35,10 +35,6 @@ from kvd.client_core import (  # noqa: F401 - RankHandle and the defaults are pu
 )
 from kvd.errors import KvdError, KvdTimeoutError
 
-# Kept for kvd/bench/vram.py, which builds a RegisterEngine by hand; use
-# register(device_index=...) or Messages.handle instead.
-_handle = Messages.handle
-
 
 def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
