@@ -125,7 +125,8 @@ def test_huge_registration_is_too_large_and_leaves_no_file(pair) -> None:
     with pytest.raises(TooLargeError, match="max_pool_bytes"):
         pair.dc.register(unique("huge"), MODEL, LayoutSpec(num_blocks=2**58,
                                                              block_size_tokens=16))
-    assert kvd_segments(f"kvd-{pair.decode.name}") == before
+    # No new file (pools of earlier tests may still be going away meanwhile).
+    assert set(kvd_segments(f"kvd-{pair.decode.name}")) <= set(before)
     assert pair.dc.status().daemon_id
 
 
