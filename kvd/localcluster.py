@@ -15,6 +15,8 @@ from pathlib import Path
 from kvd.client import KvdClient
 from kvd.errors import KvdError
 
+BIND_RETRIES = 3
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,9 +40,27 @@ class DaemonProcess:
               env: dict[str, str] | None = None, metrics: bool = True,
               timeout_s: float = 30.0, token: str = "", engine_address: str = "",
               peer_address: str = "") -> DaemonProcess:
-        engine = engine_address or f"tcp://127.0.0.1:{free_port()}"
-        peer = peer_address or f"tcp://127.0.0.1:{free_port()}"
-        mport = free_port() if metrics else 0
+        """Start and wait until it answers; ports this picks are retried if another
+        process took one between the pick and the daemon's bind (free_port races)."""
+        for attempt in range(BIND_RETRIES):
+            engine = engine_address or f"tcp://127.0.0.1:{free_port()}"
+            peer = peer_address or f"tcp://127.0.0.1:{free_port()}"
+            mport = free_port() if metrics else 0
+            d = cls._spawn(name, log_dir, extra_args, env, engine, peer, mport, token)
+            try:
+                d.wait_ready(timeout_s)
+                return d
+            except KvdError:
+                lost_race = (d.proc.poll() is not None
+                             and "Address already in use" in d.log_path.read_text())
+                if not lost_race or attempt == BIND_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _spawn(cls, name: str, log_dir: Path, extra_args: list[str] | None,
+               env: dict[str, str] | None, engine: str, peer: str, mport: int,
+               token: str) -> DaemonProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
         args = [sys.executable, "-m", "kvd", "serve", "--engine-address", engine,
@@ -51,9 +71,7 @@ class DaemonProcess:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        d = cls(name, engine, peer, mport, proc, log_path, list(extra_args or []), token)
-        d.wait_ready(timeout_s)
-        return d
+        return cls(name, engine, peer, mport, proc, log_path, list(extra_args or []), token)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
