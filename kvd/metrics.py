@@ -12,11 +12,13 @@ per-block label would make the series count grow with traffic.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import kvd
+from kvd.transport.base import PostTiming
 
 # 100 µs .. 60 s, roughly x2.5 per step: a 1-block pull on loopback lands in the
 # first buckets, a multi-GiB hetero pull over a slow link in the last ones.
@@ -58,6 +60,13 @@ POST_BUCKETS: tuple[float, ...] = (
     0.5,
 )
 # Handshakes are bounded by handshake_timeout_s (default 5 s).
+# Seconds per descriptor to build a READ's NIXL request (prepared lists: well under
+# a microsecond; fresh lists: a few microseconds).
+PER_DESCRIPTOR_BUCKETS: tuple[float, ...] = (
+    1e-8, 3e-8, 1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4,
+)
+SHARE_BUCKETS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0)
+
 HANDSHAKE_BUCKETS: tuple[float, ...] = (
     0.0005,
     0.001,
@@ -139,6 +148,24 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "counter",
         (),
         "NIXL descriptors (coalesced byte ranges) posted in READs.",
+    ),
+    MetricDoc(
+        "post_build_per_descriptor",
+        "kvd_post_build_seconds_per_descriptor",
+        "histogram",
+        (),
+        "Per READ: time to build its NIXL request (prepared-list indices or a fresh list) "
+        "divided by its descriptors as posted (before NIXL merges adjacent ones).",
+        PER_DESCRIPTOR_BUCKETS,
+    ),
+    MetricDoc(
+        "posting_share",
+        "kvd_pull_posting_share",
+        "histogram",
+        (),
+        "Per successful pull: the share of its duration spent building NIXL requests "
+        "(the rest is handshake, acquire, the wire and completion).",
+        SHARE_BUCKETS,
     ),
     MetricDoc(
         "handshakes",
@@ -231,6 +258,14 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "Bytes of KV pool memory allocated by kvd and registered with NIXL.",
     ),
     MetricDoc(
+        "pool_page_bytes",
+        "kvd_pool_page_bytes",
+        "gauge",
+        (),
+        "Smallest page size among live DRAM pools (4096: some pool is on 4 KiB pages, READs "
+        "are slower; 2097152: all on 2 MiB huge pages; 0: no DRAM pool).",
+    ),
+    MetricDoc(
         "engines",
         "kvd_engines_registered",
         "gauge",
@@ -281,6 +316,8 @@ class Metrics:
     transfer_duration: Histogram
     post_duration: Histogram
     descriptors_posted: Counter
+    post_build_per_descriptor: Histogram
+    posting_share: Histogram
     handshakes: Counter
     handshake_duration: Histogram
     leases_expired: Counter
@@ -293,6 +330,7 @@ class Metrics:
     inflight_transfers: Gauge
     held_requests: Gauge
     pool_bytes: Gauge
+    pool_page_bytes: Gauge
     engines: Gauge
     peers: Gauge
     plan_cache_hits: Counter
@@ -326,6 +364,18 @@ class Metrics:
         if outcome == "ok" and nbytes:
             self.transferred_bytes.labels(role=role).inc(nbytes)
         self.transfer_duration.labels(role=role).observe(duration_s)
+
+    def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
+        """Record the build time per descriptor of each posted READ; return their total
+        build seconds (the pull's posting time, for ``posting_share``)."""
+        total_s = 0.0
+        for t in timings:
+            if t is None:
+                continue
+            total_s += t.build_s
+            if t.descriptors:
+                self.post_build_per_descriptor.observe(t.build_s / t.descriptors)
+        return total_s
 
     def protocol_error(self, face: str, reason: str) -> None:
         """Count a rejected message; an unexpected reason is folded into 'decode'

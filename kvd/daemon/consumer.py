@@ -47,7 +47,7 @@ from kvd.errors import (
     TransferError,
 )
 from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PoolSpan, ReadPost
 
 log = logging.getLogger("kvd.consumer")
 
@@ -79,6 +79,7 @@ class PullJob:
     state: PullState = PullState.QUEUED
     nbytes: int = 0
     descriptors: int = 0
+    post_build_s: float = 0.0  # building the NIXL requests (the posting share of the pull)
     xfers: list[int] = field(default_factory=list)
     pinned: list[EngineRank] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
@@ -165,6 +166,8 @@ class Consumer:
         m.inflight_transfers.dec()
         duration_s = svc.clock.now() - job.started_s
         m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
+        if ok and job.post_build_s and duration_s > 0:
+            m.posting_share.observe(min(job.post_build_s / duration_s, 1.0))
         invalid = [] if ok else list(msg.local_block_ids)
         if invalid:
             m.invalid_blocks.inc(len(invalid))
@@ -173,7 +176,8 @@ class Consumer:
                                "peer": msg.remote_address})
         svc.events.push(msg.engine_id, P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok, invalid_block_ids=invalid,
-            error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s))
+            error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s,
+            descriptors=job.descriptors))
 
     async def _pull(self, job: PullJob) -> None:
         msg, svc = job.msg, self.svc
@@ -254,6 +258,9 @@ class Consumer:
                              groups: dict[str, ProducerReads]) -> None:
         msg, svc = job.msg, self.svc
         posts, notify_only = [], []
+        # Pools named so that the data path posts through prepared lists (issue 12.1).
+        local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
+                            for r in engine.live_ranks())
         for g in groups.values():
             notice = P.encode_notice(P.ReadNotice(
                 request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
@@ -264,7 +271,12 @@ class Consumer:
             posts.append(ReadPost(peer=g.owner, local_addrs=g.local_addrs,
                                   remote_addrs=g.remote_addrs, nbytes=g.nbytes,
                                   mem_type=remote.desc.mem_type, notif=notice,
-                                  local_devs=g.local_devs, remote_devs=g.remote_devs))
+                                  local_devs=g.local_devs, remote_devs=g.remote_devs,
+                                  local_pools=local_pools,
+                                  remote_pools=tuple(
+                                      PoolSpan(rr.desc.base_addr, rr.desc.nbytes,
+                                               rr.desc.device_id)
+                                      for rr in remote.ranks.values() if rr.agent == g.owner)))
             job.nbytes += g.total_nbytes
             job.descriptors += g.descriptors
         if posts:
@@ -275,6 +287,7 @@ class Consumer:
             results = await self._post(job, posts)
             svc.metrics.post_duration.observe(time.perf_counter() - t0)
             svc.metrics.descriptors_posted.inc(job.descriptors)
+            job.post_build_s = svc.metrics.reads_posted([r.timing for r in results])
             errors = [r.error for r in results if r.error is not None]
             if errors:
                 await self._read_failed(job, remote, errors[0])

@@ -21,7 +21,8 @@ from typing import TypeVar
 
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.errors import TransferError
-from kvd.transport.base import ReadPost, Transport, TransportCounts
+from kvd.transport.base import PostTiming, ReadPost, Transport, TransportCounts
+from kvd.transport.prepped import PreppedPoster
 
 T = TypeVar("T")
 log = logging.getLogger("kvd.datapath")
@@ -51,6 +52,7 @@ class PostResult:
     xfer_id: int | None
     done: bool
     error: TransferError | None = None
+    timing: PostTiming | None = None  # where the post's time went (transport.last_post)
 
 
 def new_nixl_executor() -> ThreadPoolExecutor:
@@ -67,6 +69,9 @@ class DataPath:
         self._gates: dict[str, asyncio.Event] = {}  # closed while a peer is reloaded
         self._inflight: dict[str, int] = {}  # peer agent -> transfer handles not released
         self._xfer_peer: dict[int, str] = {}
+        # READs go through prepared lists per (peer, pools) when a post names its pools:
+        # validated once, adjacent blocks merged by NIXL (issue 12.1).
+        self._poster = PreppedPoster(transport)
 
     @property
     def agent_name(self) -> str:
@@ -133,7 +138,12 @@ class DataPath:
         try:
             await self._drained(agent_name)
             if self._metadata.pop(agent_name, None) is not None:
-                await self.call(self.transport.remove_peer, agent_name)
+
+                def forget() -> None:
+                    self._poster.forget_peer(agent_name)
+                    self.transport.remove_peer(agent_name)
+
+                await self.call(forget)
         finally:
             gate.set()
 
@@ -154,11 +164,16 @@ class DataPath:
         out: list[PostResult] = []
         for post in posts:
             try:
-                xfer_id, done = self.transport.post_read(post)
-                out.append(PostResult(xfer_id, done))
+                xfer_id, done = self._poster.post(post)
+                out.append(PostResult(xfer_id, done, timing=self.transport.last_post))
             except TransferError as exc:
                 out.append(PostResult(None, False, exc))
         return out
+
+    @property
+    def prepped_lists(self) -> int:
+        """Prepared list pairs cached (a gauge: one per (peer, chunk, pools))."""
+        return self._poster.lists()
 
     async def poll_many(self, xfer_ids: list[int]) -> dict[int, XferStatus]:
         """States of many transfers in one hop."""
@@ -197,5 +212,6 @@ class DataPath:
         return await self.call(self.transport.counts)
 
     async def close(self) -> None:
+        await self.call(self._poster.close)
         await self.call(self.transport.close)
         self._pool.shutdown(wait=True)
