@@ -18,12 +18,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvd.integrations.vllm_core.events import TransferTotals
 
-_KEYS = ("pulls_ok", "pulls_failed", "sends_ok", "sends_expired", "nbytes", "duration_s")
+_KEYS = ("pulls_ok", "pulls_failed", "sends_ok", "sends_expired", "nbytes", "descriptors",
+         "duration_s")
 
 
 def totals_to_dict(t: TransferTotals) -> dict[str, Any]:
     return {"pulls_ok": t.pulls_ok, "pulls_failed": t.pulls_failed, "sends_ok": t.sends_ok,
-            "sends_expired": t.sends_expired, "nbytes": t.nbytes, "duration_s": t.duration_s,
+            "sends_expired": t.sends_expired, "nbytes": t.nbytes,
+            "descriptors": t.descriptors, "duration_s": t.duration_s,
             "durations_s": list(t.durations_s)}
 
 
@@ -49,6 +51,7 @@ class KvdConnectorStats(KVConnectorStats):
             "kvd_sends": d.get("sends_ok", 0),
             "kvd_sends_expired": d.get("sends_expired", 0),
             "kvd_MB": round(d.get("nbytes", 0) / 1e6, 3),
+            "kvd_descriptors": d.get("descriptors", 0),
             "kvd_avg_pull_ms": round(1e3 * seconds / pulls, 3) if pulls else 0.0,
             "kvd_GBps": round(d.get("nbytes", 0) / seconds / 1e9, 3) if seconds else 0.0,
         }
@@ -74,6 +77,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         self.expired = counter("vllm:kvd_sends_expired",
                                "published requests released by lease expiry")
         self.nbytes = counter("vllm:kvd_pulled_bytes", "bytes kvd pulled into this engine")
+        self.descriptors = counter("vllm:kvd_descriptors",
+                                   "NIXL descriptors kvd posted for this engine's pulls")
         hist = self._histogram_cls(
             name="vllm:kvd_pull_duration_seconds", documentation="kvd pull duration",
             labelnames=labelnames,
@@ -87,5 +92,6 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         self.sends[engine_idx].inc(d.get("sends_ok", 0))
         self.expired[engine_idx].inc(d.get("sends_expired", 0))
         self.nbytes[engine_idx].inc(d.get("nbytes", 0))
+        self.descriptors[engine_idx].inc(d.get("descriptors", 0))
         for seconds in d.get("durations_s", []):
             self.duration[engine_idx].observe(seconds)

@@ -41,6 +41,7 @@ class TransferTotals:
     sends_ok: int = 0
     sends_expired: int = 0
     nbytes: int = 0
+    descriptors: int = 0
     duration_s: float = 0.0
     durations_s: list[float] = field(default_factory=list)
 
@@ -125,6 +126,7 @@ class EventBook:
         if ev.ok:
             self.totals.pulls_ok += 1
             self.totals.nbytes += ev.nbytes
+            self.totals.descriptors += ev.descriptors
             self.totals.duration_s += ev.duration_s
             self.totals.durations_s.append(ev.duration_s)
             self._report_recv[ev.request_id] = True
