@@ -32,6 +32,7 @@ class Config:
     device: str = "cpu"
     shm_prefix: str = "kvd"
     shm_dir: str = "/dev/shm"
+    pool_backing: str = "auto"
     lease_s: float = 30.0
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 60.0
@@ -68,6 +69,9 @@ FIELD_HELP: dict[str, str] = {
     "shm_prefix": "Prefix of shared-memory segment names in shm_dir.",
     "shm_dir": "Directory of the DRAM pools: /dev/shm, or a huge-page mount (hugetlbfs, tmpfs "
                "huge=always) for faster READs; engines must see the same directory.",
+    "pool_backing": "Where DRAM pool pages come from: auto (hugetlbfs, then memfd_hugetlb, then "
+                    "a huge tmpfs, else 4 KiB shm with a warning), or force one of hugetlbfs, "
+                    "memfd_hugetlb, tmpfs_huge, shm (registration fails if the host lacks it).",
     "lease_s": "Default lease of a published request before its blocks are released.",
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
@@ -94,6 +98,7 @@ FIELD_HELP: dict[str, str] = {
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("cpu", "cuda"),
+    "pool_backing": ("auto", "hugetlbfs", "memfd_hugetlb", "tmpfs_huge", "shm"),
     "log_format": ("text", "json"),
     "log_level": ("debug", "info", "warning", "error"),
 }

@@ -65,7 +65,6 @@ POST_BUCKETS: tuple[float, ...] = (
 PER_DESCRIPTOR_BUCKETS: tuple[float, ...] = (
     1e-8, 3e-8, 1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 3e-5, 1e-4,
 )
-SHARE_BUCKETS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 HANDSHAKE_BUCKETS: tuple[float, ...] = (
     0.0005,
@@ -151,7 +150,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
     ),
     MetricDoc(
         "post_build_per_descriptor",
-        "kvd_post_build_seconds_per_descriptor",
+        "kvd_post_build_per_descriptor_seconds",
         "histogram",
         (),
         "Per READ: time to build its NIXL request (prepared-list indices or a fresh list) "
@@ -159,13 +158,13 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         PER_DESCRIPTOR_BUCKETS,
     ),
     MetricDoc(
-        "posting_share",
-        "kvd_pull_posting_share",
+        "posting_duration",
+        "kvd_pull_posting_seconds",
         "histogram",
         (),
-        "Per successful pull: the share of its duration spent building NIXL requests "
-        "(the rest is handshake, acquire, the wire and completion).",
-        SHARE_BUCKETS,
+        "Per pull: time spent building its NIXL requests (all its READs). The posting share "
+        "of pulls is its _sum over kvd_transfer_duration_seconds_sum{role=\"consumer\"}.",
+        POST_BUCKETS,
     ),
     MetricDoc(
         "handshakes",
@@ -317,7 +316,7 @@ class Metrics:
     post_duration: Histogram
     descriptors_posted: Counter
     post_build_per_descriptor: Histogram
-    posting_share: Histogram
+    posting_duration: Histogram
     handshakes: Counter
     handshake_duration: Histogram
     leases_expired: Counter
@@ -366,8 +365,8 @@ class Metrics:
         self.transfer_duration.labels(role=role).observe(duration_s)
 
     def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
-        """Record the build time per descriptor of each posted READ; return their total
-        build seconds (the pull's posting time, for ``posting_share``)."""
+        """Record one pull's posted READs: build time per descriptor of each, and their
+        total build time (``posting_duration``, also returned)."""
         total_s = 0.0
         for t in timings:
             if t is None:
@@ -375,6 +374,7 @@ class Metrics:
             total_s += t.build_s
             if t.descriptors:
                 self.post_build_per_descriptor.observe(t.build_s / t.descriptors)
+        self.posting_duration.observe(total_s)
         return total_s
 
     def protocol_error(self, face: str, reason: str) -> None:

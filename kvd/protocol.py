@@ -233,6 +233,8 @@ class RankStatus(msgspec.Struct, frozen=True):
     pool_bytes: int
     gone: bool
     pins: int
+    page_bytes: int = 0  # page size backing a DRAM pool (4096: the slow 4 KiB fallback)
+    backing: str = ""  # kvd.pool.PoolBacking value chosen for it, or "cuda_ipc"
 
 
 class PeerStatus(msgspec.Struct, frozen=True):

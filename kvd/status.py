@@ -7,19 +7,31 @@ import json
 import msgspec
 
 from kvd.client import KvdClient
+from kvd.pool import HUGE_PAGE_NBYTES
+from kvd.protocol import RankStatus, Status
 
 
 def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:
     with KvdClient(address, timeout_s=timeout_s, ping_interval_s=0) as client:
         st = client.status()
+    return format_status(st, as_json)
+
+
+def format_status(st: Status, as_json: bool = False) -> str:
+    """The text (or JSON) of one Status reply."""
     if as_json:
         return json.dumps(msgspec.to_builtins(st), indent=2)
     lines = [f"kvd {st.version}  daemon {st.daemon_id}  instance {st.instance_id[:12]}  "
              f"draining={st.draining}", "",
              f"engines ({len(st.engines)} ranks)"]
     lines += [f"  {e.engine_id:<24} rank {e.rank:<6} TP{e.tp_size}xPP{e.pp_size}  "
-              f"{e.pool_bytes / 2**20:9.1f} MiB  pins={e.pins}"
+              f"{e.pool_bytes / 2**20:9.1f} MiB  pins={e.pins}  {_pages(e)}"
               f"{'  GONE' if e.gone else ''}" for e in st.engines]
+    small = [e for e in st.engines if 0 < e.page_bytes < HUGE_PAGE_NBYTES]
+    if small:
+        lines.append(f"  WARNING: {len(small)} pool(s) on {small[0].page_bytes // 1024} KiB "
+                     "pages: READs are ~20-40% slower than on 2 MiB pages (reserve huge "
+                     "pages or set shm_dir to a huge-page mount: docs/operations.md)")
     lines += ["", f"peers ({len(st.peers)})"]
     lines += [f"  {p.address:<28} {p.local_engine} <- {p.remote_engine}"
               f"  instance {p.instance[:12]}" for p in st.peers]
@@ -30,3 +42,12 @@ def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:
     lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} "
               f"age {p.age_s:.3f}s" for p in st.pulls]
     return "\n".join(lines)
+
+
+def _pages(e: RankStatus) -> str:
+    """Page size and backing of a rank's pool, e.g. ``pages 2 MiB (memfd_hugetlb)``."""
+    if not e.page_bytes:
+        return f"({e.backing})" if e.backing else ""
+    size = (f"{e.page_bytes // 2**20} MiB" if e.page_bytes >= 2**20
+            else f"{e.page_bytes // 1024} KiB")
+    return f"pages {size} ({e.backing})"

@@ -79,7 +79,6 @@ class PullJob:
     state: PullState = PullState.QUEUED
     nbytes: int = 0
     descriptors: int = 0
-    post_build_s: float = 0.0  # building the NIXL requests (the posting share of the pull)
     xfers: list[int] = field(default_factory=list)
     pinned: list[EngineRank] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
@@ -166,8 +165,6 @@ class Consumer:
         m.inflight_transfers.dec()
         duration_s = svc.clock.now() - job.started_s
         m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
-        if ok and job.post_build_s and duration_s > 0:
-            m.posting_share.observe(min(job.post_build_s / duration_s, 1.0))
         invalid = [] if ok else list(msg.local_block_ids)
         if invalid:
             m.invalid_blocks.inc(len(invalid))
@@ -287,7 +284,7 @@ class Consumer:
             results = await self._post(job, posts)
             svc.metrics.post_duration.observe(time.perf_counter() - t0)
             svc.metrics.descriptors_posted.inc(job.descriptors)
-            job.post_build_s = svc.metrics.reads_posted([r.timing for r in results])
+            svc.metrics.reads_posted([r.timing for r in results])
             errors = [r.error for r in results if r.error is not None]
             if errors:
                 await self._read_failed(job, remote, errors[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class EngineRegistry:
         self._gone_listeners: list[Callable[[str], None]] = []
         self._collect_lock = asyncio.Lock()
         self.pool_owner: PoolOwner | None = None
+        self._page_counts: Counter[int] = Counter()  # DRAM pools allocated, by page size
 
     def open(self) -> None:
         """At start: remove the pool files that dead incarnations with this shm_dir and
@@ -116,6 +118,7 @@ class EngineRegistry:
                           last_seen_s=self.clock.now(), device_id=device_id)
         self.table.add(msg, par, rank, mem_type)
         self.metrics.pool_bytes.inc(pool.nbytes)
+        self._pages_changed(pool, +1)
         self.metrics.engines.set(self.rank_count())
         log.info("registered engine %s rank %s (%d bytes)", msg.engine_id, rank.rank.key,
                  pool.nbytes, extra={"engine_id": msg.engine_id})
@@ -132,8 +135,8 @@ class EngineRegistry:
                 return (CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM",
                         msg.device_index)
             return ShmPool.create(self.cfg.shm_prefix, nbytes, self.cfg.shm_dir,
-                                  owner=self.pool_owner, max_nbytes=self.cfg.max_pool_bytes), \
-                "DRAM", 0
+                                  backing=self.cfg.pool_backing, owner=self.pool_owner,
+                                  max_nbytes=self.cfg.max_pool_bytes), "DRAM", 0
         except KvdError:
             raise
         except (OSError, OverflowError, ValueError, MemoryError) as exc:
@@ -192,6 +195,7 @@ class EngineRegistry:
                     rank.pool.close()
                     self.table.freed(rank)
                     self.metrics.pool_bytes.dec(rank.pool.nbytes)
+                    self._pages_changed(rank.pool, -1)
 
     async def release_all(self) -> None:
         """At stop, after every transfer task was cancelled and released: free every pool."""
@@ -210,5 +214,23 @@ class EngineRegistry:
                 out.append(P.RankStatus(engine_id=e.engine_id, rank=r.rank.key,
                                         tp_size=e.par.tp_size, pp_size=e.par.pp_size,
                                         pool=r.pool.name, pool_bytes=r.pool.nbytes,
-                                        gone=r.gone, pins=r.pins))
+                                        gone=r.gone, pins=r.pins,
+                                        page_bytes=getattr(r.pool, "page_nbytes", 0),
+                                        backing=_backing(r.pool)))
         return out
+
+    def _pages_changed(self, pool: Any, delta: int) -> None:
+        """kvd_pool_page_bytes: the smallest page among the DRAM pools still allocated,
+        so that an alert sees a pool that fell back to 4 KiB pages."""
+        page = getattr(pool, "page_nbytes", 0)
+        if not page:
+            return  # VRAM: no host pages
+        self._page_counts[page] += delta
+        if self._page_counts[page] <= 0:
+            del self._page_counts[page]
+        self.metrics.pool_page_bytes.set(min(self._page_counts, default=0))
+
+
+def _backing(pool: Any) -> str:
+    backing = getattr(pool, "backing", None)
+    return backing.value if backing is not None else "cuda_ipc"
