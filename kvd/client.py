@@ -27,6 +27,7 @@ from kvd import protocol as P
 from kvd.client_core import (  # noqa: F401 - RankHandle and the defaults are public here
     CLOSE_DEREGISTER_TIMEOUT_S,
     DEFAULT_ADDRESS,
+    BlockIds,
     EventStash,
     Messages,
     RankHandle,
@@ -147,15 +148,16 @@ class KvdClient(_ClientSettings):
         finally:
             handle.pool.close()
 
-    def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
+    def publish(self, engine_id: str, request_id: str, block_ids: BlockIds,
                 lease_s: float | None = None, consumers: int = 1) -> None:
         self.call(Messages.publish(engine_id, request_id, block_ids, lease_s, consumers))
 
     def pull(self, engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
-             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             remote_block_ids: BlockIds, local_block_ids: BlockIds,
              remote_request_id: str = "", num_tokens: int = -1) -> None:
         """Queue a pull; ``remote_request_id`` is the producer's id when it differs,
-        ``num_tokens`` the prompt's token count (-1: unknown)."""
+        ``num_tokens`` the prompt's token count (-1: unknown). Hybrid engines pass
+        one block-id list per KV-cache group (vLLM's ``block_ids``) on both sides."""
         self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                                 remote_block_ids, local_block_ids, remote_request_id,
                                 num_tokens))
@@ -278,13 +280,13 @@ class AsyncKvdClient(_ClientSettings):
         finally:
             handle.pool.close()
 
-    async def publish(self, engine_id: str, request_id: str, block_ids: Sequence[int],
+    async def publish(self, engine_id: str, request_id: str, block_ids: BlockIds,
                       lease_s: float | None = None, consumers: int = 1) -> None:
         await self.call(Messages.publish(engine_id, request_id, block_ids, lease_s, consumers))
 
     async def pull(self, engine_id: str, request_id: str, remote_engine_id: str,
-                   remote_address: str, remote_block_ids: Sequence[int],
-                   local_block_ids: Sequence[int], remote_request_id: str = "",
+                   remote_address: str, remote_block_ids: BlockIds,
+                   local_block_ids: BlockIds, remote_request_id: str = "",
                    num_tokens: int = -1) -> None:
         await self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                                       remote_block_ids, local_block_ids, remote_request_id,

@@ -47,6 +47,20 @@ class RankHandle:
         return self.pool.array
 
 
+BlockIds = Sequence[int] | Sequence[Sequence[int]]  # flat, or one list per KV-cache group
+
+
+def split_block_ids(ids: BlockIds) -> tuple[list[int], list[list[int]] | None]:
+    """(flat ids, per-group lists or None): hybrid engines pass vLLM's block_ids, one
+    list per group; the flat field then carries their concatenation, so the daemon's
+    range checks and the producer's acquire check see every id."""
+    items = list(ids)
+    if not items or not isinstance(items[0], Sequence):
+        return [int(b) for b in items], None
+    groups = [[int(b) for b in g] for g in items]
+    return [b for g in groups for b in g], groups
+
+
 class Messages:
     """The sans-IO core: every request both clients send, and what a reply means."""
 
@@ -77,20 +91,23 @@ class Messages:
         return P.Ping(engine_id=handle.engine_id, tp_rank=handle.tp_rank, pp_rank=handle.pp_rank)
 
     @staticmethod
-    def publish(engine_id: str, request_id: str, block_ids: Sequence[int],
+    def publish(engine_id: str, request_id: str, block_ids: BlockIds,
                 lease_s: float | None, consumers: int) -> P.Publish:
-        return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=list(block_ids),
-                         lease_s=lease_s, consumers=consumers)
+        flat, groups = split_block_ids(block_ids)
+        return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=flat,
+                         lease_s=lease_s, consumers=consumers, group_block_ids=groups)
 
     @staticmethod
     def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
-             remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
+             remote_block_ids: BlockIds, local_block_ids: BlockIds,
              remote_request_id: str, num_tokens: int) -> P.Pull:
+        remote, remote_groups = split_block_ids(remote_block_ids)
+        local, local_groups = split_block_ids(local_block_ids)
         return P.Pull(engine_id=engine_id, request_id=request_id,
                       remote_engine_id=remote_engine_id, remote_address=remote_address,
-                      remote_block_ids=list(remote_block_ids),
-                      local_block_ids=list(local_block_ids),
-                      remote_request_id=remote_request_id, num_tokens=num_tokens)
+                      remote_block_ids=remote, local_block_ids=local,
+                      remote_request_id=remote_request_id, num_tokens=num_tokens,
+                      local_group_block_ids=local_groups, remote_group_block_ids=remote_groups)
 
     @staticmethod
     def poll(engine_id: str, timeout_s: float) -> P.Poll:

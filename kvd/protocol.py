@@ -16,6 +16,9 @@ Version history:
     2  restart identity and exact placement: Header.instance, Pull.remote_request_id
        and num_tokens, Acquire consumer parallelism, Registered.instance_id, typed
        Status rows, bounds on timeouts and sizes, token checked before the body.
+       Additive: hybrid models (ModelSpec.hybrid, per-group block ids on Publish and
+       Pull, Event.invalid_group_block_ids); ModelSpec, Publish and Pull omit fields
+       at their defaults, so attention-only messages are what earlier v2 peers expect.
 """
 
 from __future__ import annotations
@@ -66,7 +69,43 @@ class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 # ---------------------------------------------------------------- geometry
 
 
-class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One layer of a hybrid model: its cache kind (``none``: MLP/MoE, no cache)."""
+
+    kind: Literal["attention", "sliding", "mamba", "none"]
+    window_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # sliding only
+
+
+class MambaSpecMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """State shapes of the Mamba2 mixers (kvd.planner.mamba.MambaSpec on the wire)."""
+
+    num_heads: Annotated[int, msgspec.Meta(ge=1)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1)]
+    n_groups: Annotated[int, msgspec.Meta(ge=0)]
+    d_state: Annotated[int, msgspec.Meta(ge=1)]
+    conv_kernel: Annotated[int, msgspec.Meta(ge=2)]
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "bfloat16"
+
+
+class HybridSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A hybrid model's layers and KV-cache groups; attention geometry stays in ModelSpec.
+
+    One entry per layer (``ModelSpec.num_layers`` of them); ``groups`` lists each
+    KV-cache group's global layer indices, so requests carry one block-id list per
+    group in this order. The engine's pool is vLLM's hybrid layout (one tensor per
+    layer position shared by every group, blocks_first attention pages, Mamba slots
+    of ``ratio`` pages); ``LayoutSpec.num_blocks`` counts logical blocks and
+    ``block_size_tokens`` is the attention kernel block.
+    """
+
+    layers: list[LayerSpec]
+    groups: list[list[int]]
+    mamba: MambaSpecMsg | None = None
+    conv_layout: Literal["DS", "SD"] = "DS"
+
+
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What must match between a producer and a consumer engine (TP/PP may differ)."""
 
     name: str
@@ -75,6 +114,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_dim: int
     dtype: str = "bfloat16"
     mla: bool = False
+    hybrid: HybridSpec | None = None  # attention + sliding + Mamba layers, several groups
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,15 +201,17 @@ class Ping(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pp_rank: int = 0
 
 
-class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     engine_id: Id
     request_id: Id
     block_ids: list[int]
     lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LEASE_S)] | None = None
     consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
+    # Hybrid engines: one list per KV-cache group; block_ids is then their concatenation.
+    group_block_ids: list[list[int]] | None = None
 
 
-class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Read a published request into local blocks.
 
     ``request_id`` names the pull on this engine (its done_recving event carries
@@ -190,6 +232,10 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     local_block_ids: list[int]
     remote_request_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
     num_tokens: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # Hybrid engines: one list per KV-cache group (attention: the request's last logical
+    # blocks; Mamba: its state slot); the flat lists are then their concatenations.
+    local_group_block_ids: list[list[int]] | None = None
+    remote_group_block_ids: list[list[int]] | None = None
 
     @property
     def producer_request_id(self) -> str:
@@ -212,6 +258,7 @@ class Event(msgspec.Struct, frozen=True):
     error: str = ""
     nbytes: int = 0
     duration_s: float = 0.0
+    invalid_group_block_ids: list[list[int]] = []  # hybrid pulls: per group, like the pull
 
 
 class Events(msgspec.Struct, frozen=True):

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvd import protocol as P
+from kvd.daemon import hybrid
 from kvd.daemon.datapath import PostResult, XferState
 from kvd.daemon.engines import (
     Engine,
@@ -115,6 +116,7 @@ class Consumer:
         negative = [b for b in msg.remote_block_ids if b < 0]
         if negative:
             raise BlockIdError(f"remote block ids {negative[:8]} are negative")
+        hybrid.check_pull(engine.model, msg)
         job = PullJob(msg=msg, started_s=self.svc.clock.now())
         self.jobs[job.key] = job
         self.svc.metrics.inflight_transfers.inc()
@@ -174,6 +176,7 @@ class Consumer:
         svc.events.push(msg.engine_id, P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok, invalid_block_ids=invalid,
             error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s,
+            invalid_group_block_ids=[] if ok else list(msg.local_group_block_ids or []),
             descriptors=job.descriptors))
 
     async def _pull(self, job: PullJob) -> None:
@@ -185,12 +188,15 @@ class Consumer:
             raise IncompatibleError(
                 f"engine {msg.remote_engine_id!r} is incompatible with {msg.engine_id!r} "
                 f"(model/dtype/layout differ: {remote.desc.model} {remote.desc.layout})")
-        local_ids, remote_ids = match_tail(
-            msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
-            remote.desc.layout.block_size_tokens, msg.num_tokens)
         if not engine.live_ranks():
             raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
-        groups = self._assemble(engine, remote, local_ids, remote_ids)
+        if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
+            groups = hybrid.assemble_pull(engine, remote, msg)
+        else:
+            local_ids, remote_ids = match_tail(
+                msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
+                remote.desc.layout.block_size_tokens, msg.num_tokens)
+            groups = self._assemble(engine, remote, local_ids, remote_ids)
         job.state = PullState.READING
         await self._post_and_wait(job, engine, remote, groups)
 

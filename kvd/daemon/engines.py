@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd.daemon.hybrid import HybridPool, hybrid_compat, hybrid_rank_pool
 from kvd.errors import BlockIdError, IncompatibleError, KvdError, NotFoundError, PlanError
 from kvd.planner import (
     CacheLayout,
@@ -41,6 +42,8 @@ def compat_hash(model: ModelSpec, layout: LayoutSpec) -> str:
     """What two engines must share to exchange KV (not TP, PP or block size/count)."""
     key = (f"{model.name}|{model.num_kv_heads}|{model.num_layers}|{model.head_dim}|"
            f"{model.dtype}|{model.mla}|{layout.kv_layout}|{layout.head_layout}")
+    if model.hybrid is not None:  # layers, groups, Mamba shapes: kvd.planner.hybrid.compat_hash
+        key += f"|hybrid:{hybrid_compat(model, layout)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -118,7 +121,7 @@ class EngineRank:
     engine_id: str
     rank: RankId
     msg: RegisterEngine
-    cache: CacheLayout
+    cache: CacheLayout | HybridPool  # hybrid engines: every group's layout (kvd.daemon.hybrid)
     first_layer: int
     pool: Any  # ShmPool or CudaPool: addr, nbytes, name, handle(), close()
     reg_id: int
@@ -174,7 +177,8 @@ class Engine:
         return [r for r in want if r not in self.ranks]
 
 
-def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout, int]:
+def validate_registration(msg: RegisterEngine
+                          ) -> tuple[Parallelism, CacheLayout | HybridPool, int]:
     """Everything about a registration that can be refused before allocating memory."""
     if not msg.engine_id or len(msg.engine_id) > 256:
         raise KvdError("engine_id must be 1..256 characters")
@@ -187,6 +191,9 @@ def validate_registration(msg: RegisterEngine) -> tuple[Parallelism, CacheLayout
     if not (0 <= msg.tp_rank < msg.tp_size and 0 <= msg.pp_rank < msg.pp_size):
         raise PlanError(f"rank {msg.tp_rank}/{msg.pp_rank} outside TP {msg.tp_size} x PP "
                         f"{msg.pp_size}")
+    if msg.model.hybrid is not None:
+        pool, first = hybrid_rank_pool(msg.model, msg.layout, par, msg.pp_rank)
+        return par, pool, first
     cache, first = rank_layout(msg.model, msg.layout, par, msg.pp_rank)
     return par, cache, first
 

@@ -17,6 +17,7 @@ import asyncio
 import logging
 
 from kvd import protocol as P
+from kvd.daemon import hybrid
 from kvd.daemon.engines import Engine, PlanCache, check_block_ids, geometry, parallelism
 from kvd.daemon.held import HeldRequest, HeldState, HeldTable
 from kvd.daemon.services import Services
@@ -69,6 +70,7 @@ class Producer:
             raise TooLargeError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request "
                                 f"({cfg.max_blocks_per_request})")
         check_block_ids(msg.block_ids, engine.layout.num_blocks, "published")
+        hybrid.check_group_ids(engine.model, msg.block_ids, msg.group_block_ids, "publish")
         lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
                                  msg.consumers, self.svc.clock.now())
@@ -124,6 +126,9 @@ class Producer:
 
     def expected_reads(self, engine: Engine, consumer: Parallelism) -> int:
         """Reads the planner sends to the producer ranks hosted on this daemon."""
+        if engine.model.hybrid is not None:
+            return hybrid.expected_reads(engine.model, engine.par, consumer,
+                                         self.svc.registry.rank_ids(engine.engine_id))
         plan, _ = self._plans.get(geometry(engine.model), engine.par, consumer)
         return sum(plan.consumers.get(rank, 0)
                    for rank in self.svc.registry.rank_ids(engine.engine_id))
