@@ -117,3 +117,41 @@ def test_hybrid_byte_exact(pair, case: str) -> None:
     assert recv.nbytes > 0
     assert bad == 0, f"{bad} decode elements differ from the expected pools"
     assert sent.ok, sent.error
+
+
+def test_failed_hybrid_pull_reports_every_group(pair) -> None:
+    """A request nobody published: the pull fails and names the local blocks per group."""
+    m, shape = spec(), HybridShape(2)
+    p, d = register(pair.pc, "hpre", m, shape), register(pair.dc, "hdec", m, shape)
+    try:
+        local = [[1], [2, 3], [4, 5], [6]]
+        rid = unique("hmissing")
+        pair.dc.pull(d.engine_id, rid, p.engine_id, pair.prefill.peer_address,
+                     [[9], [10, 11], [12, 13], [14]], local, num_tokens=40)
+        recv = pair.dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
+        assert not recv.ok and recv.error.startswith("not_found")
+        assert recv.invalid_group_block_ids == local
+        assert sorted(recv.invalid_block_ids) == [1, 2, 3, 4, 5, 6]
+    finally:
+        deregister_and_check_freed(pair.pc, p)
+        deregister_and_check_freed(pair.dc, d)
+
+
+def test_hybrid_notify_only_pull_releases_the_producer(pair) -> None:
+    """No local block in any group (everything cached): no byte moves, yet every pair's
+    notice arrives and the producer ends the hold ok."""
+    m, pshape, dshape = spec(), HybridShape(4), HybridShape(2)
+    p, d = register(pair.pc, "hpre", m, pshape), register(pair.dc, "hdec", m, dshape)
+    try:
+        remote = [[1], [2, 3], [4, 5], [6]]
+        rid = unique("hnotify")
+        pair.pc.publish(p.engine_id, rid, remote)
+        pair.dc.pull(d.engine_id, rid, p.engine_id, pair.prefill.peer_address, remote,
+                     [[], [], [], []], num_tokens=40)
+        recv = pair.dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
+        sent = pair.pc.wait(p.engine_id, rid, "done_sending", timeout_s=30)
+        assert recv.ok and recv.nbytes == 0, recv.error
+        assert sent.ok, sent.error
+    finally:
+        deregister_and_check_freed(pair.pc, p)
+        deregister_and_check_freed(pair.dc, d)
