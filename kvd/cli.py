@@ -211,23 +211,40 @@ def bench(
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
     skip_hetero: bool = typer.Option(False, "--skip-hetero",
                                      help="Skip the prefill TP1 -> decode TP2 scenario."),
-    kv_layout: str = typer.Option("kv_split", "--kv-layout",
-                                  help="Pool layout of both engines: kv_split, blocks_first, "
-                                       "cross_layer or head_major."),
+    kv_layout: str = typer.Option("head_major", "--kv-layout",
+                                  help="Pool layout of both engines: head_major (default: the "
+                                       "fewest descriptors), cross_layer, kv_split or "
+                                       "blocks_first."),
     shm_dir: str = typer.Option("/dev/shm", "--shm-dir",
                                 help="Directory of the shm buffers and of both daemons' pools "
                                      "(e.g. a huge-page mount)."),
+    curves: bool = typer.Option(False, "--curves",
+                                help="Throughput vs request size (1 block .. --max-mib) and vs "
+                                     "concurrent pulls (1..64)."),
+    plot: str = typer.Option("", "--plot", metavar="FILE",
+                             help="With --curves: draw both curves to a PNG "
+                                  "(pip install 'kvd[plot]')."),
+    max_mib: int = typer.Option(1024, "--max-mib",
+                                help="With --curves: the largest request size in MiB."),
 ) -> None:
     """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
     from kvd.bench import main as bench_main
     from kvd.errors import KvdError
     from kvd.planner.layout import KV_LAYOUTS
 
-    if nbytes_mib < 1 or repeats < 1:
-        _fail("--nbytes-mib and --repeats must be >= 1")
+    if nbytes_mib < 1 or repeats < 1 or max_mib < 1:
+        _fail("--nbytes-mib, --repeats and --max-mib must be >= 1")
     if kv_layout not in KV_LAYOUTS:
         _fail(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    if plot and not curves:
+        _fail("--plot needs --curves")
     try:
+        if curves:
+            from kvd.bench.curves import main as curves_main
+
+            raise typer.Exit(curves_main(as_json=as_json, max_mib=max_mib, repeats=repeats,
+                                         kv_layout=kv_layout, shm_dir=shm_dir,
+                                         plot_path=plot or None))
         raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
                                     skip_hetero=skip_hetero, kv_layout=kv_layout,
                                     shm_dir=shm_dir))

@@ -118,11 +118,16 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
 
 
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A rank's cache layout; block size and block count may differ between engines."""
+    """A rank's cache layout; block size and block count may differ between engines.
+
+    ``kv_layout`` defaults to ``head_major``, the layout with the fewest descriptors per
+    pull (one per block homogeneous, one per block per rank across TP sizes; table in
+    docs/planner.md); vLLM's engines send their own (kv_split, blocks_first).
+    """
 
     num_blocks: int
     block_size_tokens: int
-    kv_layout: str = "kv_split"
+    kv_layout: str = "head_major"
     head_layout: str = "HND"
 
 

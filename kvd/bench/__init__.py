@@ -29,7 +29,7 @@ Every "shm" buffer (memcpy shm, raw NIXL shm) and both daemons' pools live in
 ``report`` assembles the JSON and renders the table.
 
 Geometry: a Llama-3-8B-like cache (32 layers, 8 KV heads, head_dim 128,
-bf16, 16-token blocks, HND; ``kv_layout`` kv_split by default, or any of
+bf16, 16-token blocks, HND; ``kv_layout`` head_major by default, or any of
 ``KV_LAYOUTS``, the same on both engines) = 128 KiB per token, 2 MiB per
 block; 512 MiB is a 4096-token request. With kv_split a random-block request
 is 16,384 descriptors of 32 KiB; with cross_layer it is 256 descriptors of
@@ -50,6 +50,7 @@ import numpy as np
 
 from kvd.bench.e2e import bench_kvd
 from kvd.bench.geometry import (
+    DEFAULT_KV_LAYOUT,
     DEFAULT_SHM_DIR,
     HETERO,
     HOMOGENEOUS,
@@ -78,7 +79,7 @@ def _check_shm_dir(shm_dir: str) -> None:
 
 
 def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False,
-              latency_pulls: int = 200, seed: int = 7, kv_layout: str = "kv_split",
+              latency_pulls: int = 200, seed: int = 7, kv_layout: str = DEFAULT_KV_LAYOUT,
               shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     _check_shm_dir(shm_dir)
     started = time.perf_counter()
@@ -126,7 +127,7 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
 
 
 def main(as_json: bool = False, nbytes_mib: int = 512, repeats: int = 5,
-         skip_hetero: bool = False, kv_layout: str = "kv_split",
+         skip_hetero: bool = False, kv_layout: str = DEFAULT_KV_LAYOUT,
          shm_dir: str = DEFAULT_SHM_DIR) -> int:
     result = run_bench(nbytes_mib=nbytes_mib, repeats=repeats, skip_hetero=skip_hetero,
                        kv_layout=kv_layout, shm_dir=shm_dir)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_SHM_DIR, Geometry, MiB, _gbps
+from kvd.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, _gbps
 from kvd.bench.raw import _fill_pattern, bench_memcpy, bench_nixl
 
 MAX_MIB = 1024
@@ -92,7 +92,7 @@ def _raw(geom: Geometry, sizes: list[int], pool_blocks: int, ids: dict[int, tupl
 
 
 def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
-               concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = "kv_split",
+               concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = DEFAULT_KV_LAYOUT,
                shm_dir: str = DEFAULT_SHM_DIR, seed: int = 7,
                daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
     from kvd.bench.e2e import _check_blocks, _one_pull
@@ -288,7 +288,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 
 
 def main(as_json: bool = False, max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
-         concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = "kv_split",
+         concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = DEFAULT_KV_LAYOUT,
          shm_dir: str = DEFAULT_SHM_DIR, plot_path: str | None = None) -> int:
     import json
 

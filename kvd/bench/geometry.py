@@ -22,6 +22,11 @@ TARGET_P50_MS = 2.0
 DEFAULT_SHM_DIR = "/dev/shm"
 
 
+# The bench's default layout: the fewest descriptors for homogeneous pulls (one per
+# block) and for hetero TP (one per block per decode rank); docs/planner.md compares them.
+DEFAULT_KV_LAYOUT = "head_major"
+
+
 @dataclass(frozen=True)
 class Geometry:
     layers: int = 32
@@ -29,7 +34,7 @@ class Geometry:
     head_dim: int = 128
     dtype: str = "bfloat16"
     block_size_tokens: int = 16
-    kv_layout: str = "kv_split"
+    kv_layout: str = DEFAULT_KV_LAYOUT
     head_layout: str = "HND"
 
     def model(self) -> ModelSpec:

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from kvd.bench.geometry import DEFAULT_KV_LAYOUT
+
 MiB = 1 << 20
 
 
@@ -295,7 +297,7 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
 
 
 def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats: int = 5,
-             kv_layout: str = "kv_split", seed: int = 7) -> dict[str, Any]:
+             kv_layout: str = DEFAULT_KV_LAYOUT, seed: int = 7) -> dict[str, Any]:
     started = time.perf_counter()
     _torch_device(device, gpu)  # refuse early without a GPU
     from kvd.bench.geometry import HOMOGENEOUS, Geometry
