@@ -47,7 +47,8 @@ class XferStatus:
 
 @dataclass(frozen=True)
 class PostResult:
-    """One posted READ: a handle (None when posting failed), done at once, or the error."""
+    """One posted READ: a handle while it runs; done at once (its handle already
+    released, so None); or the error (no handle)."""
 
     xfer_id: int | None
     done: bool
@@ -161,19 +162,27 @@ class DataPath:
         return results
 
     def _post_reads(self, posts: list[ReadPost]) -> list[PostResult]:
-        out: list[PostResult] = []
-        for post in posts:
-            try:
-                xfer_id, done = self._poster.post(post)
-                out.append(PostResult(xfer_id, done, timing=self.transport.last_post))
-            except TransferError as exc:
-                out.append(PostResult(None, False, exc))
-        return out
+        """Post each READ; one already done is released here, and one still running is
+        polled once before returning, both in this same hop: a small pull (which UCX cma
+        usually finishes inside ``transfer()``) then needs no further hop to the NIXL
+        thread for its completion or its release (issue 12.4)."""
+        return [self._post_one(post) for post in posts]
 
-    @property
-    def prepped_lists(self) -> int:
-        """Prepared list pairs cached (a gauge: one per (peer, chunk, pools))."""
-        return self._poster.lists()
+    def _post_one(self, post: ReadPost) -> PostResult:
+        try:
+            xfer_id, done = self._poster.post(post)
+        except TransferError as exc:
+            return PostResult(None, False, exc)
+        timing = self.transport.last_post
+        try:
+            done = done or self.transport.poll(xfer_id)
+        except TransferError as exc:
+            self.transport.release(xfer_id)
+            return PostResult(None, False, exc, timing)
+        if done:
+            self.transport.release(xfer_id)
+            return PostResult(None, True, timing=timing)
+        return PostResult(xfer_id, False, timing=timing)
 
     async def poll_many(self, xfer_ids: list[int]) -> dict[int, XferStatus]:
         """States of many transfers in one hop."""
