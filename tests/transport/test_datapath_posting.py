@@ -1,0 +1,45 @@
+"""DataPath's posting hop: prepared lists when a post names its pools, and a READ done
+at post needs no further hop (released at once, no handle left to poll or release)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from kvd.daemon.datapath import DataPath
+from kvd.transport.base import PoolSpan, ReadPost
+from kvd.transport.loopback import LoopbackTransport
+
+KiB = 1024
+
+
+def test_posts_through_prepared_lists_and_releases_done_reads() -> None:
+    async def run() -> None:
+        a, b = LoopbackTransport(), LoopbackTransport()
+        src = np.arange(64 * KiB, dtype=np.uint8)
+        dst = np.zeros(64 * KiB, dtype=np.uint8)
+        dp = DataPath(a)
+        await dp.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
+        b.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
+        peer = await dp.load_peer(b.metadata(), "b")
+        offs = np.array([0, 8 * KiB, 16 * KiB], dtype=np.int64)  # adjacent: they merge
+        post = ReadPost(peer=peer, local_addrs=int(dst.ctypes.data) + offs,
+                        remote_addrs=int(src.ctypes.data) + offs,
+                        nbytes=np.full(3, 8 * KiB, dtype=np.int64), mem_type="DRAM",
+                        notif=b"n", local_pools=(PoolSpan(int(dst.ctypes.data), dst.nbytes),),
+                        remote_pools=(PoolSpan(int(src.ctypes.data), src.nbytes),))
+        [res] = await dp.post_reads([post])
+        assert res.error is None and res.done and res.xfer_id is None
+        assert res.timing is not None and res.timing.descriptors >= 1
+        assert dp._poster.prepped_posts == 1 and dp._poster.fresh_posts == 0
+        assert (dst[:24 * KiB] == src[:24 * KiB]).all() and not dst[24 * KiB:].any()
+        counts = await dp.counts()
+        assert counts.transfers == 0 and dp.inflight(peer) == 0
+        [again] = await dp.post_reads([post])  # the same lists, no new preparation
+        assert again.done and (await dp.counts()).prepared_lists == 2
+        await dp.close()
+        assert a.counts().prepared_lists == 0
+        b.close()
+
+    asyncio.run(run())
