@@ -85,6 +85,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             r["warmup_ms"] = _ms(t)
             r["verified_warmup"] = _check_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
             totals, daemon = [], []
+            before = _posting(decode)
             for i in range(repeats):
                 t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
                                      d_ids)
@@ -94,6 +95,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             r["kvd_ms"] = [_ms(x) for x in totals]
             r["kvd_gbps"] = _gbps(ev.nbytes, statistics.median(totals))
             r["kvd_daemon_gbps"] = _gbps(ev.nbytes, statistics.median(daemon))
+            r.update(_posting_delta(before, _posting(decode)))
             # Consecutive blocks on both sides: kvd's best case (descriptors merge).
             _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-cwarm", consecutive,
                       consecutive)
@@ -117,6 +119,24 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
         dc.close()
         prefill.stop()
         decode.stop()
+
+
+def _posting(daemon: Any) -> tuple[float, float, float, float, float]:
+    """The decode daemon's posting counters (issue 12.1): descriptors posted, seconds
+    building NIXL requests, pulls, their total seconds, page size of its pools."""
+    return (daemon.metric("kvd_descriptors_posted_total"),
+            daemon.metric("kvd_pull_posting_seconds_sum"),
+            daemon.metric("kvd_pull_posting_seconds_count"),
+            daemon.metric("kvd_transfer_duration_seconds_sum", role="consumer"),
+            daemon.metric("kvd_pool_page_bytes"))
+
+
+def _posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
+    descs, build_s, posts, pull_s = (b - a for a, b in zip(before[:4], after[:4], strict=True))
+    return {"kvd_post_us_per_descriptor": round(build_s / descs * 1e6, 3) if descs else None,
+            "kvd_post_ms_per_pull": round(build_s / posts * 1e3, 3) if posts else None,
+            "kvd_posting_share": round(build_s / pull_s, 4) if pull_s else None,
+            "kvd_pool_page_bytes": int(after[4])}
 
 
 def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],

@@ -118,6 +118,11 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             "ratio_kvd_nixl_shm": round(
                 k["kvd_gbps"] / _gbps(nbytes, statistics.median(nixl["single:shm"])), 3),
             "kvd_gbps_daemon": k["kvd_daemon_gbps"],
+            # Issue 12.1, from the decode daemon's /metrics over the timed pulls.
+            "kvd_post_us_per_descriptor": k.get("kvd_post_us_per_descriptor"),
+            "kvd_post_ms_per_pull": k.get("kvd_post_ms_per_pull"),
+            "kvd_posting_share": k.get("kvd_posting_share"),
+            "kvd_pool_page_bytes": k.get("kvd_pool_page_bytes"),
             "kvd_gbps_consecutive": k["kvd_gbps_consecutive"],
             "descriptors_consecutive": ndesc[scn.name + ":consecutive"],
             "memcpy_gbps_best": memcpy["memcpy_gbps_best"],
