@@ -264,6 +264,7 @@ class Event(msgspec.Struct, frozen=True):
     nbytes: int = 0
     duration_s: float = 0.0
     invalid_group_block_ids: list[list[int]] = []  # hybrid pulls: per group, like the pull
+    descriptors: int = 0  # done_recving: NIXL descriptors the pull posted (engine stats)
 
 
 class Events(msgspec.Struct, frozen=True):
