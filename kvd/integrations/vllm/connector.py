@@ -16,13 +16,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata
 from kvd.integrations.vllm.scheduler import KvdScheduler
 from kvd.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings
 from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
-from kvd.integrations.vllm.vllm_geometry import geometry_from_vllm, is_multi_group
+from kvd.integrations.vllm.vllm_geometry import (
+    geometry_from_vllm,
+    group_layout,
+    is_multi_group,
+)
 from kvd.integrations.vllm.worker import KvdWorker
 
 if TYPE_CHECKING:
@@ -40,7 +45,7 @@ SLEEP_REFUSED = ("KvdConnector does not support vLLM sleep mode: kvd owns the KV
                  "cannot release it while asleep")
 
 
-class KvdConnector(KVConnectorBase_V1):
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -51,8 +56,10 @@ class KvdConnector(KVConnectorBase_V1):
         self._worker: KvdWorker | None = None
         self._invalid: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvdScheduler(self.settings,
-                                           vllm_config.cache_config.block_size)
+            self._scheduler = KvdScheduler(
+                self.settings, vllm_config.cache_config.block_size,
+                groups=group_layout(kv_cache_config) if is_multi_group(kv_cache_config)
+                else None)
         else:
             geom = geometry_from_vllm(vllm_config, kv_cache_config, self.settings.model_name)
             self._worker = KvdWorker(self.settings, geom,
@@ -186,3 +193,9 @@ class KvdConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid hook (SupportsHMA): one block list per KV-cache group."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished_all_groups(request, block_ids)

@@ -16,6 +16,7 @@ from kvd.client import KvdClient
 from kvd.errors import KvdError
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
+from kvd.integrations.vllm_core.hybrid import publish_groups, pull_groups
 from kvd.integrations.vllm_core.params import (
     ParamsError,
     RemotePrefill,
@@ -39,13 +40,18 @@ class _Pull:
     local_block_ids: list[int]
     num_tokens: int
     quiet: bool  # notify only: vLLM does not wait for it
+    local_groups: list[list[int]] | None = None  # hybrid: one list per KV-cache group
 
 
 class KvdScheduler:
     def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
-                 default_lease_s: float = 30.0) -> None:
+                 default_lease_s: float = 30.0,
+                 groups: list[tuple[str, int]] | None = None) -> None:
         self.settings = settings
         self.block_size_tokens = block_size_tokens
+        # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
+        # vLLM's order; None for one group (attention-only models, unchanged).
+        self.groups = groups if groups is not None and len(groups) > 1 else None
         self.lease_s = settings.lease_s if settings.lease_s is not None else default_lease_s
         self.peer_address: str | None = None
         self._client: KvdClient | None = None
@@ -108,14 +114,30 @@ class KvdScheduler:
             # Full local prefix hit: nothing to read, but P must release its blocks now.
             self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
             return
-        new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
         hit_tokens = num_tokens - num_external_tokens
+        if self.groups is not None:
+            kinds, sizes = zip(*self.groups, strict=True)
+            groups = pull_groups(kinds, blocks.get_unhashed_block_ids_all_groups(),
+                                 num_tokens, hit_tokens, sizes)
+            self._pending[request.request_id] = _Pull(
+                remote, [b for g in groups for b in g], num_tokens, quiet=False,
+                local_groups=groups)
+            return
+        new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
         local = blocks_to_pull(num_tokens, hit_tokens, self.block_size_tokens, new_ids)
         self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
 
     # ------------------------------------------------------------ prefill side
 
-    def request_finished(self, request: Any, block_ids: list[int]
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid (HMA) hook: one block list per group; one group is as before."""
+        if self.groups is None:
+            return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self.request_finished(request, [], group_block_ids=block_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         group_block_ids: tuple[list[int], ...] | None = None
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if wants_remote_prefill(params):
@@ -130,7 +152,13 @@ class KvdScheduler:
         if not wants_remote_decode(params) or request.status.name not in FINISHED_OK:
             return False, None
         num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
+        groups = None
+        if self.groups is not None and group_block_ids is not None:
+            kinds, sizes = zip(*self.groups, strict=True)
+            groups = publish_groups(kinds, group_block_ids, num_tokens, sizes)
+            blocks = [b for g in groups for b in g]
+        else:
+            blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
         if not blocks:
             return False, None
         if self.peer_address is None:
@@ -139,7 +167,8 @@ class KvdScheduler:
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
         try:
-            self.client.publish(self.settings.engine_id, request.request_id, blocks,
+            self.client.publish(self.settings.engine_id, request.request_id,
+                                blocks if groups is None else groups,
                                 lease_s=self.lease_s, consumers=consumers)
         except KvdError as exc:
             log.error("request %s: kvd refused the publish (%s); the decode side will "
@@ -149,7 +178,9 @@ class KvdScheduler:
         remote = RemotePrefill(engine_id=self.settings.engine_id,
                                request_id=request.request_id, address=self.peer_address,
                                block_ids=tuple(blocks), num_tokens=num_tokens,
-                               block_size_tokens=self.block_size_tokens)
+                               block_size_tokens=self.block_size_tokens,
+                               group_block_ids=(None if groups is None
+                                                else tuple(tuple(g) for g in groups)))
         return True, remote.to_params()
 
     # ------------------------------------------------------------ every step
@@ -162,14 +193,23 @@ class KvdScheduler:
         return meta
 
     def _start(self, request_id: str, pull: _Pull) -> None:
+        remote_groups = pull.remote.group_block_ids
+        hybrid = self.groups is not None and remote_groups is not None
+        if hybrid:
+            local_groups = pull.local_groups or [[] for _ in remote_groups]
+            remote_ids: Any = [list(g) for g in remote_groups]
+            local_ids: Any = local_groups
+        else:
+            remote_ids, local_ids = list(pull.remote.block_ids), pull.local_block_ids
         try:
             self.client.pull(self.settings.engine_id, request_id,
                              remote_engine_id=pull.remote.engine_id,
                              remote_address=pull.remote.address,
-                             remote_block_ids=list(pull.remote.block_ids),
-                             local_block_ids=pull.local_block_ids,
+                             remote_block_ids=remote_ids,
+                             local_block_ids=local_ids,
                              remote_request_id=pull.remote.request_id,
-                             num_tokens=pull.num_tokens if pull.local_block_ids else -1)
+                             num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
+                                         else -1))
         except KvdError as exc:
             log.warning("request %s: kvd refused the pull (%s)", request_id, exc)
             if not pull.quiet:

@@ -23,6 +23,7 @@ from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
+from kvd.integrations.vllm_core.hybrid import VllmHybridGeometry, check_hybrid_views
 from kvd.protocol import Event
 
 log = logging.getLogger("kvd.vllm")
@@ -85,7 +86,7 @@ class EventPoller:
 
 
 class KvdWorker:
-    def __init__(self, settings: ConnectorSettings, geom: VllmKvGeometry,
+    def __init__(self, settings: ConnectorSettings, geom: VllmKvGeometry | VllmHybridGeometry,
                  multi_group: bool = False) -> None:
         self.settings = settings
         self.geom = geom
@@ -115,7 +116,8 @@ class KvdWorker:
                 self.poller = EventPoller(self.settings)
             log.info("kvd pool %s (%d bytes, %s) registered for engine %s rank %d/%d",
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
-                     g.kv_layout, self.settings.engine_id, g.tp_rank, g.pp_rank)
+                     getattr(g, "kv_layout", "hybrid"), self.settings.engine_id, g.tp_rank,
+                     g.pp_rank)
         return self.handle
 
     def allocation_context(self) -> contextlib.AbstractContextManager:
@@ -132,7 +134,13 @@ class KvdWorker:
         views = [LayerView(name=name, data_ptr=int(t.data_ptr()), shape=tuple(t.shape),
                            strides_nbytes=tuple(s * t.element_size() for s in t.stride()))
                  for name, t in kv_caches.items()]
-        check_views(self.geom, views, _pool_addr(handle), pool.nbytes)
+        g = self.geom
+        if isinstance(g, VllmHybridGeometry):
+            check_hybrid_views(g.model_spec(), g.layout_spec(), g.tp_size, g.pp_size,
+                               g.pp_rank, views, _pool_addr(handle), pool.nbytes,
+                               g.layer_partition)
+            return
+        check_views(g, views, _pool_addr(handle), pool.nbytes)
 
     def handshake(self) -> KvdHandshake:
         handle = self.register()

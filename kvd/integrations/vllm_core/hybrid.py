@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvd.errors import LayoutError
 from kvd.protocol import HybridSpec, LayerSpec, MambaSpecMsg
@@ -132,3 +133,198 @@ def hybrid_spec(groups: Sequence[VllmCacheGroup], num_layers: int, tp_size: int,
     return HybridSpec(layers=[kinds.get(i, LayerSpec("none")) for i in range(num_layers)],
                       groups=out_groups, mamba=msg,
                       conv_layout="SD" if conv is not None and conv[0] == "SD" else "DS")
+
+
+# ---------------------------------------------------------------- block lists
+
+NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block): padding, never written
+
+
+def publish_groups(kinds: Sequence[str], block_ids: Sequence[Sequence[int]],
+                   num_tokens: int, block_sizes: Sequence[int]) -> list[list[int]]:
+    """The prefill's lists to publish, one per group (vLLM's ``request_finished_all_groups``).
+
+    Full attention: the blocks holding tokens [0, num_tokens). Sliding window:
+    the same, without the null blocks vLLM put where the window has passed
+    (kvd pairs a group's lists by their last blocks). Mamba: the one slot
+    holding the running state (the last non-null block), as NIXL clips it.
+    """
+    if len(kinds) != len(block_ids) or len(kinds) != len(block_sizes):
+        raise LayoutError(f"{len(block_ids)} block-id lists for {len(kinds)} KV-cache groups")
+    out = []
+    for kind, ids, bs in zip(kinds, block_ids, block_sizes, strict=True):
+        real = [int(b) for b in ids]
+        if kind == "mamba":
+            real = [b for b in real if b != NULL_BLOCK_ID][-1:]
+        else:
+            real = real[:-(-num_tokens // bs)]
+            if kind == "sliding":
+                real = [b for b in real if b != NULL_BLOCK_ID]
+        out.append(real)
+    return out
+
+
+def pull_groups(kinds: Sequence[str], new_block_ids: Sequence[Sequence[int]],
+                num_tokens: int, hit_tokens: int, block_sizes: Sequence[int]
+                ) -> list[list[int]]:
+    """The decode's lists that receive a pull, one per group.
+
+    ``new_block_ids``: vLLM's ``get_unhashed_block_ids_all_groups()`` (null
+    padding already dropped). Token groups keep the blocks of tokens
+    [hit_tokens, num_tokens) (vLLM may allocate one more for the first decoded
+    token); a sliding group whose leading blocks are padding keeps what is left
+    (its tail). Mamba groups keep the slot that will hold the running state.
+    """
+    if len(kinds) != len(new_block_ids) or len(kinds) != len(block_sizes):
+        raise LayoutError(f"{len(new_block_ids)} block-id lists for {len(kinds)} KV-cache "
+                          "groups")
+    out = []
+    for kind, ids, bs in zip(kinds, new_block_ids, block_sizes, strict=True):
+        ids = [int(b) for b in ids]
+        if kind == "mamba":
+            out.append(ids[-1:])
+            continue
+        if hit_tokens % bs:
+            raise LayoutError(f"local prefix hit of {hit_tokens} tokens is not a multiple of "
+                              f"the group's block size {bs}")
+        need = max(-(-num_tokens // bs) - hit_tokens // bs, 0)
+        if kind != "sliding" and need > len(ids):
+            raise LayoutError(f"{len(ids)} new blocks cannot hold the {need} blocks of tokens "
+                              f"[{hit_tokens}, {num_tokens})")
+        out.append(ids[:need])
+    return out
+
+
+# ---------------------------------------------------------------- the rank's pool
+
+
+def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_rank: int,
+                       views: Sequence[Any], pool_addr: int, pool_nbytes: int,
+                       layer_partition: tuple[int, ...] | None = None) -> None:
+    """Every vLLM view of a hybrid rank lies where kvd's hybrid layout puts it.
+
+    ``views``: LayerView (kvd.integrations.vllm_core.geometry) of every cache
+    layer, named with the global layer index. Attention views are
+    [block, head, token, channel] pages; Mamba views are vLLM's raw
+    [block, 1, 1, bytes] int8 pages holding [conv | ssm]. Raises LayoutError naming
+    the first layer and the axis that differ.
+    """
+    from kvd.daemon.hybrid import hybrid_model
+    from kvd.planner.hybrid import stage_ranges
+    from kvd.planner.hybrid_layout import AttentionGroupLayout, vllm_rank_layout
+    from kvd.planner.mamba_layout import MambaStateLayout
+    from kvd.planner.topology import Parallelism
+
+    model = hybrid_model(spec)
+    par = Parallelism(tp_size, pp_size, layer_partition)
+    lay = vllm_rank_layout(model, par, pp_rank, layout.num_blocks, layout.block_size_tokens,
+                           spec.hybrid.conv_layout)
+    first, stop = stage_ranges(model, par)[pp_rank]
+    where: dict[int, tuple[Any, int]] = {}  # global layer -> (group layout, position)
+    for g, group in enumerate(model.groups):
+        here = [i for i in group.layers if first <= i < stop]
+        for j, i in enumerate(here):
+            where[i] = (lay.groups[g], j)
+    seen = set()
+    for view in views:
+        i = layer_index(view.name)
+        if i not in where:
+            raise LayoutError(f"vLLM layer {view.name!r} has a cache view but kvd's hybrid "
+                              f"description has no cache layer {i} on this rank")
+        seen.add(i)
+        group, j = where[i]
+        offset = view.data_ptr - pool_addr
+        if not 0 <= offset < pool_nbytes:
+            raise LayoutError(f"layer {view.name!r} view at {view.data_ptr:#x} lies outside "
+                              f"kvd's pool [{pool_addr:#x}, +{pool_nbytes}): vLLM did not "
+                              "allocate its KV cache from the pool (zero copy is off)")
+        if isinstance(group, AttentionGroupLayout):
+            c = group.cache
+            s = c.strides_nbytes()
+            e = c.dtype_nbytes
+            want_offset = group.base_offset_nbytes + j * s["layer"]
+            want = (c.num_blocks, c.num_heads, c.block_size_tokens, c.kv_parts * c.head_dim)
+            want_strides = (s["block"], s["head"], s["token"], e)
+            if offset != want_offset:
+                raise LayoutError(f"attention layer {view.name!r} starts at pool offset "
+                                  f"{offset}, kvd's hybrid layout puts it at {want_offset}")
+            if tuple(view.shape) != want or tuple(view.strides_nbytes) != want_strides:
+                raise LayoutError(
+                    f"attention layer {view.name!r}: vLLM's page is shape {tuple(view.shape)} "
+                    f"byte strides {tuple(view.strides_nbytes)} ([block, head, token, "
+                    f"K||V channel]); kvd's hybrid layout ({c.kv_layout}, [block][K|V][head]"
+                    f"[token][dim]) has {want} / {want_strides}: K and V are not where kvd "
+                    "reads them")
+        elif isinstance(group, MambaStateLayout):
+            want_offset = group.base_offset_nbytes + j * group.layer_stride
+            extent = group.state_extent_nbytes
+            if offset != want_offset:
+                raise LayoutError(f"Mamba layer {view.name!r} starts at pool offset {offset}, "
+                                  f"kvd's hybrid layout puts it at {want_offset}")
+            if (view.shape[0] < group.num_blocks or view.strides_nbytes[0] != group.slot_stride
+                    or view.shape[-1] < extent):
+                raise LayoutError(
+                    f"Mamba layer {view.name!r}: vLLM's state pages are {tuple(view.shape)} "
+                    f"with a {view.strides_nbytes[0]} B slot stride; kvd's hybrid layout has "
+                    f"{group.num_blocks} slots of {group.slot_stride} B holding "
+                    f"[conv | ssm] = {extent} B")
+    missing = sorted(set(where) - seen)
+    if missing:
+        raise LayoutError(f"vLLM registered no cache view for layers {missing[:4]}")
+
+
+@dataclass(frozen=True)
+class VllmHybridGeometry:
+    """One hybrid vLLM worker's facts (plain values): what kvd registers and checks."""
+
+    model_name: str
+    groups: tuple[VllmCacheGroup, ...]
+    num_layers: int
+    total_kv_heads: int
+    head_size: int
+    dtype: str
+    mla: bool
+    kernel_block_tokens: int  # attention groups' page size in tokens
+    num_blocks: int
+    buf_nbytes: int
+    mamba: VllmMambaConfig | None
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None
+    conv_layout: str = "DS"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(SPEC_KINDS.get(g.spec_type, "?") for g in self.groups)
+
+    def model_spec(self) -> Any:
+        from kvd.protocol import ModelSpec
+
+        hybrid = hybrid_spec(self.groups, self.num_layers, self.tp_size, self.mamba,
+                             self.conv_layout)
+        return ModelSpec(name=self.model_name, num_kv_heads=self.total_kv_heads,
+                         num_layers=self.num_layers, head_dim=self.head_size,
+                         dtype=self.dtype, mla=self.mla, hybrid=hybrid)
+
+    def layout_spec(self) -> Any:
+        from kvd.daemon.hybrid import HYBRID_HEAD_LAYOUT, HYBRID_KV_LAYOUT
+        from kvd.protocol import LayoutSpec
+
+        return LayoutSpec(num_blocks=self.num_blocks, block_size_tokens=self.kernel_block_tokens,
+                          kv_layout=HYBRID_KV_LAYOUT, head_layout=HYBRID_HEAD_LAYOUT)
+
+    def check_allocation(self) -> None:
+        """vLLM's one allocation must be exactly kvd's hybrid pool for this rank."""
+        from kvd.daemon.hybrid import hybrid_rank_pool
+        from kvd.planner.topology import Parallelism
+
+        par = Parallelism(self.tp_size, self.pp_size, self.layer_partition)
+        pool, _ = hybrid_rank_pool(self.model_spec(), self.layout_spec(), par, self.pp_rank)
+        if pool.total_nbytes != self.buf_nbytes:
+            raise LayoutError(
+                f"vLLM allocates {self.buf_nbytes} bytes of hybrid KV cache but kvd's hybrid "
+                f"pool for {self.num_blocks} blocks of {self.kernel_block_tokens} tokens "
+                f"(groups {list(self.kinds)}) is {pool.total_nbytes} bytes (padding, a "
+                "kernel block split or another arrangement of the groups)")

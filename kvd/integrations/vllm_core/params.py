@@ -36,6 +36,9 @@ class RemotePrefill:
     # Tokens per prefill block (None: not sent, older prefill engines). The decode side
     # needs it to tell whether its local prefix hit ends on a prefill block boundary.
     block_size_tokens: int | None = None
+    # Hybrid models (several KV-cache groups): one block-id list per group, in vLLM's
+    # group order (block_ids is then their concatenation). None: one group.
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None
 
     def to_params(self) -> dict[str, Any]:
         """The dict a prefill engine returns; vLLM's standard keys plus ours."""
@@ -46,7 +49,8 @@ class RemotePrefill:
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": self.request_id,
-            "remote_block_ids": list(self.block_ids),
+            "remote_block_ids": (list(self.block_ids) if self.group_block_ids is None
+                                 else [list(g) for g in self.group_block_ids]),
             "remote_num_tokens": self.num_tokens,
             "kvd_address": self.address,
             "kvd_format": PARAMS_FORMAT,
@@ -86,8 +90,17 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         raise ParamsError(f"kv_transfer_params come from another connector or kvd version "
                           f"(kvd_format={fmt!r}, expected {PARAMS_FORMAT})")
     blocks = params.get("remote_block_ids")
+    groups = None
     if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], list):
         blocks = blocks[0]  # one KV-cache group, in vLLM's per-group form
+    elif (isinstance(blocks, (list, tuple)) and blocks
+          and all(isinstance(g, (list, tuple)) for g in blocks)):
+        # several KV-cache groups (hybrid model): one list each
+        if sum(len(g) for g in blocks) > MAX_BLOCKS:
+            raise ParamsError(f"kv_transfer_params['remote_block_ids'] must name at most "
+                              f"{MAX_BLOCKS} block ids")
+        groups = tuple(tuple(_int(b, "remote block id") for b in g) for g in blocks)
+        blocks = [b for g in groups for b in g]
     if not isinstance(blocks, (list, tuple)) or len(blocks) > MAX_BLOCKS:
         raise ParamsError(f"kv_transfer_params['remote_block_ids'] must be a list of at most "
                           f"{MAX_BLOCKS} block ids")
@@ -100,7 +113,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
                          request_id=_str(params, "remote_request_id"),
                          address=_str(params, "kvd_address"),
                          block_ids=block_ids, num_tokens=num_tokens,
-                         block_size_tokens=block_size)
+                         block_size_tokens=block_size, group_block_ids=groups)
 
 
 def blocks_to_pull(num_prompt_tokens: int, num_computed_tokens: int, block_size_tokens: int,
