@@ -315,7 +315,7 @@ class SimEngine:
             if rid in self.scheduler.requests:
                 self.received[rid] = Received(
                     self.block_ids(rid),
-                    [{n: c[n].clone() for n in LAYER_NAMES} for c in self.caches],
+                    [{n: t.clone() for n, t in c.items()} for c in self.caches],
                     failed=rid in mro.kv_connector_output.failed_recving
                     or bool(mro.kv_connector_output.invalid_block_ids))
         for eco in self.scheduler.update_from_output(so, mro).values():
@@ -389,8 +389,9 @@ class SimEngine:
         assert len(s.waiting) == 0 and len(s.kv_holding_waiting) == 0 and not s.running
         assert not s.finished_recving_kv_req_ids and not s.failed_recving_kv_req_ids
         assert not s._inflight_prefills
-        mgr = s.kv_cache_manager.coordinator.single_type_managers[0]
-        assert not mgr.req_to_blocks, f"{self.engine_id}: blocks of {list(mgr.req_to_blocks)}"
+        for mgr in s.kv_cache_manager.coordinator.single_type_managers:  # every group
+            assert not mgr.req_to_blocks, (
+                f"{self.engine_id}: blocks of {list(mgr.req_to_blocks)}")
         assert self.num_free_blocks() == self.initial_free, (
             f"{self.engine_id}: {self.num_free_blocks()} free blocks, {self.initial_free} "
             "at start")

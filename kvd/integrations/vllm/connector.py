@@ -175,6 +175,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.set_handshake(metadata)
 
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -72,6 +72,28 @@ class KvdScheduler:
                 self.peer_address = meta.peer_address
                 return
 
+    # ------------------------------------------------------------ prefill side (new)
+
+    def on_new_request(self, request: Any) -> None:
+        """Mamba hybrids: the prefill engine stops one prompt token short.
+
+        A Mamba state is the state after the last token computed; the decode
+        engine always recomputes the last prompt token, so it must load the state
+        after N-1 tokens, not N (vLLM's NIXL connector does the same: "backoff").
+        The prefill request is truncated to N-1 tokens; its kv_transfer_params then
+        say N-1, and the decode side loads that many and computes the rest.
+        """
+        params = request.kv_transfer_params
+        if (self.groups is None or not any(kind == "mamba" for kind, _ in self.groups)
+                or not wants_remote_decode(params) or params.get("_kvd_truncated")
+                or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None):
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvd_truncated"] = True
+
     # ------------------------------------------------------------ decode side
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int

@@ -1,0 +1,160 @@
+"""A hybrid (Mamba + attention) model prefill -> decode through kvd, at scheduler level.
+
+vLLM's real Scheduler with its hybrid allocator (two KV-cache groups: Mamba,
+full attention), the worker-side KvdConnectors registering the hybrid rank
+with real daemons and serving vLLM's one KV allocation from kvd's pool, and
+two ``kvd serve`` processes moving the bytes (tests/vllm/hybrid_support.py).
+Checked: the connector is SupportsHMA and publishes one block list per group;
+the prefill engine stops one token short (the decode engine recomputes the
+last prompt token on the Mamba state after N-1 tokens); the decode side
+pulls one list per group and gets the attention K/V of every loaded token
+and both Mamba states byte for byte; both schedulers drain.
+
+Known gap, asserted here: vLLM 0.32's attention pages are [block, head,
+token, K||V], kvd's hybrid layout is [block][K|V][head][token][dim], so the
+worker refuses the attention views at startup. The cases then relax only
+that check (page placement stays checked) to test everything else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is None or _vllm.origin in (None, "namespace"):
+    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
+                "(README: 'Run the vLLM suite')", allow_module_level=True)
+
+from hybrid_support import (  # noqa: E402
+    ATTENTION_ORDER_NOTE,
+    HybridEngine,
+    make_hybrid_engine,
+    write_model_dir,
+)
+from scheduler_support import (  # noqa: E402
+    drain,
+    kill_daemon,
+    prefill,
+    prompt_tokens,
+    run_until,
+    start_daemon,
+    stop_daemon,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: E402
+
+from kvd.integrations.vllm import KvdConnector  # noqa: E402
+from kvd.localcluster import DaemonProcess  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
+
+PROMPT = 100  # tokens: 3 full attention blocks of 32 and a partial one
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
+    logs = tmp_path_factory.mktemp("kvd-logs")
+    p = start_daemon(logs, "hp")
+    try:
+        d = start_daemon(logs, "hd")
+    except BaseException:
+        kill_daemon(p)
+        raise
+    try:
+        yield p, d
+    finally:
+        try:
+            stop_daemon(p)
+        finally:
+            stop_daemon(d)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("hybrid-model"))
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
+    made: list[tuple[HybridEngine, DaemonProcess]] = []
+
+    def make(name: str, daemon: DaemonProcess, refusals: list[str], **kw: Any
+             ) -> HybridEngine:
+        e = make_hybrid_engine(name, model_dir, daemon.engine_address, refusals, **kw)
+        made.append((e, daemon))
+        return e
+
+    yield make
+    for e, _ in made:
+        e.close()
+    for e, daemon in made:
+        with daemon.client(ping_interval_s=0) as c:
+            deadline = time.monotonic() + 10
+            while [x for x in c.status().engines if x.engine_id == e.engine_id]:
+                assert time.monotonic() < deadline, f"{e.engine_id} not freed after close"
+                time.sleep(0.05)
+
+
+def test_connector_supports_hma() -> None:
+    assert supports_hma(KvdConnector)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hybrid_prefill_to_decode(daemons, engines, tp: int) -> None:
+    pd, dd = daemons
+    refusals: list[str] = []
+    p = engines("hpre", pd, refusals, tp_size=tp)
+    d = engines("hdec", dd, refusals, tp_size=tp)
+    # Every worker refused vLLM 0.32's attention page order, naming it.
+    assert len(refusals) == 2 * tp and all(ATTENTION_ORDER_NOTE in r for r in refusals), \
+        refusals
+    assert [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups] \
+        == ["MambaSpec", "FullAttentionSpec"]
+
+    prompt = prompt_tokens(11, PROMPT)
+    params = prefill(p, "r1", prompt)
+    loaded = PROMPT - 1  # the prefill engine stopped one token short (Mamba)
+    assert params["remote_num_tokens"] == loaded
+    groups = params["remote_block_ids"]
+    assert len(groups) == 2 and len(groups[0]) == 1, groups  # Mamba: the running slot
+    assert len(groups[1]) == -(-loaded // p.block_size)
+    p_slot = groups[0][0]
+    assert p.computed["r1"][-1][1] == loaded
+
+    d.add("r1", prompt, max_tokens=3, kv_transfer_params=params)
+    run_until([p, d], lambda: "r1" in d.received, what="decode r1 to receive")
+    got = d.received["r1"]
+    assert not got.failed
+    dgroups = got.block_ids
+    assert d.attn_mismatches(d.attn_blocks(dgroups), 0, loaded, p.tag, got.caches) == 0
+    assert d.mamba_mismatches(d.mamba_slot(dgroups), p.tag, loaded, got.caches) == 0
+    # and the prefill engine's own state was what it published
+    assert p.mamba_mismatches(p_slot, p.tag, loaded, p.caches) == 0
+    run_until([p, d], lambda: d.finished("r1"), what="decode r1 to finish")
+    # the decode engine computed only the last prompt token and its outputs
+    assert d.computed["r1"][0] == (loaded, PROMPT)
+    drain([p, d])
+
+
+def test_hybrid_pull_of_unknown_request_fails_per_request(daemons, engines) -> None:
+    """A multi-group pull that fails is reported per request (failed_recving): vLLM
+    refuses block-level invalid ids for hybrid models."""
+    pd, dd = daemons
+    refusals: list[str] = []
+    p = engines("hpre", pd, refusals)
+    d = engines("hdec", dd, refusals)
+    prompt = prompt_tokens(12, PROMPT)
+    params = prefill(p, "r2", prompt)
+    params["remote_request_id"] = "never-published"
+    d.add("r2", prompt, max_tokens=2, kv_transfer_params=params)
+    run_until([p, d], lambda: "r2" in d.received, what="decode r2's failed pull")
+    assert d.received["r2"].failed
+    run_until([p, d], lambda: d.finished("r2"), timeout_s=40, what="r2 to end")
+    # The prefill's blocks stay held until the lease ends; abort nothing, just wait.
+    run_until([p, d], lambda: not p.has_work(), timeout_s=60, what="prefill release")
+    drain([p, d], timeout_s=60)
