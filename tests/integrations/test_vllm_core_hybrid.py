@@ -75,3 +75,43 @@ def test_refusals_name_the_problem() -> None:
     with pytest.raises(LayoutError, match="layer index"):
         layer_index("decoder.block3.attn")
     assert layer_index("model.layers.17.self_attn.attn") == 17
+
+
+# ---------------------------------------------------------------- block lists (issue 13.5)
+
+from kvd.integrations.vllm_core.hybrid import publish_groups, pull_groups  # noqa: E402
+from kvd.integrations.vllm_core.params import RemotePrefill, parse_remote_prefill  # noqa: E402
+
+
+def test_publish_groups_clips_like_nixl() -> None:
+    kinds = ("mamba", "attention", "sliding")
+    ids = ([0, 0, 7], [3, 4, 5, 6], [0, 0, 9, 10])
+    # 70 tokens at 32 a block: 3 blocks; sliding padding and Mamba padding dropped
+    assert publish_groups(kinds, ids, 70, (2048, 32, 32)) == [[7], [3, 4, 5], [9]]
+    assert publish_groups(kinds, ids, 128, (2048, 32, 32)) == [[7], [3, 4, 5, 6], [9, 10]]
+    with pytest.raises(LayoutError):
+        publish_groups(kinds, ids[:2], 70, (2048, 32, 32))
+
+
+def test_pull_groups() -> None:
+    kinds = ("mamba", "attention", "sliding")
+    new = ([8], [1, 2, 3, 4], [5, 6, 7, 11])
+    assert pull_groups(kinds, new, 99, 0, (2048, 32, 32)) == [[8], [1, 2, 3, 4], [5, 6, 7, 11]]
+    assert pull_groups(kinds, new, 90, 0, (2048, 32, 32)) == [[8], [1, 2, 3], [5, 6, 7]]
+    # a sliding group whose leading blocks were padding keeps its tail
+    assert pull_groups(kinds, ([8], [1, 2, 3], [6, 7]), 90, 0, (2048, 32, 32))[2] == [6, 7]
+    with pytest.raises(LayoutError, match="cannot hold"):
+        pull_groups(kinds, ([8], [1], [2]), 90, 0, (2048, 32, 32))
+    with pytest.raises(LayoutError, match="multiple"):
+        pull_groups(kinds, new, 90, 5, (2048, 32, 32))
+
+
+def test_params_carry_one_list_per_group() -> None:
+    remote = RemotePrefill("e", "r", "tcp://x:1", (7, 3, 4), 70, 32, ((7,), (3, 4)))
+    params = remote.to_params()
+    assert params["remote_block_ids"] == [[7], [3, 4]]
+    back = parse_remote_prefill(params)
+    assert back.group_block_ids == ((7,), (3, 4)) and back.block_ids == (7, 3, 4)
+    # one group in per-group form stays flat
+    one = parse_remote_prefill({**params, "remote_block_ids": [[3, 4]]})
+    assert one.group_block_ids is None and one.block_ids == (3, 4)
