@@ -50,7 +50,7 @@ def _geom(model: ModelSpec) -> ModelGeometry:
     return ModelGeometry(model.num_kv_heads, model.num_layers, model.mla)
 
 
-def _blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str,
+def blocks_view(pool: np.ndarray, kv_layout: str, head_layout: str,
                  kv_parts: int | None = None) -> np.ndarray:
     """Pool as [block, layer, kv, token, head, dim] (a view, no copy).
 
@@ -93,7 +93,7 @@ def write_shard(pool: np.ndarray, g: np.ndarray, model: ModelSpec, shape: Engine
                 tp_rank: int, pp_rank: int, block_ids: list[int], first_token: int = 0) -> None:
     """Prefill side: put this rank's cells of tokens [first_token, ...) into its blocks."""
     layers, heads = rank_slices(model, shape, tp_rank, pp_rank)
-    view = _blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
+    view = blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
     bs = shape.block_size_tokens
     for i, b in enumerate(block_ids):
         t0 = first_token + i * bs
@@ -107,7 +107,7 @@ def check_shard(pool: np.ndarray, g: np.ndarray, model: ModelSpec, shape: Engine
                 tp_rank: int, pp_rank: int, block_ids: list[int], first_token: int = 0) -> int:
     """Decode side: number of mismatching elements between the pool and the expected shard."""
     layers, heads = rank_slices(model, shape, tp_rank, pp_rank)
-    view = _blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
+    view = blocks_view(pool, shape.kv_layout, shape.head_layout, 1 if model.mla else 2)
     bs = shape.block_size_tokens
     bad = 0
     for i, b in enumerate(block_ids):

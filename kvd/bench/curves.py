@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, _gbps
-from kvd.bench.raw import _fill_pattern, bench_memcpy, bench_nixl
+from kvd.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, fmt_gbps
+from kvd.bench.raw import bench_memcpy, bench_nixl, fill_test_pattern
 
 MAX_MIB = 1024
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
@@ -82,7 +82,7 @@ def _raw(geom: Geometry, sizes: list[int], pool_blocks: int, ids: dict[int, tupl
             kind, n = name.split(":")
             nbytes = int(n) * geom.block_nbytes
             row = out.setdefault(int(n), {})
-            gbps = _gbps(nbytes, statistics.median(res[name]))
+            gbps = fmt_gbps(nbytes, statistics.median(res[name]))
             if kind == "one":
                 row["nixl_gbps"] = gbps
             else:
@@ -95,7 +95,7 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
                concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = DEFAULT_KV_LAYOUT,
                shm_dir: str = DEFAULT_SHM_DIR, seed: int = 7,
                daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    from kvd.bench.e2e import _check_blocks, _one_pull
+    from kvd.bench.e2e import check_pulled_blocks, timed_pull
     from kvd.localcluster import DaemonProcess
     from kvd.sim import layout_spec
 
@@ -121,17 +121,17 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
     try:
         model = geom.model()
         prank = pc.register("prefill", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
-        _fill_pattern(prank.kv.reshape(-1).view(np.uint8))
+        fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
         drank = dc.register("decode", model, layout_spec(geom.shape(1, d_pool_blocks)), 0, 1)
         addr = prefill.peer_address
         for n in sizes:
             p_ids, d_ids = ids[n]
-            _one_pull(pc, dc, addr, "decode", f"s{n}-warm", p_ids, d_ids)
-            ok = _check_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
-            times = [_one_pull(pc, dc, addr, "decode", f"s{n}-{i}", p_ids, d_ids)[0]
+            timed_pull(pc, dc, addr, "decode", f"s{n}-warm", p_ids, d_ids)
+            ok = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
+            times = [timed_pull(pc, dc, addr, "decode", f"s{n}-{i}", p_ids, d_ids)[0]
                      for i in range(_repeats_for(n * geom.block_nbytes, repeats))]
             nbytes = n * geom.block_nbytes
-            row = {"blocks": n, "nbytes": nbytes, "kvd_gbps": _gbps(nbytes,
+            row = {"blocks": n, "nbytes": nbytes, "kvd_gbps": fmt_gbps(nbytes,
                                                                     statistics.median(times)),
                    "kvd_p50_ms": round(statistics.median(times) * 1e3, 3),
                    "memcpy_gbps": memcpy["memcpy_gbps_shm"], **raw[n], "verified": ok}
@@ -157,12 +157,12 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
                 for rid in rids:
                     pc.wait("prefill", rid, "done_sending", timeout_s=30)
             nbytes = c * conc_blocks * geom.block_nbytes
-            gbps = _gbps(nbytes, statistics.median(times))
+            gbps = fmt_gbps(nbytes, statistics.median(times))
             single = gbps if c == 1 else single
             conc_rows.append({"concurrency": c, "pull_nbytes": conc_blocks * geom.block_nbytes,
                               "kvd_gbps": gbps,
                               "ratio_vs_single": round(gbps / single, 3) if single else None})
-        ok = _check_blocks(prank.kv, [drank.kv], geom, p_ids,
+        ok = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids,
                            list(range((concurrency[-1] - 1) * conc_blocks,
                                       concurrency[-1] * conc_blocks)))
         conc_rows[-1]["verified"] = ok

@@ -13,24 +13,24 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_SHM_DIR, Geometry, Scenario, _gbps, _ms, _pct
-from kvd.bench.raw import _fill_pattern
-from kvd.sim import _blocks_view, layout_spec
+from kvd.bench.geometry import DEFAULT_SHM_DIR, Geometry, Scenario, fmt_gbps, fmt_ms, fmt_pct
+from kvd.bench.raw import fill_test_pattern
+from kvd.sim import blocks_view, layout_spec
 
 
 def _zero_blocks(kvs: list[np.ndarray], geom: Geometry, block_ids: list[int]) -> None:
     for kv in kvs:
-        view = _blocks_view(kv, geom.kv_layout, geom.head_layout)
+        view = blocks_view(kv, geom.kv_layout, geom.head_layout)
         for b in block_ids:
             view[b] = 0
 
 
-def _check_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids: list[int],
+def check_pulled_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids: list[int],
                   d_ids: list[int]) -> bool:
     """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (any layout)."""
-    pview = _blocks_view(pkv, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
+    pview = blocks_view(pkv, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
     for t, dkv in enumerate(dkvs):
-        dview = _blocks_view(dkv, geom.kv_layout, geom.head_layout)
+        dview = blocks_view(dkv, geom.kv_layout, geom.head_layout)
         h = dview.shape[4]
         for i in range(0, len(p_ids), 64):  # a few blocks at a time: no 512 MiB temporaries
             want = pview[p_ids[i:i + 64]][:, :, :, :, t * h:(t + 1) * h]
@@ -39,7 +39,7 @@ def _check_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids
     return True
 
 
-def _one_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: list[int],
+def timed_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: list[int],
               d_ids: list[int]) -> tuple[float, float, Any]:
     """publish -> pull -> done_recving; returns (publish..done s, pull..done s, event)."""
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
     try:
         pshape = geom.shape(1, pool_blocks)
         prank = pc.register("prefill", model, layout_spec(pshape), 0, 1)
-        _fill_pattern(prank.kv.reshape(-1).view(np.uint8))
+        fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
         consecutive = list(range(blocks))
         for scn in scenarios:
             deng = f"decode-tp{scn.decode_tp}"
@@ -80,33 +80,33 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             dkvs = [r.kv for r in dranks]
             r: dict[str, Any] = {}
             # Warm-up: handshake, NIXL connection, page faults on both sides.
-            t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-warm", p_ids,
+            t, _, ev = timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-warm", p_ids,
                                  d_ids)
-            r["warmup_ms"] = _ms(t)
-            r["verified_warmup"] = _check_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
+            r["warmup_ms"] = fmt_ms(t)
+            r["verified_warmup"] = check_pulled_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
             totals, daemon = [], []
             before = _posting(decode)
             for i in range(repeats):
-                t, _, ev = _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
+                t, _, ev = timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
                                      d_ids)
                 totals.append(t)
                 daemon.append(ev.duration_s)
             r["nbytes"] = ev.nbytes
-            r["kvd_ms"] = [_ms(x) for x in totals]
-            r["kvd_gbps"] = _gbps(ev.nbytes, statistics.median(totals))
-            r["kvd_daemon_gbps"] = _gbps(ev.nbytes, statistics.median(daemon))
-            r.update(_posting_delta(before, _posting(decode)))
+            r["kvd_ms"] = [fmt_ms(x) for x in totals]
+            r["kvd_gbps"] = fmt_gbps(ev.nbytes, statistics.median(totals))
+            r["kvd_daemon_gbps"] = fmt_gbps(ev.nbytes, statistics.median(daemon))
+            r.update(posting_delta(before, _posting(decode)))
             # Consecutive blocks on both sides: kvd's best case (descriptors merge).
-            _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-cwarm", consecutive,
+            timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-cwarm", consecutive,
                       consecutive)
-            ctimes = [_one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-c{i}",
+            ctimes = [timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-c{i}",
                                 consecutive, consecutive)[0] for i in range(repeats)]
-            r["kvd_gbps_consecutive"] = _gbps(ev.nbytes, statistics.median(ctimes))
+            r["kvd_gbps_consecutive"] = fmt_gbps(ev.nbytes, statistics.median(ctimes))
             # Final check: zero the destination, pull once more, compare.
             _zero_blocks(dkvs, geom, d_ids)
-            _one_pull(pc, dc, prefill.peer_address, deng, f"{deng}-check", p_ids, d_ids)
-            r["verified"] = r["verified_warmup"] and _check_blocks(prank.kv, dkvs, geom, p_ids,
-                                                                   d_ids)
+            timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-check", p_ids, d_ids)
+            r["verified"] = r["verified_warmup"] and check_pulled_blocks(
+                prank.kv, dkvs, geom, p_ids, d_ids)
             out["scenarios"][scn.name] = r
             if scn.decode_tp == 1 and latency_pulls > 0:
                 out["latency"] = _latency(pc, dc, prefill.peer_address, deng, p_ids[:1],
@@ -131,7 +131,7 @@ def _posting(daemon: Any) -> tuple[float, float, float, float, float]:
             daemon.metric("kvd_pool_page_bytes"))
 
 
-def _posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
+def posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
     descs, build_s, posts, pull_s = (b - a for a, b in zip(before[:4], after[:4], strict=True))
     return {"kvd_post_us_per_descriptor": round(build_s / descs * 1e6, 3) if descs else None,
             "kvd_post_ms_per_pull": round(build_s / posts * 1e3, 3) if posts else None,
@@ -142,18 +142,18 @@ def _posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[
 def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
              d_ids: list[int], pulls: int) -> dict[str, Any]:
     for i in range(max(10, pulls // 10)):
-        _one_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids)
+        timed_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids)
     pull_s, total_s, daemon_s = [], [], []
     for i in range(pulls):
-        total, pull, ev = _one_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids)
+        total, pull, ev = timed_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids)
         pull_s.append(pull)
         total_s.append(total)
         daemon_s.append(ev.duration_s)
     # daemon: the decode daemon's own pull duration (accepted -> done), without the
     # client's Pull round trip and the event's long-poll delivery.
-    return {"pull_1block_p50_ms": _ms(_pct(pull_s, 50)),
-            "pull_1block_p99_ms": _ms(_pct(pull_s, 99)),
-            "pull_1block_daemon_p50_ms": _ms(_pct(daemon_s, 50)),
-            "pull_1block_daemon_p99_ms": _ms(_pct(daemon_s, 99)),
-            "pull_1block_with_publish_p50_ms": _ms(_pct(total_s, 50)),
+    return {"pull_1block_p50_ms": fmt_ms(fmt_pct(pull_s, 50)),
+            "pull_1block_p99_ms": fmt_ms(fmt_pct(pull_s, 99)),
+            "pull_1block_daemon_p50_ms": fmt_ms(fmt_pct(daemon_s, 50)),
+            "pull_1block_daemon_p99_ms": fmt_ms(fmt_pct(daemon_s, 99)),
+            "pull_1block_with_publish_p50_ms": fmt_ms(fmt_pct(total_s, 50)),
             "pull_1block_nbytes": ev.nbytes, "pull_1block_samples": pulls}

@@ -93,7 +93,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 # Former private names, still imported by other bench modules.
-_gbps, _ms, _pct = gbps, ms, pct
+fmt_gbps, fmt_ms, fmt_pct = gbps, ms, pct
 
 
 def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.raw import _check_pattern, _fill_pattern
+from kvd.bench.raw import check_test_pattern, fill_test_pattern
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -88,7 +88,7 @@ def _target(conn: Any, stop: Any, kind: str, nbytes: int, dirs: dict[str, str]) 
 
     t = NixlTransport(name=f"pages-target-{os.getpid()}")
     buf, owner = _alloc(kind, nbytes, dirs)
-    _fill_pattern(buf)
+    fill_test_pattern(buf)
     t.register(int(buf.ctypes.data), nbytes, "DRAM", 0)
     conn.send((t.metadata(), int(buf.ctypes.data), _huge_kb(buf)))
     while not stop.is_set():  # progress + notifications, sleeping in between (see top)
@@ -133,9 +133,9 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, kind: str, nbytes: int,
             if i:
                 times.append(time.perf_counter() - t0)
             t.release(xfer)
-        out[f"nixl_{name}_gbps"] = round(nbytes / statistics.median(times) / 1e9, 2)
+        out[f"nixl_{name}fmt_gbps"] = round(nbytes / statistics.median(times) / 1e9, 2)
         if name == "one":
-            out["verified"] = _check_pattern(buf)
+            out["verified"] = check_test_pattern(buf)
     out["initiator_pages"] = _huge_kb(buf)
     t.close()
     del buf

@@ -47,12 +47,12 @@ def _pool(nbytes: int) -> np.ndarray:
 
 
 def _target(conn: Any, stop: Any, nbytes: int) -> None:
-    from kvd.bench.raw import _fill_pattern
+    from kvd.bench.raw import fill_test_pattern
     from kvd.transport.nixl import NixlTransport
 
     t = NixlTransport(name=f"post-target-{os.getpid()}")
     buf = _pool(nbytes)
-    _fill_pattern(buf)
+    fill_test_pattern(buf)
     t.register(int(buf.ctypes.data), nbytes, "DRAM", 0)
     conn.send((t.metadata(), int(buf.ctypes.data)))
     while not stop.is_set():  # progress + notifications, sleeping in between (see top)

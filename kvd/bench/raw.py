@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_SHM_DIR, _gbps
+from kvd.bench.geometry import DEFAULT_SHM_DIR, fmt_gbps
 
 MEMORY_KINDS = ("anon", "shm")
 
@@ -60,15 +60,15 @@ def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> d
     del src, dst
     src_pool.close()
     dst_pool.close()
-    return {"memcpy_gbps": _gbps(nbytes, statistics.median(times)),
-            "memcpy_gbps_best": _gbps(nbytes, min(times)),
-            "memcpy_gbps_shm": _gbps(nbytes, statistics.median(shm_times))}
+    return {"memcpy_gbps": fmt_gbps(nbytes, statistics.median(times)),
+            "memcpy_gbps_best": fmt_gbps(nbytes, min(times)),
+            "memcpy_gbps_shm": fmt_gbps(nbytes, statistics.median(shm_times))}
 
 
 # ------------------------------------------------------------------ raw NIXL
 
 
-def _fill_pattern(buf: np.ndarray) -> None:
+def fill_test_pattern(buf: np.ndarray) -> None:
     """Unique 8-byte words (offset / 8), written in chunks to avoid a big temporary."""
     words = buf.view(np.uint64)
     step = 1 << 20
@@ -77,7 +77,7 @@ def _fill_pattern(buf: np.ndarray) -> None:
         words[i:i + n] = np.arange(i, i + n, dtype=np.uint64)
 
 
-def _check_pattern(buf: np.ndarray) -> bool:
+def check_test_pattern(buf: np.ndarray) -> bool:
     words = buf.view(np.uint64)
     step = 1 << 20
     for i in range(0, words.size, step):
@@ -105,7 +105,7 @@ def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
     bases, keep = {}, []
     for kind in kinds:
         buf, owner = _alloc(kind, nbytes, shm_dir)
-        _fill_pattern(buf)  # also pre-faults
+        fill_test_pattern(buf)  # also pre-faults
         agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
         bases[kind] = int(buf.ctypes.data)
         keep.append((buf, owner))
@@ -165,7 +165,7 @@ def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes
         out[name] = totals
         out[name + ":post"] = posts
         if name == check_set:
-            out["verified"] = _check_pattern(buf[: int(nb.sum())])
+            out["verified"] = check_test_pattern(buf[: int(nb.sum())])
     conn.send(out)
 
 

@@ -21,8 +21,8 @@ from kvd.bench.geometry import (
     Geometry,
     MiB,
     Scenario,
-    _gbps,
-    _ms,
+    fmt_gbps,
+    fmt_ms,
 )
 
 
@@ -85,7 +85,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
                  ndesc: dict[str, int], desc_nbytes: dict[str, int],
                  machine: dict[str, Any], logs: Path, started: float) -> dict[str, Any]:
     """The JSON of one run from the raw measurements of each phase."""
-    nixl_best = _gbps(nbytes, statistics.median(nixl["single"]))
+    nixl_best = fmt_gbps(nbytes, statistics.median(nixl["single"]))
     out_scn = []
     for scn in scenarios:
         k = kvd["scenarios"][scn.name]
@@ -104,19 +104,19 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             "descriptors": ndesc[scn.name],
             "descriptor_nbytes_median": desc_nbytes[scn.name],
             "nixl_descriptors": 1,
-            "nixl_gbps_shm": _gbps(nbytes, statistics.median(nixl["single:shm"])),
-            "nixl_gbps_kvd_descriptors": _gbps(nbytes, same),
-            "nixl_gbps_kvd_descriptors_shm": _gbps(
+            "nixl_gbps_shm": fmt_gbps(nbytes, statistics.median(nixl["single:shm"])),
+            "nixl_gbps_kvd_descriptors": fmt_gbps(nbytes, same),
+            "nixl_gbps_kvd_descriptors_shm": fmt_gbps(
                 nbytes, statistics.median(nixl[scn.name + ":shm"])),
-            "nixl_post_ms_kvd_descriptors": _ms(statistics.median(nixl[scn.name + ":post"])),
+            "nixl_post_ms_kvd_descriptors": fmt_ms(statistics.median(nixl[scn.name + ":post"])),
             # kvd against raw NIXL moving the same descriptors on the same kind of memory:
             # what kvd itself costs (the rest is NIXL/UCX and 4 KiB shm pages).
             "ratio_kvd_nixl_same_descriptors_shm": round(
-                k["kvd_gbps"] / _gbps(nbytes, statistics.median(nixl[scn.name + ":shm"])), 3),
+                k["kvd_gbps"] / fmt_gbps(nbytes, statistics.median(nixl[scn.name + ":shm"])), 3),
             # Issue 12.4: kvd against the best single-descriptor READ on the same memory
             # (shm pools allocated like kvd's).
             "ratio_kvd_nixl_shm": round(
-                k["kvd_gbps"] / _gbps(nbytes, statistics.median(nixl["single:shm"])), 3),
+                k["kvd_gbps"] / fmt_gbps(nbytes, statistics.median(nixl["single:shm"])), 3),
             "kvd_gbps_daemon": k["kvd_daemon_gbps"],
             # Issue 12.1, from the decode daemon's /metrics over the timed pulls.
             "kvd_post_us_per_descriptor": k.get("kvd_post_us_per_descriptor"),
@@ -131,8 +131,8 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             "memcpy_gbps_shm": memcpy["memcpy_gbps_shm"],
             "ratio_kvd_memcpy_shm": round(k["kvd_gbps"] / memcpy["memcpy_gbps_shm"], 3),
             "kvd_ms": k["kvd_ms"],
-            "nixl_ms": [_ms(x) for x in nixl["single"]],
-            "nixl_ms_kvd_descriptors": [_ms(x) for x in nixl[scn.name]],
+            "nixl_ms": [fmt_ms(x) for x in nixl["single"]],
+            "nixl_ms_kvd_descriptors": [fmt_ms(x) for x in nixl[scn.name]],
             "kvd_warmup_ms": k["warmup_ms"],
             "verified": k["verified"],
         })

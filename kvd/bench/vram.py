@@ -243,7 +243,7 @@ def _host_u16(kv: Any) -> np.ndarray:
 
 def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: str,
               seed: int = 7, daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    from kvd.bench.e2e import _check_blocks, _one_pull
+    from kvd.bench.e2e import check_pulled_blocks, timed_pull
     from kvd.bench.geometry import Geometry
     from kvd.localcluster import DaemonProcess
     from kvd.sim import layout_spec
@@ -267,21 +267,22 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
         prank, drank = register(pc, "prefill"), register(dc, "decode")
         _random_fill(_as_torch(prank.kv), seed)
         _sync(device)
-        _, _, ev = _one_pull(pc, dc, prefill.peer_address, "decode", "warm", p_ids, d_ids)
+        _, _, ev = timed_pull(pc, dc, prefill.peer_address, "decode", "warm", p_ids, d_ids)
         _sync(device)
-        verified = _check_blocks(_host_u16(prank.kv), [_host_u16(drank.kv)], geom, p_ids, d_ids)
+        verified = check_pulled_blocks(_host_u16(prank.kv), [_host_u16(drank.kv)], geom, p_ids,
+                                       d_ids)
         totals, daemon = [], []
         for i in range(repeats):
-            total, _, ev = _one_pull(pc, dc, prefill.peer_address, "decode", f"p{i}", p_ids,
+            total, _, ev = timed_pull(pc, dc, prefill.peer_address, "decode", f"p{i}", p_ids,
                                      d_ids)
             totals.append(total)
             daemon.append(ev.duration_s)
         _as_torch(drank.kv).zero_()
         _sync(device)
-        _one_pull(pc, dc, prefill.peer_address, "decode", "check", p_ids, d_ids)
+        timed_pull(pc, dc, prefill.peer_address, "decode", "check", p_ids, d_ids)
         _sync(device)
-        verified = verified and _check_blocks(_host_u16(prank.kv), [_host_u16(drank.kv)], geom,
-                                              p_ids, d_ids)
+        verified = verified and check_pulled_blocks(
+            _host_u16(prank.kv), [_host_u16(drank.kv)], geom, p_ids, d_ids)
         nbytes = ev.nbytes
         return {"nbytes": nbytes, "blocks": blocks, "pool_blocks": pool_blocks,
                 "p_ids": p_ids, "d_ids": d_ids, "geometry": geom.to_json(),

@@ -25,7 +25,7 @@ from kvd.client import KvdClient, RankHandle
 from kvd.localcluster import DaemonProcess
 from kvd.pool import SHM_DIR, kvd_segments
 from kvd.protocol import Event, ModelSpec
-from kvd.sim import EngineShape, _blocks_view, check_shard, global_kv, layout_spec, write_shard
+from kvd.sim import EngineShape, blocks_view, check_shard, global_kv, layout_spec, write_shard
 
 
 def unique(prefix: str) -> str:
@@ -106,7 +106,7 @@ def deregister_and_check_freed(client: KvdClient, *engines: Engine, timeout_s: f
 
 def untouched_blocks_nonzero(pool: np.ndarray, shape: EngineShape, written: list[int]) -> int:
     """Elements outside ``written`` blocks that are not zero (a fresh pool is all zeros)."""
-    view = _blocks_view(pool, shape.kv_layout, shape.head_layout)
+    view = blocks_view(pool, shape.kv_layout, shape.head_layout)
     others = sorted(set(range(shape.num_blocks)) - set(written))
     return int(np.count_nonzero(view[others])) if others else 0
 
