@@ -14,7 +14,7 @@ from typing import Any
 
 from kvd import protocol as P
 from kvd.errors import error_from_code
-from kvd.pool import MappedPool, map_pool
+from kvd.pool_map import MappedPool, map_pool
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
 CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at most this

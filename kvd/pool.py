@@ -12,32 +12,28 @@ allocates every engine rank's pool and hands out a handle:
 * VRAM: a torch allocation on the rank's device, exported as a CUDA IPC handle
   (kvd.cuda_pool; untested here: no GPU on the development machines).
 
-The daemon side (`ShmPool`) creates and removes; the engine side (`map_pool`)
-only maps. After a crash (kill -9) nothing removes a daemon's pool files, so each
-daemon incarnation holds an flock on an owner file for its lifetime
-(`PoolOwner`) and names its pools after it; `reap_dead_pools` at start removes the
-files of incarnations whose lock is free (dead), never those of a live daemon.
+This module is the daemon side (`ShmPool`): it creates and removes. The engine
+side only maps (`kvd.pool_map.map_pool`). Crash leftovers are reaped by owner
+lock (`kvd.pool_owner`: `PoolOwner`, `reap_dead_pools`).
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvd.errors import KvdError
-from kvd.protocol import DTYPE_NBYTES, PoolHandle
+from kvd.pool_owner import PoolOwner
+from kvd.protocol import PoolHandle
 
 log = logging.getLogger("kvd.pool")
 
@@ -46,24 +42,6 @@ SMALL_PAGE_NBYTES = 4096
 HUGE_PAGE_NBYTES = 2 * 1024 * 1024
 # Far above any real pool, far below what makes fallocate/mmap overflow a C long.
 MAX_POOL_NBYTES = 1 << 50
-
-# numpy has no bfloat16/float8: map those to same-width unsigned ints for byte views.
-_NUMPY_DTYPES = {
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-    "int8": np.int8,
-    "uint8": np.uint8,
-}
-
-
-def numpy_dtype(dtype: str) -> np.dtype:
-    try:
-        return np.dtype(_NUMPY_DTYPES[dtype])
-    except KeyError:
-        raise KvdError(f"unsupported dtype {dtype!r}; known: {sorted(DTYPE_NBYTES)}") from None
 
 
 # Mappings are rounded up to 2 MiB so that a huge-page filesystem (hugetlbfs, or
@@ -176,117 +154,6 @@ class _NoPages(Exception):
     """This backing cannot provide the pool here (auto mode tries the next one)."""
 
 
-# ---------------------------------------------------------------- owner lock and reaping
-
-_OWNER_RE = r"\d+-[0-9a-f]{8}"
-
-
-@dataclass
-class PoolOwner:
-    """One daemon incarnation's claim on its pool files: an flock held for its lifetime.
-
-    The lock file ``<prefix>-<owner_id>.lock`` sits in the pool directory and pools are
-    named ``<prefix>-<owner_id>-<token>``. The kernel drops the flock when the process
-    dies (kill -9 included), which is what proves to `reap_dead_pools` that the files
-    are orphans; pid checks cannot (pid reuse, PID namespaces sharing one directory).
-    The lock is taken on a temporary name and then renamed into place, so a visible
-    lock file is always already locked by its live owner.
-    """
-
-    prefix: str
-    owner_id: str
-    directory: Path
-    fd: int | None = field(default=None, repr=False)
-
-    @property
-    def lock_path(self) -> Path:
-        return self.directory / f"{self.prefix}-{self.owner_id}.lock"
-
-    @classmethod
-    def acquire(cls, directory: str | Path, prefix: str) -> PoolOwner:
-        directory = Path(directory)
-        owner_id = f"{os.getpid()}-{secrets.token_hex(4)}"
-        owner = cls(prefix=prefix, owner_id=owner_id, directory=directory)
-        tmp = directory / f".{prefix}-{owner_id}.lock.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # empty: hugetlbfs has no write()
-            os.rename(tmp, owner.lock_path)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        owner.fd = fd
-        return owner
-
-    def pool_name(self) -> str:
-        return f"{self.prefix}-{self.owner_id}-{secrets.token_hex(6)}"
-
-    def release(self) -> None:
-        """Clean shutdown: remove the lock file (pools are closed by their owners)."""
-        if self.fd is None:
-            return
-        self.lock_path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = None
-
-
-def reap_dead_pools(directory: str | Path, prefix: str,
-                    pool_dirs: tuple[str | Path, ...] = ()) -> list[str]:
-    """Remove the pool files of dead incarnations; returns the names removed.
-
-    An incarnation is dead when its lock file in ``directory`` can be flocked: the
-    kernel released its owner's lock. Its pools ``<prefix>-<owner_id>-*`` are removed
-    from ``directory`` and from ``pool_dirs`` (e.g. the 4 KiB fallback directory), then
-    the lock file. Live daemons' locks (other processes, or other daemons of this
-    process) cannot be taken, so their files are never touched; pool files without an
-    owner lock (older kvd versions) are left alone. Engines still mapping a reaped pool
-    keep their mapping; only the name goes.
-    """
-    directory = Path(directory)
-    lock_re = re.compile(rf"^\.?{re.escape(prefix)}-({_OWNER_RE})\.lock(\.tmp)?$")
-    removed: list[str] = []
-    try:
-        entries = sorted(os.listdir(directory))
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        m = lock_re.match(entry)
-        if m is None:
-            continue
-        lock_path = directory / entry
-        try:
-            if m.group(2) and time.time() - lock_path.stat().st_mtime < 60:
-                continue  # a daemon starting right now, between creating and locking it
-            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue  # reaped by someone else meanwhile
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # alive
-            owner, before = m.group(1), len(removed)
-            pool_re = re.compile(rf"^{re.escape(prefix)}-{re.escape(owner)}-[0-9a-f]{{12}}$")
-            for d in (directory, *map(Path, pool_dirs)):
-                try:
-                    names = os.listdir(d)
-                except FileNotFoundError:
-                    continue
-                for name in sorted(names):
-                    if pool_re.match(name):
-                        try:
-                            os.unlink(d / name)
-                            removed.append(name)
-                        except FileNotFoundError:
-                            pass
-            lock_path.unlink(missing_ok=True)  # (a .tmp: died before renaming it)
-            if len(removed) > before:
-                log.warning("removed %d pool file(s) of dead kvd incarnation %s in %s",
-                            len(removed) - before, owner, directory)
-        finally:
-            os.close(fd)
-    return removed
 
 
 # ---------------------------------------------------------------- pools
@@ -488,62 +355,3 @@ def page_stats(addr: int, nbytes: int) -> dict[str, int]:
                 value = int(rest.split()[0])
                 out[key] = max(out[key], value) if key == "KernelPageSize" else out[key] + value
     return out
-
-
-@dataclass
-class MappedPool:
-    """The engine's view of its pool: ``array`` is a zero-copy numpy view."""
-
-    handle: PoolHandle
-    mm: mmap.mmap | None
-    array: np.ndarray
-
-    def tensor(self) -> Any:
-        """A torch tensor over the same bytes (no copy). Imports torch lazily."""
-        import torch
-
-        if self.mm is None:
-            raise KvdError("tensor() is only available for shm pools here")
-        flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.handle.nbytes)
-        return flat.view(getattr(torch, self.handle.dtype)).view(self.handle.shape)
-
-    def close(self) -> None:
-        self.array = np.empty(0, dtype=np.uint8)
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass
-
-
-def map_pool(handle: PoolHandle) -> MappedPool:
-    """Engine side: open the pool kvd allocated (shm here; CUDA IPC on GPU nodes)."""
-    if handle.kind == "cuda_ipc":
-        from kvd.cuda_pool import open_cuda_pool
-
-        return open_cuda_pool(handle)
-    if "/" in handle.name or handle.name.startswith("."):
-        raise KvdError(f"refusing suspicious shm name {handle.name!r}")
-    if not os.path.isabs(handle.directory):
-        raise KvdError(f"pool directory must be absolute, got {handle.directory!r}")
-    path = Path(handle.directory) / handle.name
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except PermissionError as exc:
-        hint = ("a memfd pool: the engine must run in kvd's PID namespace "
-                "(shareProcessNamespace: true) as kvd's uid; or give kvd a hugetlbfs "
-                "shm_dir, or set pool_backing" if handle.directory.startswith("/proc/")
-                else "run the engine as kvd's uid")
-        raise KvdError(f"cannot open pool {path}: {exc.strerror} ({hint})") from None
-    try:
-        # The file's size is the mapping kvd made: rounded up to its page size (2 MiB,
-        # or a hugetlbfs mount's own), which a hugetlb mapping must be a multiple of.
-        size = os.fstat(fd).st_size
-        if size < handle.nbytes:
-            raise KvdError(f"pool {path} holds {size} bytes, handle says {handle.nbytes}")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    arr = (np.frombuffer(mm, dtype=np.uint8)[:handle.nbytes]
-           .view(numpy_dtype(handle.dtype)).reshape(handle.shape))
-    return MappedPool(handle=handle, mm=mm, array=arr)

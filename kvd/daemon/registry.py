@@ -24,7 +24,8 @@ from kvd.daemon.engines import Engine, EngineRank, EngineTable, validate_registr
 from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
 from kvd.metrics import Metrics
 from kvd.planner import RankId
-from kvd.pool import PoolOwner, ShmPool, reap_dead_pools
+from kvd.pool import ShmPool
+from kvd.pool_owner import PoolOwner, reap_dead_pools
 
 log = logging.getLogger("kvd.registry")
 

@@ -25,13 +25,12 @@ from kvd.pool import (
     HUGE_PAGE_NBYTES,
     MountInfo,
     PoolBacking,
-    PoolOwner,
     ShmPool,
     hugepages_free_nbytes,
     mount_of,
     page_stats,
-    reap_dead_pools,
 )
+from kvd.pool_owner import PoolOwner, reap_dead_pools
 
 PREFIX = "kvd-backingtest"
 NBYTES = 4 << 20
@@ -58,7 +57,7 @@ def _engine_reads(handle_json: bytes) -> bytes:
     after writing a reply after them."""
     code = (
         "import sys, msgspec\n"
-        "from kvd.pool import map_pool\n"
+        "from kvd.pool_map import map_pool\n"
         "from kvd.protocol import PoolHandle\n"
         "h = msgspec.json.decode(sys.stdin.buffer.read(), type=PoolHandle)\n"
         "m = map_pool(h)\n"

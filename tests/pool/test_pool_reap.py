@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from kvd.pool import PoolOwner, ShmPool, kvd_segments, map_pool, reap_dead_pools
+from kvd.pool import ShmPool, kvd_segments
+from kvd.pool_map import map_pool
+from kvd.pool_owner import PoolOwner, reap_dead_pools
 
 PREFIX = "kvd-reaptest"
 
 # A stand-in daemon: takes its owner lock, makes two pools, says their names, waits.
 _DAEMON = textwrap.dedent("""
     import sys, time
-    from kvd.pool import PoolOwner, ShmPool
+    from kvd.pool import ShmPool
+    from kvd.pool_owner import PoolOwner
     directory, prefix = sys.argv[1], sys.argv[2]
     owner = PoolOwner.acquire(directory, prefix)
     pools = [ShmPool.create(prefix, 1 << 20, directory, owner=owner) for _ in range(2)]

@@ -1,0 +1,131 @@
+"""Crash-leftover reaping: which daemon incarnation owns which pool files.
+
+After a crash (kill -9) nothing removes a daemon's pool files, so each daemon
+incarnation holds an flock on an owner file for its lifetime (`PoolOwner`) and
+names its pools after it (`kvd.pool.ShmPool.create(owner=...)`); `reap_dead_pools`
+at start removes the files of incarnations whose lock is free (dead), never those
+of a live daemon.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("kvd.pool_owner")
+
+_OWNER_RE = r"\d+-[0-9a-f]{8}"
+
+
+@dataclass
+class PoolOwner:
+    """One daemon incarnation's claim on its pool files: an flock held for its lifetime.
+
+    The lock file ``<prefix>-<owner_id>.lock`` sits in the pool directory and pools are
+    named ``<prefix>-<owner_id>-<token>``. The kernel drops the flock when the process
+    dies (kill -9 included), which is what proves to `reap_dead_pools` that the files
+    are orphans; pid checks cannot (pid reuse, PID namespaces sharing one directory).
+    The lock is taken on a temporary name and then renamed into place, so a visible
+    lock file is always already locked by its live owner.
+    """
+
+    prefix: str
+    owner_id: str
+    directory: Path
+    fd: int | None = field(default=None, repr=False)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.directory / f"{self.prefix}-{self.owner_id}.lock"
+
+    @classmethod
+    def acquire(cls, directory: str | Path, prefix: str) -> PoolOwner:
+        directory = Path(directory)
+        owner_id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        owner = cls(prefix=prefix, owner_id=owner_id, directory=directory)
+        tmp = directory / f".{prefix}-{owner_id}.lock.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # empty: hugetlbfs has no write()
+            os.rename(tmp, owner.lock_path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        owner.fd = fd
+        return owner
+
+    def pool_name(self) -> str:
+        return f"{self.prefix}-{self.owner_id}-{secrets.token_hex(6)}"
+
+    def release(self) -> None:
+        """Clean shutdown: remove the lock file (pools are closed by their owners)."""
+        if self.fd is None:
+            return
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+
+
+def reap_dead_pools(directory: str | Path, prefix: str,
+                    pool_dirs: tuple[str | Path, ...] = ()) -> list[str]:
+    """Remove the pool files of dead incarnations; returns the names removed.
+
+    An incarnation is dead when its lock file in ``directory`` can be flocked: the
+    kernel released its owner's lock. Its pools ``<prefix>-<owner_id>-*`` are removed
+    from ``directory`` and from ``pool_dirs`` (e.g. the 4 KiB fallback directory), then
+    the lock file. Live daemons' locks (other processes, or other daemons of this
+    process) cannot be taken, so their files are never touched; pool files without an
+    owner lock (older kvd versions) are left alone. Engines still mapping a reaped pool
+    keep their mapping; only the name goes.
+    """
+    directory = Path(directory)
+    lock_re = re.compile(rf"^\.?{re.escape(prefix)}-({_OWNER_RE})\.lock(\.tmp)?$")
+    removed: list[str] = []
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        m = lock_re.match(entry)
+        if m is None:
+            continue
+        lock_path = directory / entry
+        try:
+            if m.group(2) and time.time() - lock_path.stat().st_mtime < 60:
+                continue  # a daemon starting right now, between creating and locking it
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # reaped by someone else meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # alive
+            owner, before = m.group(1), len(removed)
+            pool_re = re.compile(rf"^{re.escape(prefix)}-{re.escape(owner)}-[0-9a-f]{{12}}$")
+            for d in (directory, *map(Path, pool_dirs)):
+                try:
+                    names = os.listdir(d)
+                except FileNotFoundError:
+                    continue
+                for name in sorted(names):
+                    if pool_re.match(name):
+                        try:
+                            os.unlink(d / name)
+                            removed.append(name)
+                        except FileNotFoundError:
+                            pass
+            lock_path.unlink(missing_ok=True)  # (a .tmp: died before renaming it)
+            if len(removed) > before:
+                log.warning("removed %d pool file(s) of dead kvd incarnation %s in %s",
+                            len(removed) - before, owner, directory)
+        finally:
+            os.close(fd)
+    return removed
