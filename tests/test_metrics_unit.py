@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvd
 from kvd.logsetup import RateLimitFilter, configure_logging
-from kvd.metrics import METRIC_DOCS, Metrics, metric_names
+from kvd.metric_docs import METRIC_DOCS, metric_names
+from kvd.metrics import Metrics
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

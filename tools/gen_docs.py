@@ -5,7 +5,7 @@
 
 Generated:
 - docs/configuration.md from kvd.config (Config defaults, FIELD_HELP, env names);
-- docs/metrics.md from kvd.metrics.METRIC_DOCS;
+- docs/metrics.md from kvd.metric_docs.METRIC_DOCS;
 - deploy/k8s/monitoring/grafana-dashboard.yaml and deploy/helm/kvd/files/kvd-dashboard.json
   from deploy/grafana/kvd-dashboard.json (the one hand-edited copy of the dashboard).
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvd import config as kvd_config  # noqa: E402
-from kvd import metrics as kvd_metrics  # noqa: E402
+from kvd import metric_docs  # noqa: E402
 
 DASHBOARD_JSON = ROOT / "deploy/grafana/kvd-dashboard.json"
 
@@ -94,7 +94,7 @@ def configuration_md() -> str:
 def metrics_md() -> str:
     """The metrics reference, straight from the table the daemon builds its metrics from."""
     out = [
-        HEADER.format(src="kvd/metrics.py"),
+        HEADER.format(src="kvd/metric_docs.py"),
         "# Metrics reference\n",
         "kvd serves Prometheus metrics at `http://<metrics_host>:<metrics_port>/metrics` "
         "(default `127.0.0.1:7102`; the Kubernetes manifests bind the pod IP). The same "
@@ -109,20 +109,20 @@ def metrics_md() -> str:
         "| Name | Type | Labels | Description |",
         "| --- | --- | --- | --- |",
     ]
-    for doc in kvd_metrics.METRIC_DOCS:
+    for doc in metric_docs.METRIC_DOCS:
         labels = ", ".join(f"`{label}`" for label in doc.labels) or "—"
         out.append(f"| `{doc.name}` | {doc.type} | {labels} | {_md_cell(doc.help)} |")
     out += ["", "## Label values\n"]
     out += [
-        f"- `role`: {', '.join(kvd_metrics.ROLES)}",
-        f"- `outcome` of `kvd_transfers_total`: {', '.join(kvd_metrics.TRANSFER_OUTCOMES)}",
-        f"- `outcome` of `kvd_handshakes_total`: {', '.join(kvd_metrics.HANDSHAKE_OUTCOMES)}",
-        f"- `face`: {', '.join(kvd_metrics.FACES)}",
-        f"- `reason` of `kvd_protocol_errors_total`: {', '.join(kvd_metrics.PROTOCOL_REASONS)}",
+        f"- `role`: {', '.join(metric_docs.ROLES)}",
+        f"- `outcome` of `kvd_transfers_total`: {', '.join(metric_docs.TRANSFER_OUTCOMES)}",
+        f"- `outcome` of `kvd_handshakes_total`: {', '.join(metric_docs.HANDSHAKE_OUTCOMES)}",
+        f"- `face`: {', '.join(metric_docs.FACES)}",
+        f"- `reason` of `kvd_protocol_errors_total`: {', '.join(metric_docs.PROTOCOL_REASONS)}",
         "",
         "## Histogram buckets (seconds)\n",
     ]
-    for doc in kvd_metrics.METRIC_DOCS:
+    for doc in metric_docs.METRIC_DOCS:
         if doc.type == "histogram":
             out.append(f"- `{doc.name}`: {', '.join(f'{b:g}' for b in doc.buckets)}, +Inf")
     out += [
