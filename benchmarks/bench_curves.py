@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvd.bench.curves import CONCURRENCY, MAX_MIB, main
 from kvd.errors import KvdError
 from kvd.planner.layout import KV_LAYOUTS
+from kvd.tools.bench.curves import CONCURRENCY, MAX_MIB, main
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

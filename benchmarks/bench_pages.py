@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from kvd.bench.pages import KINDS, bench_pages, render_pages
+from kvd.tools.bench.pages import KINDS, bench_pages, render_pages
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

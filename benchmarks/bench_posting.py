@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from kvd.bench.posting import bench_posting, render_posting
+from kvd.tools.bench.posting import bench_posting, render_posting
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

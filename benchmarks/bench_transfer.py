@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvd.bench import main
 from kvd.planner.layout import KV_LAYOUTS
+from kvd.tools.bench import main
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -15,9 +15,9 @@ import argparse
 import json
 import sys
 
-from kvd.bench.vram import render_vram, run_vram
 from kvd.errors import KvdError
 from kvd.planner.layout import KV_LAYOUTS
+from kvd.tools.bench.vram import render_vram, run_vram
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -191,8 +191,8 @@ def demo(
     mla: bool = typer.Option(False, "--mla", help="MLA model (one latent cache)."),
 ) -> None:
     """Two daemons on loopback, simulated engines, one request pulled and checked byte for byte."""
-    from kvd.demo import run_demo
     from kvd.errors import KvdError
+    from kvd.tools.demo import run_demo
 
     try:
         raise typer.Exit(run_demo(prefill_tp=prefill_tp, decode_tp=decode_tp,
@@ -228,9 +228,9 @@ def bench(
                                 help="With --curves: the largest request size in MiB."),
 ) -> None:
     """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
-    from kvd.bench import main as bench_main
     from kvd.errors import KvdError
     from kvd.planner.layout import KV_LAYOUTS
+    from kvd.tools.bench import main as bench_main
 
     if nbytes_mib < 1 or repeats < 1 or max_mib < 1:
         _fail("--nbytes-mib, --repeats and --max-mib must be >= 1")
@@ -240,7 +240,7 @@ def bench(
         _fail("--plot needs --curves")
     try:
         if curves:
-            from kvd.bench.curves import main as curves_main
+            from kvd.tools.bench.curves import main as curves_main
 
             raise typer.Exit(curves_main(as_json=as_json, max_mib=max_mib, repeats=repeats,
                                          kv_layout=kv_layout, shm_dir=shm_dir,

@@ -37,7 +37,7 @@ _register_support()
 from support.cluster import start_daemon, stop_and_check_clean  # noqa: E402
 
 from kvd.client import KvdClient  # noqa: E402
-from kvd.localcluster import DaemonProcess  # noqa: E402
+from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 
 @dataclass

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from kvd import protocol as P
-from kvd.localcluster import DaemonProcess
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.tools.localcluster import DaemonProcess
+from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -18,10 +18,10 @@ from support.cluster import metric, unique, wait_until
 
 from kvd import protocol as P
 from kvd.errors import ERRORS_BY_CODE, BlockIdError, TooLargeError
-from kvd.localcluster import DaemonProcess, free_port
 from kvd.pool import kvd_segments
 from kvd.protocol import LayoutSpec, ModelSpec
-from kvd.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.tools.localcluster import DaemonProcess, free_port
+from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 
 pytestmark = pytest.mark.nixl
 

@@ -8,8 +8,8 @@ import multiprocessing as mp
 import pytest
 
 from kvd.errors import KvdError
-from kvd.localcluster import DaemonProcess
 from kvd.protocol import LayoutSpec, ModelSpec
+from kvd.tools.localcluster import DaemonProcess
 
 MODEL = ModelSpec(name="cuda", num_kv_heads=2, num_layers=2, head_dim=16)
 LAYOUT = LayoutSpec(num_blocks=8, block_size_tokens=16)

@@ -31,10 +31,10 @@ from support.cluster import (
 
 from kvd import protocol as P
 from kvd.errors import IncompatibleError, KvdError
-from kvd.localcluster import DaemonProcess, free_port
 from kvd.pool import SHM_DIR, kvd_segments
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape, layout_spec
+from kvd.tools.localcluster import DaemonProcess, free_port
+from kvd.tools.sim import EngineShape, layout_spec
 
 pytestmark = pytest.mark.nixl
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.localcluster import DaemonProcess
 from kvd.protocol import LayoutSpec, ModelSpec
+from kvd.tools.localcluster import DaemonProcess
 
 pytestmark = pytest.mark.nixl
 

@@ -11,7 +11,7 @@ import pytest
 from support.cluster import run_transfer
 
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape
+from kvd.tools.sim import EngineShape
 
 pytestmark = pytest.mark.nixl
 

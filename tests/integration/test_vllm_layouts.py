@@ -1,7 +1,7 @@
 """vLLM's layouts through two real `kvd serve` daemons and real NIXL, byte for byte.
 
 The engines register the layout names exactly as vLLM spells them (LayoutSpec.kv_layout),
-and kvd.sim writes and checks the global KV pattern in each name's axis order, so this
+and kvd.tools.sim writes and checks the global KV pattern in each name's axis order, so this
 checks registration, planning, descriptors and the data path against an oracle that
 knows nothing of descriptors.
 """
@@ -12,7 +12,7 @@ import pytest
 from kvd_itest import run_transfer
 
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape
+from kvd.tools.sim import EngineShape
 
 pytestmark = pytest.mark.nixl
 

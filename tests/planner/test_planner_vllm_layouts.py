@@ -19,7 +19,6 @@ from planner_sim import apply_descriptors, global_kv
 from planner_sim import fill_pool as fill_split_pool
 from test_planner_properties import HEAD_DIM, byte_cases, ranks
 
-from kvd import sim
 from kvd.daemon.engines import compat_hash, rank_layout
 from kvd.errors import LayoutError
 from kvd.planner import (
@@ -37,6 +36,7 @@ from kvd.planner import (
 from kvd.planner.blocks import match_blocks
 from kvd.planner.layout import VLLM_LAYOUTS
 from kvd.protocol import ModelSpec
+from kvd.tools import sim
 
 # vllm/v1/kv_cache_layout.py (vLLM 0.32): KVCacheLayout values, the physical order of the
 # logical axes [L, B, H, N, C] outermost first.
@@ -133,7 +133,7 @@ def test_split_layouts_and_transposes_are_refused():
 @pytest.mark.parametrize("mla", [False, True])
 def test_daemon_registration_and_sim_engines_speak_the_names(name, mla):
     """rank_layout (what the daemon validates at registration) takes the names as they are;
-    kvd.sim's engines write and check exactly the oracle's bytes."""
+    kvd.tools.sim's engines write and check exactly the oracle's bytes."""
     model = ModelSpec(name="m", num_kv_heads=1 if mla else 4, num_layers=3, head_dim=8,
                       mla=mla)
     shape = sim.EngineShape(tp_size=2, block_size_tokens=4, num_blocks=6, kv_layout=name)

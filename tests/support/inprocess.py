@@ -19,8 +19,8 @@ from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.config import Config
 from kvd.daemon.server import Daemon
-from kvd.localcluster import free_port
 from kvd.pool import kvd_segments
+from kvd.tools.localcluster import free_port
 from kvd.transport.base import Transport
 from kvd.transport.loopback import LoopbackTransport
 from support.clock import FakeClock

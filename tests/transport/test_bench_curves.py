@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.curves import main, plot, render_curves, size_points
 from kvd.errors import KvdError
+from kvd.tools.bench.curves import main, plot, render_curves, size_points
 
 MiB = 1 << 20
 

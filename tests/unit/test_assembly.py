@@ -3,7 +3,7 @@
 For random models, parallelisms (TP, PP, replicated heads, MLA), block sizes, layouts,
 prompt lengths, prefix hits and block ids: apply the assembled descriptors to pools in
 one address space and compare the whole decode side with what an independent writer
-(kvd.sim) says it must hold. Equality of the whole buffer proves the tail is exact AND
+(kvd.tools.sim) says it must hold. Equality of the whole buffer proves the tail is exact AND
 that no byte outside the pulled blocks was written.
 """
 
@@ -20,7 +20,7 @@ from kvd.planner import RankId, plan_transfer
 from kvd.planner.assembly import RankPool, assemble_pull, match_tail
 from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape, global_kv, layout_spec, write_shard
+from kvd.tools.sim import EngineShape, global_kv, layout_spec, write_shard
 
 try:
     from kvd.planner.layout import ALL_KV_LAYOUTS

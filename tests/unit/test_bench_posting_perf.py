@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvd.bench.e2e import posting_delta
+from kvd.tools.bench.e2e import posting_delta
 
 
 def test_posting_delta_per_descriptor_per_pull_and_share() -> None:

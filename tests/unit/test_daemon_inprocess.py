@@ -22,7 +22,7 @@ from kvd.client import AsyncKvdClient
 from kvd.daemon.server import Daemon
 from kvd.planner import RankId
 from kvd.pool import kvd_segments
-from kvd.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.transport.loopback import LoopbackTransport
 
 MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)

@@ -6,9 +6,9 @@ import msgspec
 from typer.testing import CliRunner
 
 from kvd import protocol as P
-from kvd.bench.geometry import DEFAULT_KV_LAYOUT, Geometry
 from kvd.cli import app
 from kvd.planner.layout import KV_LAYOUTS
+from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT, Geometry
 
 
 def test_layout_spec_defaults_to_head_major() -> None:

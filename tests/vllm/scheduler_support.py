@@ -63,8 +63,8 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 import kvd.integrations.vllm.vllm_geometry as vllm_geometry
 from kvd.integrations.vllm import KvdConnector
-from kvd.localcluster import DaemonProcess
 from kvd.pool import SHM_DIR, kvd_segments
+from kvd.tools.localcluster import DaemonProcess
 
 # ------------------------------------------------------------------ the model
 

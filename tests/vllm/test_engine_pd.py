@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from engine_proc import EngineProc
 
-from kvd.localcluster import DaemonProcess
+from kvd.tools.localcluster import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

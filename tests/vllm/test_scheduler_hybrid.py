@@ -49,7 +49,7 @@ from scheduler_support import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: E402
 
 from kvd.integrations.vllm import KvdConnector  # noqa: E402
-from kvd.localcluster import DaemonProcess  # noqa: E402
+from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 

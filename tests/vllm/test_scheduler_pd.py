@@ -49,7 +49,7 @@ from scheduler_support import (  # noqa: E402
 )
 
 import kvd.integrations.vllm.scheduler as kvd_vllm_scheduler  # noqa: E402
-from kvd.localcluster import DaemonProcess  # noqa: E402
+from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 

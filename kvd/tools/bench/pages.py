@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.raw import check_test_pattern, fill_test_pattern
+from kvd.tools.bench.raw import check_test_pattern, fill_test_pattern
 
 MiB = 1 << 20
 KiB = 1 << 10

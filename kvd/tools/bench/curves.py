@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, fmt_gbps
-from kvd.bench.raw import bench_memcpy, bench_nixl, fill_test_pattern
+from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, fmt_gbps
+from kvd.tools.bench.raw import bench_memcpy, bench_nixl, fill_test_pattern
 
 MAX_MIB = 1024
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
@@ -54,7 +54,7 @@ def _raw(geom: Geometry, sizes: list[int], pool_blocks: int, ids: dict[int, tupl
 
     Small sizes (latency-bound) get more samples than big ones: two process pairs."""
     try:
-        from kvd.bench.geometry import HOMOGENEOUS, kvd_descriptors
+        from kvd.tools.bench.geometry import HOMOGENEOUS, kvd_descriptors
     except ImportError:  # geometry.py being rewritten
         kvd_descriptors = None
     total = pool_blocks * geom.block_nbytes
@@ -95,9 +95,9 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
                concurrency: tuple[int, ...] = CONCURRENCY, kv_layout: str = DEFAULT_KV_LAYOUT,
                shm_dir: str = DEFAULT_SHM_DIR, seed: int = 7,
                daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    from kvd.bench.e2e import check_pulled_blocks, timed_pull
-    from kvd.localcluster import DaemonProcess
-    from kvd.sim import layout_spec
+    from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
+    from kvd.tools.localcluster import DaemonProcess
+    from kvd.tools.sim import layout_spec
 
     started = time.perf_counter()
     geom = Geometry(kv_layout=kv_layout)

@@ -47,7 +47,7 @@ def _pool(nbytes: int) -> np.ndarray:
 
 
 def _target(conn: Any, stop: Any, nbytes: int) -> None:
-    from kvd.bench.raw import fill_test_pattern
+    from kvd.tools.bench.raw import fill_test_pattern
     from kvd.transport.nixl import NixlTransport
 
     t = NixlTransport(name=f"post-target-{os.getpid()}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import (
+from kvd.tools.bench.geometry import (
     DEFAULT_SHM_DIR,
     TARGET_P50_MS,
     TARGET_P99_MS,

@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.e2e import bench_kvd
-from kvd.bench.geometry import (
+from kvd.tools.bench.e2e import bench_kvd
+from kvd.tools.bench.geometry import (
     DEFAULT_KV_LAYOUT,
     DEFAULT_SHM_DIR,
     HETERO,
@@ -61,8 +61,8 @@ from kvd.bench.geometry import (
     Scenario,
     kvd_descriptors,
 )
-from kvd.bench.raw import DescSet, bench_memcpy, bench_nixl
-from kvd.bench.report import build_result, machine_info, render
+from kvd.tools.bench.raw import DescSet, bench_memcpy, bench_nixl
+from kvd.tools.bench.report import build_result, machine_info, render
 
 __all__ = [
     "DEFAULT_SHM_DIR", "HETERO", "HOMOGENEOUS", "TARGET_P50_MS", "TARGET_RATIO_KVD_MEMCPY",

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvd.protocol import ModelSpec
-from kvd.sim import EngineShape, layout_spec
+from kvd.tools.sim import EngineShape, layout_spec
 
 MiB = 1 << 20
 # Issue 12's targets: homogeneous >= 0.85x memcpy and hetero >= 0.7x (on huge-page

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_SHM_DIR, Geometry, Scenario, fmt_gbps, fmt_ms, fmt_pct
-from kvd.bench.raw import fill_test_pattern
-from kvd.sim import blocks_view, layout_spec
+from kvd.tools.bench.geometry import DEFAULT_SHM_DIR, Geometry, Scenario, fmt_gbps, fmt_ms, fmt_pct
+from kvd.tools.bench.raw import fill_test_pattern
+from kvd.tools.sim import blocks_view, layout_spec
 
 
 def _zero_blocks(kvs: list[np.ndarray], geom: Geometry, block_ids: list[int]) -> None:
@@ -59,7 +59,7 @@ def timed_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: 
 def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_blocks: int,
               p_ids: list[int], d_ids: list[int], repeats: int, latency_pulls: int,
               log_dir: Path, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
-    from kvd.localcluster import DaemonProcess
+    from kvd.tools.localcluster import DaemonProcess
 
     model = geom.model()
     out: dict[str, Any] = {"scenarios": {}}

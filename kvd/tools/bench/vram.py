@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_KV_LAYOUT
+from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
 
 MiB = 1 << 20
 
@@ -243,10 +243,10 @@ def _host_u16(kv: Any) -> np.ndarray:
 
 def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: str,
               seed: int = 7, daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    from kvd.bench.e2e import check_pulled_blocks, timed_pull
-    from kvd.bench.geometry import Geometry
-    from kvd.localcluster import DaemonProcess
-    from kvd.sim import layout_spec
+    from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
+    from kvd.tools.bench.geometry import Geometry
+    from kvd.tools.localcluster import DaemonProcess
+    from kvd.tools.sim import layout_spec
 
     geom = Geometry(kv_layout=kv_layout)
     blocks = max(1, nbytes_mib * MiB // geom.block_nbytes)
@@ -301,7 +301,7 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
              kv_layout: str = DEFAULT_KV_LAYOUT, seed: int = 7) -> dict[str, Any]:
     started = time.perf_counter()
     _torch_device(device, gpu)  # refuse early without a GPU
-    from kvd.bench.geometry import HOMOGENEOUS, Geometry
+    from kvd.tools.bench.geometry import HOMOGENEOUS, Geometry
 
     geom = Geometry(kv_layout=kv_layout)
     blocks = max(1, nbytes_mib * MiB // geom.block_nbytes)
@@ -311,7 +311,7 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
     p_ids, d_ids = rng.sample(range(pool_blocks), blocks), rng.sample(range(pool_blocks), blocks)
     sets = []
     try:
-        from kvd.bench.geometry import kvd_descriptors
+        from kvd.tools.bench.geometry import kvd_descriptors
 
         lo, ro, nb, _, _ = kvd_descriptors(geom, HOMOGENEOUS, pool_blocks, pool_blocks, p_ids,
                                            d_ids)

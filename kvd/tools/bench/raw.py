@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.geometry import DEFAULT_SHM_DIR, fmt_gbps
+from kvd.tools.bench.geometry import DEFAULT_SHM_DIR, fmt_gbps
 
 MEMORY_KINDS = ("anon", "shm")
 
