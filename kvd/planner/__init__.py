@@ -4,7 +4,8 @@ No sockets, NIXL, clocks or torch here, so `kvd plan` starts fast and every
 rule can be property-tested byte by byte.
 """
 
-from kvd.planner.layout import CacheLayout, Descriptors, build_read_descriptors
+from kvd.planner.descriptors import Descriptors, build_read_descriptors
+from kvd.planner.layout import CacheLayout
 from kvd.planner.plan import RankId, Read, TransferPlan, plan_transfer
 from kvd.planner.topology import (
     ModelGeometry,

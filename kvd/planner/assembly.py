@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.errors import BlockIdError, LayoutError
-from kvd.planner.layout import CacheLayout, build_read_descriptors
+from kvd.planner.descriptors import build_read_descriptors
+from kvd.planner.layout import CacheLayout
 from kvd.planner.plan import RankId, TransferPlan
 
 

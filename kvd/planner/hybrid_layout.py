@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import LayoutError
+from kvd.planner.descriptors import Descriptors, build_read_descriptors
 from kvd.planner.hybrid import TOKEN_KINDS, HybridModel, HybridPlan, stage_ranges
-from kvd.planner.layout import CacheLayout, Descriptors, build_read_descriptors
+from kvd.planner.layout import CacheLayout
 from kvd.planner.mamba import mamba_rank_shape
 from kvd.planner.mamba_layout import MambaStateLayout, build_mamba_descriptors, merge_ranges
 from kvd.planner.plan import RankId, Read

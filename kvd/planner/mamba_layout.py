@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import LayoutError
-from kvd.planner.layout import Descriptors
+from kvd.planner.descriptors import Descriptors
 from kvd.planner.mamba import MambaRankShape, MambaRead, MambaSpec, mamba_rank_shape
 
 CONV_LAYOUTS = ("DS", "SD")
@@ -104,8 +104,9 @@ class MambaStateLayout:
 def merge_ranges(lo: np.ndarray, ro: np.ndarray, nbytes: np.ndarray) -> Descriptors:
     """Sort chunks by local offset and join those contiguous on both sides.
 
-    layout._merge needs equal-size chunks in memory order; Mamba chunks differ
-    in size (x, B, C, SSM) and come from several layouts, so sort first.
+    The attention merge (kvd.planner.descriptors) needs equal-size chunks in memory
+    order; Mamba chunks differ in size (x, B, C, SSM) and come from several layouts,
+    so sort first.
     """
     lo, ro, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (lo, ro, nbytes))
     if lo.size == 0:

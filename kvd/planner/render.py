@@ -8,13 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import LayoutError, PlanError
-from kvd.planner.layout import (
-    ALL_KV_LAYOUTS,
-    VLLM_LAYOUTS,
-    CacheLayout,
-    build_read_descriptors,
-    vllm_head_layout,
-)
+from kvd.planner.descriptors import build_read_descriptors
+from kvd.planner.layout import ALL_KV_LAYOUTS, VLLM_LAYOUTS, CacheLayout, vllm_head_layout
 from kvd.planner.plan import RankId, TransferPlan, plan_transfer
 from kvd.planner.topology import ModelGeometry, Parallelism, heads_per_rank, partition, stage_layers
 

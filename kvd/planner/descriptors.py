@@ -1,0 +1,266 @@
+"""From a planned Read to byte ranges: NIXL descriptors between two KV pools.
+
+Descriptor size decides transfer speed (4 KiB descriptors move ~10x slower than
+1 MiB ones), so the output is merged: every run of chunks that is contiguous on
+both sides becomes one descriptor. Chunks are emitted in the local pool's
+memory order, which is what makes neighbours adjacent for the merge. The byte
+layouts themselves (strides per kv_layout) are kvd.planner.layout.CacheLayout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.errors import LayoutError
+from kvd.planner.layout import CacheLayout
+from kvd.planner.plan import Read
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """Parallel arrays of byte ranges: local (decode) and remote (prefill) offsets."""
+
+    local_offsets: np.ndarray  # int64
+    remote_offsets: np.ndarray  # int64
+    nbytes: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return int(self.nbytes.shape[0])
+
+    @property
+    def total_nbytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+def _check_pair(read: Read, local: CacheLayout, local_first_layer: int,
+                remote: CacheLayout, remote_first_layer: int) -> None:
+    local.validate()
+    remote.validate()
+    if local.mla != remote.mla:
+        raise LayoutError("cannot pair an MLA cache with a non-MLA cache")
+    if local.head_dim != remote.head_dim:
+        raise LayoutError(f"head_dim differs: local {local.head_dim}, remote {remote.head_dim}")
+    if local.dtype_nbytes != remote.dtype_nbytes:
+        raise LayoutError(
+            f"dtype size differs: local {local.dtype_nbytes} B, remote {remote.dtype_nbytes} B"
+        )
+    (lh0, lh1), (rh0, rh1) = read.local_heads, read.remote_heads
+    if not (0 <= lh0 < lh1 <= local.num_heads) or not (0 <= rh0 < rh1 <= remote.num_heads):
+        raise LayoutError(
+            f"read heads local {read.local_heads} / remote {read.remote_heads} do not fit "
+            f"caches of {local.num_heads} / {remote.num_heads} heads"
+        )
+    if lh1 - lh0 != rh1 - rh0:
+        raise LayoutError(
+            f"read head ranges differ in size: {read.local_heads} vs {read.remote_heads}"
+        )
+    l0, l1 = read.layers
+    if not (local_first_layer <= l0 < l1 <= local_first_layer + local.num_layers):
+        raise LayoutError(f"read layers {read.layers} are not all in the local cache")
+    if not (remote_first_layer <= l0 < l1 <= remote_first_layer + remote.num_layers):
+        raise LayoutError(f"read layers {read.layers} are not all in the remote cache")
+    if not local.mla and local.vllm != remote.vllm:
+        v, other = (local, remote) if local.vllm else (remote, local)
+        raise LayoutError(
+            f"K and V sit side by side in {v.kv_layout} but apart in {other.kv_layout}: "
+            "bytes would need de-interleaving"
+        )
+    if local.vllm or remote.vllm:
+        # A single-head side has one order; any other pair of orders needs a transpose.
+        if (local.num_heads > 1 and remote.num_heads > 1
+                and local.effective_head_layout != remote.effective_head_layout):
+            raise LayoutError(
+                f"head layouts differ (local {local.kv_layout}, remote {remote.kv_layout}): "
+                "bytes would need a transpose"
+            )
+        return  # token-major (NH) head slices: one descriptor per token, see _chunking
+    if local.effective_head_layout != remote.effective_head_layout:
+        raise LayoutError(
+            f"head layouts differ (local {local.head_layout}, remote {remote.head_layout}): "
+            "bytes would need a transpose"
+        )
+    whole = read.local_heads == (0, local.num_heads) and read.remote_heads == (0, remote.num_heads)
+    if local.effective_head_layout == "NHD" and not whole:
+        raise LayoutError(
+            "NHD caches cannot be head-sliced with byte-range descriptors; "
+            "use HND or equal TP (whole-head reads)"
+        )
+
+
+def _chunking(ls: dict[str, int], rs: dict[str, int], elem: int, n_heads: int,
+              seg_tokens: int) -> tuple[int, int, int]:
+    """(chunk bytes, head-axis size, token-axis size): the biggest piece both sides hold
+    contiguously in the same order, of one (layer, kv, segment).
+
+    Decided by strides, not names, so that every pair of layouts (one of them with a
+    single head included) gets the same test: a segment's heads x tokens as one run,
+    token-major or head-major; else one head's tokens; else one token's heads (vLLM's
+    NH layouts cut to a head range: one descriptor per token).
+    """
+    sides = (ls, rs)
+    heads_run = n_heads == 1 or all(s["head"] == elem for s in sides)
+    tokens_run = all(s["token"] == elem for s in sides)
+    if heads_run and all(s["token"] == n_heads * elem for s in sides):  # [token][head]
+        return n_heads * seg_tokens * elem, 1, 1
+    if tokens_run and (n_heads == 1 or all(s["head"] == seg_tokens * elem for s in sides)):
+        return n_heads * seg_tokens * elem, 1, 1  # [head][token]
+    if tokens_run:
+        return seg_tokens * elem, n_heads, 1
+    if heads_run:
+        return n_heads * elem, 1, seg_tokens
+    raise LayoutError("the two caches order heads and tokens differently: no byte-range form")
+
+
+def _segments(local: CacheLayout, remote: CacheLayout, local_ids: np.ndarray,
+              remote_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                               np.ndarray, np.ndarray, int, int]:
+    """Pair token segments of min(block sizes) tokens between the two sides.
+
+    Segments are indexed (bigger block, sub-segment) so the caller can put the
+    head axis between them; a partial last big block is padded and the
+    returned `valid` mask drops the padding. Returns (local block, local token
+    offset, remote block, remote token offset, valid, n_sub, segment tokens).
+    """
+    bs_l, bs_r = local.block_size_tokens, remote.block_size_tokens
+    if max(bs_l, bs_r) % min(bs_l, bs_r):
+        raise LayoutError(f"block sizes {bs_l} (local) and {bs_r} (remote) do not divide")
+    if bs_l >= bs_r:  # local blocks are the big ones: remote j -> local j // n
+        n = bs_l // bs_r
+        if -(-len(remote_ids) // n) != len(local_ids):
+            raise LayoutError(
+                f"{len(remote_ids)} remote blocks of {bs_r} tokens do not fill "
+                f"{len(local_ids)} local blocks of {bs_l} tokens"
+            )
+        j = np.arange(len(local_ids) * n)
+        valid = j < len(remote_ids)
+        rb = remote_ids[np.minimum(j, max(len(remote_ids) - 1, 0))]
+        return local_ids[j // n], (j % n) * bs_r, rb, np.zeros_like(j), valid, n, bs_r
+    m = bs_r // bs_l  # remote blocks are the big ones: local k <- remote k // m
+    if -(-len(local_ids) // m) != len(remote_ids):
+        raise LayoutError(
+            f"{len(local_ids)} local blocks of {bs_l} tokens do not match "
+            f"{len(remote_ids)} remote blocks of {bs_r} tokens"
+        )
+    k = np.arange(len(remote_ids) * m)
+    valid = k < len(local_ids)
+    lb = local_ids[np.minimum(k, max(len(local_ids) - 1, 0))]
+    return lb, np.zeros_like(k), remote_ids[k // m], (k % m) * bs_l, valid, m, bs_l
+
+
+# Chunk enumeration order per local kv_layout, outermost first: its memory order.
+# "big"/"sub" are the segment (bigger block, sub-segment), "tok" a token inside it.
+_AXIS_ORDER = {
+    "kv_split": ("layer", "kv", "big", "head", "sub", "tok"),
+    "blocks_first": ("layer", "big", "kv", "head", "sub", "tok"),
+    "cross_layer": ("big", "layer", "kv", "head", "sub", "tok"),
+    "head_major": ("big", "head", "layer", "kv", "sub", "tok"),
+    "LBHNC": ("layer", "kv", "big", "head", "sub", "tok"),
+    "LBNHC": ("layer", "kv", "big", "sub", "tok", "head"),
+    "LHBNC": ("layer", "kv", "head", "big", "sub", "tok"),
+    "BLHNC": ("big", "layer", "kv", "head", "sub", "tok"),
+    "BLNHC": ("big", "layer", "kv", "sub", "tok", "head"),
+    "BHLNC": ("big", "head", "layer", "kv", "sub", "tok"),
+}
+
+
+def _merge(lo: np.ndarray, ro: np.ndarray, chunk_nbytes: int) -> Descriptors:
+    """Collapse runs of equal-size chunks that are contiguous on both sides."""
+    if lo.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Descriptors(empty, empty.copy(), empty.copy())
+    breaks = (np.diff(lo) != chunk_nbytes) | (np.diff(ro) != chunk_nbytes)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    run_chunks = np.diff(np.append(starts, lo.size))
+    return Descriptors(lo[starts], ro[starts], run_chunks.astype(np.int64) * chunk_nbytes)
+
+
+def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: int,
+                           remote: CacheLayout, remote_first_layer: int,
+                           local_block_ids: np.ndarray,
+                           remote_block_ids: np.ndarray) -> Descriptors:
+    """Byte ranges that move one Read's cells of one request into the decode pool.
+
+    Chunks are one (layer, kv, segment) when the head range is contiguous on
+    both sides (HND with equal block sizes, or whole-head NHD), else one
+    (layer, kv, segment, head) (always when a side is head_major; both
+    head_major with equal block sizes: one (head, block) spanning the read's
+    layers and K/V); the axis order follows the local pool so that the merge
+    finds its neighbours. Both cross_layer (or both head_major), equal block
+    sizes and a read of all layers and heads of both ranks: one descriptor per
+    block (or per run of consecutive blocks). Both head_major and all layers
+    of both ranks: one descriptor per block for any head range (a TP1 -> TP2
+    pull included). vLLM's layouts go through the same path with K||V as the
+    element (`_chunking` decides by strides); BHLNC behaves as head_major, and
+    an NH name (LBNHC, BLNHC) cut to a head range is one descriptor per token.
+    """
+    _check_pair(read, local, local_first_layer, remote, remote_first_layer)
+    local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+    remote_ids = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
+    for name, ids, lay in (("local", local_ids, local), ("remote", remote_ids, remote)):
+        if ids.size and (ids.min() < 0 or ids.max() >= lay.num_blocks):
+            raise LayoutError(f"{name} block id out of range [0, {lay.num_blocks})")
+    if local_ids.size == 0 or remote_ids.size == 0:
+        if local_ids.size != remote_ids.size:
+            raise LayoutError("one side has block ids and the other has none")
+        return _merge(local_ids, remote_ids, 1)
+
+    lb, lt, rb, rt, valid, n_sub, seg_tokens = _segments(local, remote, local_ids, remote_ids)
+    ls, rs = local.strides_nbytes(), remote.strides_nbytes()
+    n_heads = read.local_heads[1] - read.local_heads[0]
+    # vLLM layouts carry K and V inside the channel (one kv index); MLA pairs of a vLLM
+    # and a split layout agree anyway: one part, channel == head_dim.
+    elem = local.channel_nbytes
+    n_kv = 1 if local.vllm else local.kv_parts
+    chunk, n_head_idx, n_tok = _chunking(ls, rs, elem, n_heads, seg_tokens)
+
+    n_layers = read.layers[1] - read.layers[0]
+    # Where a chunk's K/V parts and layers follow each other on both sides (head_major or
+    # BHLNC with equal block sizes: one head's layer range x K/V x tokens) take them as one
+    # chunk from the start: n_layers * n_kv fewer chunks to merge.
+    fold = all(s["layer"] == n_kv * chunk and (n_kv == 1 or s["kv"] == chunk)
+               for s in (ls, rs))
+    if fold:
+        chunk *= n_layers * n_kv
+    n_layer_idx, n_kv_idx = (1, 1) if fold else (n_layers, n_kv)
+    n_big = lb.size // n_sub
+    head_idx = np.arange(n_head_idx, dtype=np.int64)
+    tok_idx = np.arange(n_tok, dtype=np.int64)
+    sides = []
+    for s, first, blocks, tokens, heads0 in (
+        (ls, local_first_layer, lb, lt, read.local_heads[0]),
+        (rs, remote_first_layer, rb, rt, read.remote_heads[0]),
+    ):
+        layer = (read.layers[0] - first + np.arange(n_layer_idx, dtype=np.int64)) * s["layer"]
+        kv = np.arange(n_kv_idx, dtype=np.int64) * s["kv"]
+        seg = (blocks * s["block"] + tokens * s["token"]).reshape(n_big, n_sub)
+        head = (heads0 + head_idx) * s["head"]
+        sides.append((layer, kv, seg, head, tok_idx * s["token"]))
+
+    # Enumerate chunks in the local pool's memory order so that neighbours in memory
+    # are neighbours in the list. Any order is correct (each chunk pairs the same
+    # (layer, kv, segment, head) on both sides); only the merge depends on it.
+    order = _AXIS_ORDER[local.kv_layout]
+    sizes = {"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": n_head_idx,
+             "sub": n_sub, "tok": n_tok}
+    full = tuple(sizes[a] for a in order)
+
+    def place(values: np.ndarray, *axes: str) -> np.ndarray:
+        # "big" precedes "sub" in every order, so a C-order (big, sub) array reshapes in place
+        shape = [1] * len(order)
+        for a in axes:
+            shape[order.index(a)] = sizes[a]
+        return values.reshape(shape)
+
+    def grid(layer, kv, seg, head, tok):
+        return (place(layer, "layer") + place(kv, "kv") + place(seg, "big", "sub")
+                + place(head, "head") + place(tok, "tok"))
+
+    mask = np.broadcast_to(place(valid, "big", "sub"), full)
+    lo = grid(*sides[0]).reshape(-1)
+    ro = grid(*sides[1]).reshape(-1)
+    if not valid.all():
+        keep = mask.reshape(-1)
+        lo, ro = lo[keep], ro[keep]
+    return _merge(lo, ro, chunk)
