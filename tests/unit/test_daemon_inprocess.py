@@ -195,7 +195,7 @@ def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
             async def silent(*_: object) -> None:  # a consumer that went away says nothing
                 return None
 
-            p.decode.consumer._heartbeat = silent
+            p.decode.consumer.reads._heartbeat = silent  # kvd.daemon.pull_reads.PullReads
             p.decode.consumer._abandon = silent
             p.decode.datapath.transport.hold_reads = True
             await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
