@@ -173,8 +173,21 @@ class Engine:
         engine_daemons name another daemon is complete only across daemons: not checked)."""
         if any(a != own_address for a in self.engine_daemons):
             return []
-        want = [RankId(t, p) for p in range(self.par.pp_size) for t in range(self.par.tp_size)]
-        return [r for r in want if r not in self.ranks]
+        if len(self.ranks) >= self.par.tp_size * self.par.pp_size:
+            return []
+        # Stops at the first few: the full rank set is never enumerated (it is bounded by
+        # check_parallelism, but a pull waiting on an incomplete engine polls this often).
+        missing: list[RankId] = []
+        for p in range(self.par.pp_size):
+            for t in range(self.par.tp_size):
+                if RankId(t, p) not in self.ranks:
+                    missing.append(RankId(t, p))
+                    if len(missing) >= MISSING_RANKS_SHOWN:
+                        return missing
+        return missing
+
+
+MISSING_RANKS_SHOWN = 16
 
 
 def validate_registration(msg: RegisterEngine

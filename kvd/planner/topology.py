@@ -43,6 +43,11 @@ def default_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
     return tuple(partitions)
 
 
+# No engine runs more ranks than this per dimension; the bound keeps every per-rank loop
+# (planning, rank bookkeeping) small whatever a registration or a peer claims.
+MAX_PARALLEL_SIZE = 1024
+
+
 def check_parallelism(model: ModelGeometry, par: Parallelism, role: str) -> None:
     """Refuse, in one line, any engine vLLM itself could not run."""
     if model.num_layers < 1:
@@ -53,6 +58,9 @@ def check_parallelism(model: ModelGeometry, par: Parallelism, role: str) -> None
         raise PlanError(f"{role} TP size must be >= 1, got {par.tp_size}")
     if par.pp_size < 1:
         raise PlanError(f"{role} PP size must be >= 1, got {par.pp_size}")
+    for name, size in (("TP", par.tp_size), ("PP", par.pp_size)):
+        if size > MAX_PARALLEL_SIZE:
+            raise PlanError(f"{role} {name} size {size} exceeds {MAX_PARALLEL_SIZE}")
     k, t = model.num_kv_heads, par.tp_size
     if not model.mla and k % t != 0 and t % k != 0:
         raise PlanError(
