@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.tools.bench.raw import check_test_pattern, fill_test_pattern
+from kvd.tools.bench.raw import check_test_pattern, end_children, fill_test_pattern
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -183,13 +183,7 @@ def _nixl(kind: str, nbytes: int, chunk: int, repeats: int, dirs: dict[str, str]
         res["target_pages"] = target_pages
         return res
     finally:
-        stop.set()
-        for p in (initiator, target):
-            if p is not None:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        end_children(stop, initiator, target)
 
 
 def bench_pages(nbytes_mib: int = 512, chunk_kib: int = 32, repeats: int = 5,

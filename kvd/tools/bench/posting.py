@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from kvd.tools.bench.raw import end_children
+
 MiB = 1 << 20
 KiB = 1 << 10
 # The target polls NIXL (progress, notifications) every TARGET_POLL_S seconds, sleeping in
@@ -207,13 +209,7 @@ def bench_posting(nbytes_mib: int = 512, chunks_kib: tuple[int, ...] = (4, 32),
             raise RuntimeError("NIXL initiator did not report")
         res = i_parent.recv()
     finally:
-        stop.set()
-        for p in (initiator, target):
-            if p is not None:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        end_children(stop, initiator, target)
     for case in res["cases"]:
         case["ratio_memcpy"] = round(case["gbps"] / memcpy, 3)
     return {"nbytes": nbytes, "pool_nbytes": pool_nbytes, "repeats": repeats,

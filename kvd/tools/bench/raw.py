@@ -197,10 +197,16 @@ def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repea
         res["target_notifs"] = t_parent.recv() if t_parent.poll(10) else None
         return res
     finally:
-        stop.set()
-        for p in (initiator, target):
-            if p is not None:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        end_children(stop, initiator, target)
+
+
+def end_children(stop: Any, *procs: Any) -> None:
+    """Tell the benchmark's child processes to stop, then reap them: a NIXL child that
+    does not exit within 10 s is killed, so no benchmark leaves a process behind."""
+    stop.set()
+    for p in procs:
+        if p is not None:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
+from kvd.tools.bench.raw import end_children
 
 MiB = 1 << 20
 
@@ -214,13 +215,7 @@ def raw_nixl(nbytes: int, device: str, gpu: int, repeats: int,
             raise RuntimeError("NIXL initiator did not report")
         return i_parent.recv()
     finally:
-        stop.set()
-        for p in (initiator, target):
-            if p is not None:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+        end_children(stop, initiator, target)
 
 
 # ------------------------------------------------------------------ kvd, two daemons
