@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvd.integrations.vllm.keepalive import RankKeepalive
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata
 from kvd.integrations.vllm.scheduler import KvdScheduler
 from kvd.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings
@@ -60,6 +61,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self.settings, vllm_config.cache_config.block_size,
                 groups=group_layout(kv_cache_config) if is_multi_group(kv_cache_config)
                 else None)
+            par = vllm_config.parallel_config
+            self._keepalive = RankKeepalive(self.settings, par.tensor_parallel_size,
+                                            par.pipeline_parallel_size)
         else:
             geom = geometry_from_vllm(vllm_config, kv_cache_config, self.settings.model_name)
             self._worker = KvdWorker(self.settings, geom,
@@ -168,6 +172,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+            self._keepalive.close()
 
     # ------------------------------------------------------------ scheduler side
 
