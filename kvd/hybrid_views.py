@@ -2,8 +2,9 @@
 
 A hybrid rank's pool is one flat region laid out as vLLM's hybrid allocator
 does (kvd.planner.hybrid_layout.vllm_rank_layout). An engine that computes
-into it needs each group as arrays: attention groups as
-[layer, kernel block, K|V, head, token, dim], Mamba groups as conv
+into it needs each group as arrays: attention groups in the pool's kv_layout
+([layer, kernel block, K|V, head, token, dim] for blocks_first, [layer,
+kernel block, head, token, K||V channel] for vLLM's LBHNC), Mamba groups as conv
 [layer, slot, ...conv shape] and SSM [layer, slot, head, head_dim, d_state].
 The views are strided windows of the same bytes (groups share tensors, told
 apart by block id), built from the same layout the daemon plans with, so
@@ -39,12 +40,13 @@ def _window(raw: np.ndarray, offset: int, itemsize: int, shape: tuple[int, ...],
 
 
 def group_views(pool: np.ndarray, model: HybridModel, par: Parallelism, pp_rank: int,
-                num_blocks: int, kernel_block_tokens: int, conv_layout: str = "DS"
-                ) -> list[np.ndarray | MambaViews | None]:
+                num_blocks: int, kernel_block_tokens: int, conv_layout: str = "DS",
+                kv_layout: str = "blocks_first") -> list[np.ndarray | MambaViews | None]:
     """One entry per model group (None: no layer of it on this PP stage); elements are
     unsigned ints of each part's dtype size (view them as the engine's dtype)."""
     raw = pool.reshape(-1).view(np.uint8)
-    lay = vllm_rank_layout(model, par, pp_rank, num_blocks, kernel_block_tokens, conv_layout)
+    lay = vllm_rank_layout(model, par, pp_rank, num_blocks, kernel_block_tokens, conv_layout,
+                           kv_layout)
     out: list[np.ndarray | MambaViews | None] = []
     for group in lay.groups:
         if isinstance(group, AttentionGroupLayout):

@@ -3,7 +3,8 @@
 Everything hybrid the daemon needs lives here, so the registry, producer and
 consumer only branch on ``ModelSpec.hybrid``: a hybrid rank's pool is vLLM's
 hybrid layout (``vllm_rank_layout``: one tensor per layer position shared by
-every group, blocks_first attention pages, Mamba slots of the engine's own
+every group, attention pages in the engine's layout (vLLM's LBHNC or LBNHC, or
+kvd's blocks_first), Mamba slots of the engine's own
 pages-per-logical-block ratio), sized by its end; a request names one block-id
 list per group (the flat fields carry their concatenation, so the existing
 range and acquire checks see every id); a pull is planned by ``plan_hybrid``
@@ -32,7 +33,12 @@ from kvd.planner.hybrid import (
     stage_ranges,
 )
 from kvd.planner.hybrid_assembly import HybridRankPool, assemble_hybrid_pull
-from kvd.planner.hybrid_layout import HybridRankLayout, vllm_rank_layout
+from kvd.planner.hybrid_layout import (
+    HYBRID_KV_LAYOUTS,
+    HybridRankLayout,
+    hybrid_head_layout,
+    vllm_rank_layout,
+)
 from kvd.planner.mamba import MambaSpec, check_mamba_tp
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
@@ -42,8 +48,6 @@ if TYPE_CHECKING:  # engines.py imports this module
     from kvd.daemon.peers import RemoteEngine
 
 POOL_ALIGN = 8  # pool sizes rounded up so every dtype's view of the pool is whole
-HYBRID_KV_LAYOUT = "blocks_first"  # what vllm_rank_layout lays out
-HYBRID_HEAD_LAYOUT = "HND"
 
 
 def _nbytes(dtype: str, what: str) -> int:
@@ -110,17 +114,21 @@ def rank_layout(spec: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism, pp_ra
     assert spec.hybrid is not None
     return vllm_rank_layout(hybrid_model(spec), par, pp_rank,
                             layout.num_blocks if num_blocks is None else num_blocks,
-                            layout.block_size_tokens, spec.hybrid.conv_layout)
+                            layout.block_size_tokens, spec.hybrid.conv_layout, layout.kv_layout)
 
 
 def hybrid_rank_pool(spec: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism,
                      pp_rank: int) -> tuple[HybridPool, int]:
     """(pool geometry, global index of the stage's first layer), or a clear refusal."""
     model = hybrid_model(spec)
-    if (layout.kv_layout, layout.head_layout) != (HYBRID_KV_LAYOUT, HYBRID_HEAD_LAYOUT):
-        raise LayoutError(f"hybrid engines use vLLM's hybrid pool: kv_layout "
-                          f"{HYBRID_KV_LAYOUT!r}, head_layout {HYBRID_HEAD_LAYOUT!r}; got "
-                          f"{layout.kv_layout!r}, {layout.head_layout!r}")
+    if layout.kv_layout not in HYBRID_KV_LAYOUTS:
+        raise LayoutError(f"hybrid engines use vLLM's hybrid pool: kv_layout one of "
+                          f"{HYBRID_KV_LAYOUTS} (layer outermost, whole blocks contiguous); "
+                          f"got {layout.kv_layout!r}")
+    if layout.head_layout != hybrid_head_layout(layout.kv_layout):
+        raise LayoutError(f"kv_layout {layout.kv_layout} keeps heads "
+                          f"{hybrid_head_layout(layout.kv_layout)} inside a page; got "
+                          f"head_layout {layout.head_layout!r}")
     if layout.num_blocks < 1 or layout.block_size_tokens < 1:
         raise LayoutError("num_blocks and block_size_tokens must be >= 1")
     if model.mamba is not None and model.layers_of("mamba"):

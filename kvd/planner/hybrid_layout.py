@@ -26,7 +26,7 @@ import numpy as np
 from kvd.errors import LayoutError
 from kvd.planner.descriptors import Descriptors, build_read_descriptors
 from kvd.planner.hybrid import TOKEN_KINDS, HybridModel, HybridPlan, stage_ranges
-from kvd.planner.layout import CacheLayout
+from kvd.planner.layout import CacheLayout, vllm_head_layout
 from kvd.planner.mamba import mamba_rank_shape
 from kvd.planner.mamba_layout import MambaStateLayout, build_mamba_descriptors, merge_ranges
 from kvd.planner.plan import RankId, Read
@@ -51,6 +51,21 @@ class AttentionGroupLayout:
 
 
 GroupLayout = AttentionGroupLayout | MambaStateLayout | None
+
+# Attention page orders a hybrid pool can have: each layer position's tensor holds whole
+# blocks one after another (the Mamba layers sharing it see slots of ``ratio`` pages), so
+# the layer axis is outermost and a block's page is contiguous. vLLM's attention backends
+# give LBHNC (its default; the only one vLLM's CPU attention takes) or LBNHC; kvd's own
+# engines may keep blocks_first ([block][K|V][head][token][dim]).
+HYBRID_KV_LAYOUTS = ("LBHNC", "LBNHC", "blocks_first")
+
+
+def hybrid_head_layout(kv_layout: str) -> str:
+    """The head order inside a page of ``kv_layout`` (LayoutSpec.head_layout must agree)."""
+    if kv_layout not in HYBRID_KV_LAYOUTS:
+        raise LayoutError(f"a hybrid pool's attention pages are one of {HYBRID_KV_LAYOUTS} "
+                          f"(layer outermost, whole blocks contiguous), got {kv_layout!r}")
+    return "HND" if kv_layout == "blocks_first" else vllm_head_layout(kv_layout)
 
 
 @dataclass(frozen=True)
@@ -88,15 +103,18 @@ def _positions(layers: tuple[int, ...], span: tuple[int, int]) -> tuple[int, int
 
 def vllm_rank_layout(model: HybridModel, par: Parallelism, pp_rank: int,
                      num_logical_blocks: int, kernel_block_tokens: int,
-                     conv_layout: str = "DS") -> HybridRankLayout:
+                     conv_layout: str = "DS", kv_layout: str = "blocks_first"
+                     ) -> HybridRankLayout:
     """One rank's pool as vLLM's hybrid allocator lays it out.
 
     One tensor per layer position j, shared by the j-th layer (on this stage) of
-    every group: num_logical_blocks * ratio attention kernel pages
-    (blocks_first: [block][K|V][head][token][dim]); a Mamba layer views the same
-    tensor as slots of `ratio` pages with [conv | ssm] at the start of each.
-    The tensors follow one another in the pool.
+    every group: num_logical_blocks * ratio attention kernel pages in
+    ``kv_layout`` (vLLM's LBHNC: [block][head][token][K||V]; kvd's blocks_first:
+    [block][K|V][head][token][dim]); a Mamba layer views the same tensor as slots
+    of `ratio` pages with [conv | ssm] at the start of each. The tensors follow
+    one another in the pool.
     """
+    head_layout = hybrid_head_layout(kv_layout)
     geom = model.geometry
     first, stop = stage_ranges(model, par)[pp_rank]
     att = model.attention
@@ -120,7 +138,8 @@ def vllm_rank_layout(model: HybridModel, par: Parallelism, pp_rank: int,
             cache = CacheLayout(num_layers=b - a, num_blocks=num_logical_blocks * ratio,
                                 block_size_tokens=kernel_block_tokens, num_heads=heads,
                                 head_dim=att.head_dim, dtype_nbytes=att.dtype_nbytes,
-                                kv_layout="blocks_first", mla=att.mla)
+                                kv_layout=kv_layout, head_layout=head_layout,
+                                mla=att.mla)
             out.append(AttentionGroupLayout(cache=cache, blocks_per_logical=ratio))
         elif model.mamba is not None:
             out.append(MambaStateLayout(

@@ -105,6 +105,12 @@ CASES = {
     "block-ratio-kbs4-kbs1-tp1-tp2": (HybridShape(1, kernel_block_tokens=4),
                                       HybridShape(2, kernel_block_tokens=1), 50, 0),
     "pp2-tp2-prefix-hit": (HybridShape(2, pp_size=2), HybridShape(2), 60, 1),
+    # vLLM's page orders (K||V channels side by side), as the vLLM connector registers them
+    "vllm-LBHNC-tp4-tp2": (HybridShape(4, kv_layout="LBHNC"), HybridShape(2, kv_layout="LBHNC"),
+                           45, 0),
+    "vllm-LBNHC-kbs2-kbs4-tp1-tp2": (HybridShape(1, kernel_block_tokens=2, kv_layout="LBNHC"),
+                                     HybridShape(2, kernel_block_tokens=4, kv_layout="LBNHC"),
+                                     50, 0),
 }
 
 

@@ -24,11 +24,20 @@ def global_kv(num_layers: int, kv_parts: int, num_tokens: int, num_heads: int,
 def fill_pool(layout: CacheLayout, kv: np.ndarray, layers: tuple[int, int],
               heads: tuple[int, int], block_ids: np.ndarray) -> np.ndarray:
     """A rank's pool holding its (layers, heads) shard of the request in block_ids."""
+    bs = layout.block_size_tokens
+    num_tokens = kv.shape[2]
+    if layout.vllm:  # logical [L, B, H, N, kv, d], then the name's axis order, K||V channels
+        logical = np.full((layout.num_layers, layout.num_blocks, layout.num_heads, bs,
+                           layout.kv_parts, layout.head_dim), -1, dtype=DTYPE)
+        for i, block in enumerate(block_ids):
+            t0, t1 = i * bs, min(num_tokens, (i + 1) * bs)
+            data = kv[layers[0]:layers[1], :, t0:t1, heads[0]:heads[1], :]  # [l, kv, t, h, d]
+            logical[:, block, :, : t1 - t0] = data.transpose(0, 3, 2, 1, 4)
+        phys = logical.transpose([*("LBHN".index(a) for a in layout.kv_layout[:4]), 4, 5])
+        return np.ascontiguousarray(phys).reshape(layout.shape)
     assert layout.kv_layout in ("kv_split", "blocks_first", "cross_layer", "head_major"), \
         layout.kv_layout
     pool = np.full(layout.shape, -1, dtype=DTYPE)
-    bs = layout.block_size_tokens
-    num_tokens = kv.shape[2]
     for i, block in enumerate(block_ids):
         t0, t1 = i * bs, min(num_tokens, (i + 1) * bs)
         data = kv[layers[0]:layers[1], :, t0:t1, heads[0]:heads[1], :]  # [l, kv, t, h, d]

@@ -22,6 +22,7 @@ from planner_sim import apply_descriptors, fill_pool, global_kv
 from kvd.errors import LayoutError
 from kvd.planner.hybrid import AttentionSpec, model_from_pattern, plan_hybrid
 from kvd.planner.hybrid_layout import (
+    HYBRID_KV_LAYOUTS,
     AttentionGroupLayout,
     build_hybrid_descriptors,
     vllm_rank_layout,
@@ -90,11 +91,13 @@ def kernel_ids(ids: list[int], first_logical: int, ratio: int, kbs: int, t0: int
 class Side:
     """One engine: its plan geometry, pools per rank and block ids per group."""
 
-    def __init__(self, m, tp: int, pp: int, kbs: int, num_logical: int):
+    def __init__(self, m, tp: int, pp: int, kbs: int, num_logical: int,
+                 kv_layout: str = "blocks_first"):
         self.m, self.tp, self.pp, self.kbs = m, tp, pp, kbs
         self.par = Parallelism(tp, pp)
         self.stages = stages(len(m.layers), pp)
-        self.layouts = {pp_rank: vllm_rank_layout(m, self.par, pp_rank, num_logical, kbs)
+        self.layouts = {pp_rank: vllm_rank_layout(m, self.par, pp_rank, num_logical, kbs,
+                                                  kv_layout=kv_layout)
                         for pp_rank in range(pp)}
         self.ratio = next(g.blocks_per_logical for lay in self.layouts.values()
                           for g in lay.groups if isinstance(g, AttentionGroupLayout))
@@ -116,18 +119,19 @@ class Side:
     window=st.sampled_from([1, 3, 7, 50]),
     num_tokens=st.integers(1, MAX_TOKENS),
     hit=st.floats(0, 1),
+    kv_layout=st.sampled_from(HYBRID_KV_LAYOUTS),
     data=st.data(),
 )
 def test_hybrid_pull_moves_exactly_the_needed_bytes(p_tp, d_tp, p_pp, d_pp, p_kbs, d_kbs, window,
-                                                    num_tokens, hit, data):
+                                                    num_tokens, hit, kv_layout, data):
     m = model(window)
     plan = plan_hybrid(m, Parallelism(p_tp, p_pp), Parallelism(d_tp, d_pp))
     n_groups = len(m.groups)
     # every side's logical block spans >= 8 tokens here (the smallest Mamba state over the
     # largest page), so each group names at most MAX_TOKENS / 8 blocks
     num_logical = 2 * n_groups * -(-MAX_TOKENS // 8) + 8
-    prod = Side(m, p_tp, p_pp, p_kbs, num_logical)
-    cons = Side(m, d_tp, d_pp, d_kbs, num_logical)
+    prod = Side(m, p_tp, p_pp, p_kbs, num_logical, kv_layout)
+    cons = Side(m, d_tp, d_pp, d_kbs, num_logical, kv_layout)
 
     # Block ids: disjoint between groups (they share the pool's bytes), shuffled.
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
@@ -254,3 +258,26 @@ def test_sliding_window_reads_only_the_window():
     full = next(g for g in range(len(m.groups)) if m.group_kind(g) == "attention")
     padded = -(-num_tokens // kbs) * kbs
     assert desc.groups[full].total_nbytes == cache.num_layers * padded * per_token
+
+
+def test_vllm_page_order_reads_a_head_slice_in_one_piece_per_page():
+    """In LBHNC a rank's heads of one (layer, kernel page) are one run (K||V side by side);
+    in blocks_first K and V of the slice are two runs: half the descriptors with vLLM's order."""
+    m, num_tokens, kbs = model(50), 64, 2
+    plan = plan_hybrid(m, Parallelism(1), Parallelism(2))
+    counts = {}
+    for kv_layout in ("LBHNC", "blocks_first"):
+        prod = Side(m, 1, 1, kbs, 64, kv_layout)
+        cons = Side(m, 2, 1, kbs, 64, kv_layout)
+        n_logical = -(-num_tokens // (kbs * prod.ratio))
+        # every other logical block: nothing merges across pages
+        ids = [[0] if m.group_kind(g) == "mamba" else
+               list(range(2 + 2 * n_logical * g, 2 + 2 * n_logical * (g + 1), 2))
+               for g in range(len(m.groups))]
+        desc = build_hybrid_descriptors(plan, RankId(0), RankId(0), cons.layouts[0],
+                                        prod.layouts[0], ids, ids, num_tokens)
+        full = next(g for g in range(len(m.groups)) if m.group_kind(g) == "attention")
+        counts[kv_layout] = len(desc.groups[full])
+        pages = len(m.groups[full].layers) * -(-num_tokens // kbs)
+        assert desc.groups[full].total_nbytes == pages * kbs * 2 * HEAD_DIM * 4  # 1 head, K+V
+    assert counts["blocks_first"] == 2 * counts["LBHNC"], counts

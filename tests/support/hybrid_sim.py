@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.planner.hybrid import stage_ranges
-from kvd.planner.hybrid_layout import AttentionGroupLayout, HybridRankLayout, vllm_rank_layout
+from kvd.planner.hybrid_layout import (
+    AttentionGroupLayout,
+    HybridRankLayout,
+    hybrid_head_layout,
+    vllm_rank_layout,
+)
 from kvd.planner.mamba import MambaSpec
 from kvd.planner.mamba_layout import MambaStateLayout
 from kvd.planner.topology import Parallelism
@@ -42,11 +47,13 @@ class HybridShape:
     pp_size: int = 1
     kernel_block_tokens: int = 2
     num_blocks: int = 48  # logical blocks (and Mamba slots)
+    kv_layout: str = "blocks_first"  # or vLLM's LBHNC / LBNHC
 
     @property
     def layout(self) -> LayoutSpec:
         return LayoutSpec(num_blocks=self.num_blocks, block_size_tokens=self.kernel_block_tokens,
-                          kv_layout="blocks_first", head_layout="HND")
+                          kv_layout=self.kv_layout,
+                          head_layout=hybrid_head_layout(self.kv_layout))
 
 
 def _kind(spec: ModelSpec, g: int) -> str:
@@ -95,7 +102,8 @@ class Side:
         self.stages = stage_ranges(self.model, self.par)
         self.layouts: dict[int, HybridRankLayout] = {
             pp: vllm_rank_layout(self.model, self.par, pp, shape.num_blocks,
-                                 shape.kernel_block_tokens) for pp in range(shape.pp_size)}
+                                 shape.kernel_block_tokens, kv_layout=shape.kv_layout)
+            for pp in range(shape.pp_size)}
         self.ratio = next(g.blocks_per_logical for lay in self.layouts.values()
                           for g in lay.groups if isinstance(g, AttentionGroupLayout))
 
@@ -145,13 +153,21 @@ class Side:
             return
         assert isinstance(lay, AttentionGroupLayout)
         (kv,) = state[g]
-        shape = lay.cache.shape  # (layers, kernel blocks, kv, heads, tokens, dim)
+        shape = lay.cache.shape  # blocks_first: (layers, kernel blocks, kv, heads, tokens, dim)
         view = pool[:int(np.prod(shape))].reshape(shape)
         kbs, lt = self.shape.kernel_block_tokens, self.logical_tokens
         h0, h1 = self.kv_heads(tp_rank)
         for t in range(t0, t1):
             kernel = ids[t // lt - first_logical] * self.ratio + (t % lt) // kbs
-            view[:, kernel, :, :, t % kbs, :] = kv[a:b, :, t, h0:h1, :]
+            data = kv[a:b, :, t, h0:h1, :]  # [layer, kv, head, dim]
+            if self.shape.kv_layout == "blocks_first":
+                view[:, kernel, :, :, t % kbs, :] = data
+            else:  # vLLM: K||V channels of one (head, token) side by side
+                cat = data.transpose(0, 2, 1, 3).reshape(b - a, h1 - h0, -1)
+                if self.shape.kv_layout == "LBHNC":
+                    view[:, kernel, :, t % kbs, :] = cat
+                else:  # LBNHC
+                    view[:, kernel, t % kbs, :, :] = cat
 
 
 def token_start(spec: ModelSpec, g: int, prod: Side, cons: Side, num_tokens: int,

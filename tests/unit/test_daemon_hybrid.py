@@ -83,6 +83,8 @@ def test_compat_key_covers_the_hybrid_description_not_tp_or_blocks() -> None:
     plain = P.ModelSpec(name="itest-hybrid", num_kv_heads=2, num_layers=8, head_dim=4,
                         dtype="float32")
     assert compat_hash(plain, lay) != base
+    # the attention page order is part of it: a blocks_first engine cannot serve an LBHNC one
+    assert compat_hash(spec(), HybridShape(1, kv_layout="LBHNC").layout) != base
 
 
 def test_registration_sizes_the_pool_by_the_hybrid_layout() -> None:
@@ -96,9 +98,15 @@ def test_registration_sizes_the_pool_by_the_hybrid_layout() -> None:
 
 
 def test_registration_refusals_name_the_problem() -> None:
-    with pytest.raises(LayoutError, match="blocks_first"):
+    with pytest.raises(LayoutError, match="layer outermost, whole blocks contiguous"):
         validate_registration(register(1, layout=P.LayoutSpec(num_blocks=8,
                                                               block_size_tokens=2)))
+    with pytest.raises(LayoutError, match="layer outermost"):  # cross-layer: blocks span layers
+        validate_registration(register(1, layout=P.LayoutSpec(
+            num_blocks=8, block_size_tokens=2, kv_layout="BHLNC", head_layout="HND")))
+    with pytest.raises(LayoutError, match="keeps heads NHD inside a page"):
+        validate_registration(register(1, layout=P.LayoutSpec(
+            num_blocks=8, block_size_tokens=2, kv_layout="LBNHC", head_layout="HND")))
     with pytest.raises(PlanError, match="24 SSM heads"):
         validate_registration(register(16))
     bad = msgspec.structs.replace(spec(), num_layers=7)

@@ -15,9 +15,12 @@ SPEC = hybrid_spec("M*S-M*MS", [[0, 4], [1, 5], [2, 7], [6]], k=2, head_dim=4, m
                    window=7)
 
 
-@pytest.mark.parametrize(("tp", "tp_rank", "kbs"), [(1, 0, 2), (4, 3, 1), (6, 2, 4)])
-def test_views_match_the_oracles_placement(tp: int, tp_rank: int, kbs: int) -> None:
-    shape = HybridShape(tp, kernel_block_tokens=kbs, num_blocks=12)
+@pytest.mark.parametrize(("tp", "tp_rank", "kbs", "kv_layout"),
+                         [(1, 0, 2, "blocks_first"), (4, 3, 1, "blocks_first"),
+                          (6, 2, 4, "blocks_first"), (2, 1, 2, "LBHNC"), (4, 2, 4, "LBNHC")])
+def test_views_match_the_oracles_placement(tp: int, tp_rank: int, kbs: int,
+                                           kv_layout: str) -> None:
+    shape = HybridShape(tp, kernel_block_tokens=kbs, num_blocks=12, kv_layout=kv_layout)
     side = Side(SPEC, shape)
     size = side.layouts[0].end_nbytes // 4 + 2
     tokens = 2 * side.logical_tokens
@@ -27,7 +30,8 @@ def test_views_match_the_oracles_placement(tp: int, tp_rank: int, kbs: int) -> N
     for g in range(4):
         side.write(want, tp_rank, 0, g, ids[g], 0, 0, tokens, state)
     got = np.zeros(size, dtype=np.int32)
-    views = group_views(got, side.model, side.par, 0, shape.num_blocks, kbs)
+    views = group_views(got, side.model, side.par, 0, shape.num_blocks, kbs,
+                        kv_layout=kv_layout)
     h0, h1 = side.kv_heads(tp_rank)
     for g, view in enumerate(views):
         if isinstance(view, MambaViews):
@@ -42,5 +46,13 @@ def test_views_match_the_oracles_placement(tp: int, tp_rank: int, kbs: int) -> N
         for t in range(tokens):
             block = ids[g][t // side.logical_tokens] * side.ratio + \
                 (t % side.logical_tokens) // kbs
-            view[:, block, :, :, t % kbs, :] = kv[:, :, t, h0:h1, :]
+            data = kv[:, :, t, h0:h1, :]  # [layer, kv, head, dim]
+            if kv_layout == "blocks_first":
+                view[:, block, :, :, t % kbs, :] = data
+            elif kv_layout == "LBHNC":  # [layer, block, head, token, K||V]
+                view[:, block, :, t % kbs, :] = data.transpose(0, 2, 1, 3).reshape(
+                    data.shape[0], h1 - h0, -1)
+            else:  # LBNHC: [layer, block, token, head, K||V]
+                view[:, block, t % kbs, :, :] = data.transpose(0, 2, 1, 3).reshape(
+                    data.shape[0], h1 - h0, -1)
     np.testing.assert_array_equal(got, want)

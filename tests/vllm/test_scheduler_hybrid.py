@@ -10,10 +10,8 @@ last prompt token on the Mamba state after N-1 tokens); the decode side
 pulls one list per group and gets the attention K/V of every loaded token
 and both Mamba states byte for byte; both schedulers drain.
 
-Known gap, asserted here: vLLM 0.32's attention pages are [block, head,
-token, K||V], kvd's hybrid layout is [block][K|V][head][token][dim], so the
-worker refuses the attention views at startup. The cases then relax only
-that check (page placement stays checked) to test everything else.
+The worker checks every vLLM view (attention pages in vLLM's LBHNC order,
+Mamba slots) against kvd's hybrid layout at startup, unrelaxed.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
                 "(README: 'Run the vLLM suite')", allow_module_level=True)
 
 from hybrid_support import (  # noqa: E402
-    ATTENTION_ORDER_NOTE,
     HybridEngine,
     make_hybrid_engine,
     write_model_dir,
@@ -83,9 +80,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
     made: list[tuple[HybridEngine, DaemonProcess]] = []
 
-    def make(name: str, daemon: DaemonProcess, refusals: list[str], **kw: Any
-             ) -> HybridEngine:
-        e = make_hybrid_engine(name, model_dir, daemon.engine_address, refusals, **kw)
+    def make(name: str, daemon: DaemonProcess, **kw: Any) -> HybridEngine:
+        e = make_hybrid_engine(name, model_dir, daemon.engine_address, **kw)
         made.append((e, daemon))
         return e
 
@@ -107,12 +103,9 @@ def test_connector_supports_hma() -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_hybrid_prefill_to_decode(daemons, engines, tp: int) -> None:
     pd, dd = daemons
-    refusals: list[str] = []
-    p = engines("hpre", pd, refusals, tp_size=tp)
-    d = engines("hdec", dd, refusals, tp_size=tp)
-    # Every worker refused vLLM 0.32's attention page order, naming it.
-    assert len(refusals) == 2 * tp and all(ATTENTION_ORDER_NOTE in r for r in refusals), \
-        refusals
+    p = engines("hpre", pd, tp_size=tp)
+    d = engines("hdec", dd, tp_size=tp)
+    assert p.vllm_config.cache_config.get_resolved_kv_cache_layout().name == "LBHNC"
     assert [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups] \
         == ["MambaSpec", "FullAttentionSpec"]
 
@@ -145,9 +138,8 @@ def test_hybrid_pull_of_unknown_request_fails_per_request(daemons, engines) -> N
     """A multi-group pull that fails is reported per request (failed_recving): vLLM
     refuses block-level invalid ids for hybrid models."""
     pd, dd = daemons
-    refusals: list[str] = []
-    p = engines("hpre", pd, refusals)
-    d = engines("hdec", dd, refusals)
+    p = engines("hpre", pd)
+    d = engines("hdec", dd)
     prompt = prompt_tokens(12, PROMPT)
     params = prefill(p, "r2", prompt)
     params["remote_request_id"] = "never-published"

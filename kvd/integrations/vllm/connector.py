@@ -38,9 +38,12 @@ log = logging.getLogger("kvd.vllm")
 
 # The layout kvd asks vLLM for, where the attention backend offers it. BHLNC keeps a
 # rank's heads of a block, all layers, in one region: a hetero-TP pull is one
-# descriptor per block per source rank. CPU attention takes only LBHNC.
+# descriptor per block per source rank. CPU attention takes only LBHNC, and hybrid
+# (Mamba) models share each layer's tensor between groups, which needs whole blocks
+# contiguous per layer: LBHNC too (kvd.planner.hybrid_layout.HYBRID_KV_LAYOUTS).
 DEFAULT_LAYOUT = "BHLNC"
 CPU_LAYOUT = "LBHNC"
+HYBRID_LAYOUT = "LBHNC"
 
 SLEEP_REFUSED = ("KvdConnector does not support vLLM sleep mode: kvd owns the KV pool and "
                  "cannot release it while asleep")
@@ -79,6 +82,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return str(extra["kvd_kv_layout"])
         from vllm.platforms import current_platform
 
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is not None and getattr(model_config, "is_hybrid", False):
+            return HYBRID_LAYOUT
         return CPU_LAYOUT if current_platform.device_type == "cpu" else DEFAULT_LAYOUT
 
     @classmethod

@@ -125,7 +125,8 @@ def hybrid_geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
         mla=mla, kernel_block_tokens=att[0].block_size if att else 1,
         num_blocks=kv_cache_config.num_blocks, buf_nbytes=sizes.pop(), mamba=mamba,
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-        layer_partition=partition, conv_layout=conv_layout)
+        layer_partition=partition, conv_layout=conv_layout,
+        kv_layout=vllm_config.cache_config.get_resolved_kv_cache_layout().name)
 
 
 def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,

@@ -205,20 +205,25 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
 
     ``views``: LayerView (kvd.integrations.vllm_core.geometry) of every cache
     layer, named with the global layer index. Attention views are
-    [block, head, token, channel] pages; Mamba views are vLLM's raw
+    [block, head, token, K||V channel] pages (LBHNC; [block, token, head, ..] for
+    LBNHC); Mamba views are vLLM's raw
     [block, 1, 1, bytes] int8 pages holding [conv | ssm]. Raises LayoutError naming
     the first layer and the axis that differ.
     """
     from kvd.daemon.hybrid import hybrid_model
     from kvd.planner.hybrid import stage_ranges
     from kvd.planner.hybrid_layout import AttentionGroupLayout, vllm_rank_layout
+    from kvd.planner.layout import VLLM_LAYOUTS
     from kvd.planner.mamba_layout import MambaStateLayout
     from kvd.planner.topology import Parallelism
 
+    if layout.kv_layout not in VLLM_LAYOUTS:
+        raise LayoutError(f"vLLM's attention pages are one of vLLM's layouts, not "
+                          f"{layout.kv_layout!r}")
     model = hybrid_model(spec)
     par = Parallelism(tp_size, pp_size, layer_partition)
     lay = vllm_rank_layout(model, par, pp_rank, layout.num_blocks, layout.block_size_tokens,
-                           spec.hybrid.conv_layout)
+                           spec.hybrid.conv_layout, layout.kv_layout)
     first, stop = stage_ranges(model, par)[pp_rank]
     where: dict[int, tuple[Any, int]] = {}  # global layer -> (group layout, position)
     for g, group in enumerate(model.groups):
@@ -243,18 +248,21 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
             s = c.strides_nbytes()
             e = c.dtype_nbytes
             want_offset = group.base_offset_nbytes + j * s["layer"]
-            want = (c.num_blocks, c.num_heads, c.block_size_tokens, c.kv_parts * c.head_dim)
-            want_strides = (s["block"], s["head"], s["token"], e)
+            # vLLM's page axes in the layout's order after L: block, then H and N as named
+            axes = [a for a in c.kv_layout[1:-1]]
+            sizes = {"B": c.num_blocks, "H": c.num_heads, "N": c.block_size_tokens}
+            names = {"B": "block", "H": "head", "N": "token"}
+            want = (*(sizes[a] for a in axes), c.kv_parts * c.head_dim)
+            want_strides = (*(s[names[a]] for a in axes), e)
             if offset != want_offset:
                 raise LayoutError(f"attention layer {view.name!r} starts at pool offset "
                                   f"{offset}, kvd's hybrid layout puts it at {want_offset}")
             if tuple(view.shape) != want or tuple(view.strides_nbytes) != want_strides:
                 raise LayoutError(
                     f"attention layer {view.name!r}: vLLM's page is shape {tuple(view.shape)} "
-                    f"byte strides {tuple(view.strides_nbytes)} ([block, head, token, "
-                    f"K||V channel]); kvd's hybrid layout ({c.kv_layout}, [block][K|V][head]"
-                    f"[token][dim]) has {want} / {want_strides}: K and V are not where kvd "
-                    "reads them")
+                    f"byte strides {tuple(view.strides_nbytes)}; kvd's hybrid layout "
+                    f"{c.kv_layout} ([{', '.join(names[a] for a in axes)}, K||V channel]) has "
+                    f"{want} / {want_strides}: K and V are not where kvd reads them")
         elif isinstance(group, MambaStateLayout):
             want_offset = group.base_offset_nbytes + j * group.layer_stride
             extent = group.state_extent_nbytes
@@ -294,6 +302,7 @@ class VllmHybridGeometry:
     pp_size: int = 1
     layer_partition: tuple[int, ...] | None = None
     conv_layout: str = "DS"
+    kv_layout: str = "LBHNC"  # the attention backend's page order (vLLM's resolved layout)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -309,11 +318,12 @@ class VllmHybridGeometry:
                          dtype=self.dtype, mla=self.mla, hybrid=hybrid)
 
     def layout_spec(self) -> Any:
-        from kvd.daemon.hybrid import HYBRID_HEAD_LAYOUT, HYBRID_KV_LAYOUT
+        from kvd.planner.hybrid_layout import hybrid_head_layout
         from kvd.protocol import LayoutSpec
 
         return LayoutSpec(num_blocks=self.num_blocks, block_size_tokens=self.kernel_block_tokens,
-                          kv_layout=HYBRID_KV_LAYOUT, head_layout=HYBRID_HEAD_LAYOUT)
+                          kv_layout=self.kv_layout,
+                          head_layout=hybrid_head_layout(self.kv_layout))
 
     def check_allocation(self) -> None:
         """vLLM's one allocation must be exactly kvd's hybrid pool for this rank."""
