@@ -1,26 +1,36 @@
 """Planner speed: plan time per engine pair and descriptor build time per request.
 
-Targets (issue 2): a 16x16-rank plan in <= 1 ms uncached, and the descriptors of
-80 layers x 4096 blocks in <= 20 ms. Run: .venv/bin/python benchmarks/bench_planner.py
+Targets (issues 2 and 12): a 16x16-rank plan in <= 1 ms uncached, and the descriptors of
+80 layers x 4096 blocks in <= 20 ms in every layout, block-size ratios included.
+Run: .venv/bin/python benchmarks/bench_planner.py [--json] [-k NAME] [--no-plans]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvd.errors import LayoutError
 from kvd.planner import (
     CacheLayout,
+    Descriptors,
     ModelGeometry,
     Parallelism,
+    RankId,
     build_read_descriptors,
     plan_transfer,
 )
+from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS, VLLM_LAYOUTS, vllm_head_layout
+from kvd.planner.plan import Read
 
 PLAN_TARGET_MS = 1.0
 BUILD_TARGET_MS = 20.0
+LAYERS, N_BLOCKS, POOL_BLOCKS = 80, 4096, 8192  # a request of 4096 blocks of 16 tokens
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -33,7 +43,8 @@ def best_ms(fn: Callable[[], object], repeat: int) -> float:
     return best * 1e3
 
 
-def bench_plans() -> None:
+def bench_plans(as_json: bool = False) -> list[dict]:
+    """Uncached plan time per engine pair, then the cached lookup."""
     uncached = plan_transfer.__wrapped__
     cases = [
         ("K=8   P TP16 -> D TP16 (replicated both)", ModelGeometry(8, 80), Parallelism(16),
@@ -46,67 +57,146 @@ def bench_plans() -> None:
         ("K=8   P TP4xPP4 -> D TP4xPP4 (shifted)", ModelGeometry(8, 80),
          Parallelism(4, 4, (19, 21, 20, 20)), Parallelism(4, 4)),
     ]
-    print("plan time (uncached, best of 200):")
+    rows = []
+    if not as_json:
+        print("plan time (uncached, best of 200):")
     for name, model, prefill, decode in cases:
         ms = best_ms(lambda m=model, p=prefill, d=decode: uncached(m, p, d), 200)
         reads = uncached(model, prefill, decode).num_reads
-        flag = "ok" if ms <= PLAN_TARGET_MS else "OVER TARGET"
-        print(f"  {name:44s} {ms * 1e3:8.1f} us  {reads:4d} reads  [{flag}]")
+        rows.append({"case": name, "us": round(ms * 1e3, 1), "reads": reads,
+                     "ok": ms <= PLAN_TARGET_MS})
+        if not as_json:
+            flag = "ok" if ms <= PLAN_TARGET_MS else "OVER TARGET"
+            print(f"  {name:44s} {ms * 1e3:8.1f} us  {reads:4d} reads  [{flag}]")
     model, p, d = cases[0][1:]
     plan_transfer(model, p, d)
     hit = best_ms(lambda: plan_transfer(model, p, d), 1000)
-    print(f"  cached lookup                                {hit * 1e3:8.2f} us")
+    rows.append({"case": "cached lookup", "us": round(hit * 1e3, 2)})
+    if not as_json:
+        print(f"  cached lookup                                {hit * 1e3:8.2f} us")
+    return rows
 
 
-def bench_descriptors() -> None:
+@dataclass(frozen=True)
+class BuildCase:
+    """One descriptor build to time: a Read between two layouts and both block tables."""
+
+    name: str
+    read: Read
+    local: CacheLayout
+    remote: CacheLayout
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+
+
+def _layout(heads: int, kv_layout: str, head_layout: str, bs: int = 16, mla: bool = False,
+            ) -> CacheLayout:
+    # every pool holds the same bytes whatever its block size: 8192 blocks of 16 tokens
+    return CacheLayout(LAYERS, POOL_BLOCKS * 16 // bs, bs, heads, 576 if mla else 128, 2,
+                       kv_layout=kv_layout, head_layout=head_layout, mla=mla)
+
+
+def _read(local_heads: tuple[int, int], remote_heads: tuple[int, int]) -> Read:
+    """All layers of one prefill rank; global heads are the remote's (prefill TP1)."""
+    return Read(RankId(0, 0), remote_heads, local_heads, remote_heads, (0, LAYERS))
+
+
+def build_cases() -> list[BuildCase]:
+    """The issue-12 matrix: every kv_layout (NHD too where it exists), each with whole heads,
+    a 4-of-8 head slice (decode TP2 <- prefill TP1) and block-size ratios both ways, all on
+    shuffled block ids; plus the earlier special cases (consecutive ids, MLA, 1-head ratio)."""
     rng = np.random.default_rng(0)
-    n_blocks, pool_blocks, layers = 4096, 8192, 80
-    consecutive = np.arange(n_blocks)
-    shuffled = rng.permutation(pool_blocks)[:n_blocks]
-    plan_same = plan_transfer(ModelGeometry(8, layers), Parallelism(1), Parallelism(1))
-    plan_slice = plan_transfer(ModelGeometry(8, layers), Parallelism(1), Parallelism(2))
-    plan_mla = plan_transfer(ModelGeometry(1, layers, True), Parallelism(1), Parallelism(1))
 
-    def lay(heads: int, kv_layout: str = "kv_split", bs: int = 16, mla: bool = False):
-        return CacheLayout(layers, pool_blocks, bs, heads, 128 if not mla else 576, 2,
-                           kv_layout=kv_layout, mla=mla)
+    def ids(n: int, pool: int) -> np.ndarray:
+        return rng.permutation(pool)[:n]
 
+    # decode TP2 rank 1 <- prefill TP1: its 4 heads are the prefill rank's heads 4..8
+    whole, half = _read((0, 8), (0, 8)), _read((0, 4), (4, 8))
+    one = _read((0, 1), (0, 1))
     cases = [
-        ("whole heads, kv_split, consecutive ids", plan_same, lay(8), lay(8), consecutive,
-         consecutive),
-        ("whole heads, kv_split, shuffled ids", plan_same, lay(8), lay(8), shuffled,
-         rng.permutation(pool_blocks)[:n_blocks]),
-        ("whole heads, blocks_first, shuffled ids", plan_same, lay(8, "blocks_first"),
-         lay(8, "blocks_first"), shuffled, rng.permutation(pool_blocks)[:n_blocks]),
-        ("head slice 4 of 8 (D TP2 <- P TP1), consec", plan_slice, lay(4), lay(8), consecutive,
-         consecutive),
-        ("whole heads, cross_layer, shuffled ids", plan_same, lay(8, "cross_layer"),
-         lay(8, "cross_layer"), shuffled, rng.permutation(pool_blocks)[:n_blocks]),
-        ("whole heads, head_major, shuffled ids", plan_same, lay(8, "head_major"),
-         lay(8, "head_major"), shuffled, rng.permutation(pool_blocks)[:n_blocks]),
-        ("head slice 4 of 8, cross_layer, shuffled", plan_slice, lay(4, "cross_layer"),
-         lay(8, "cross_layer"), shuffled, rng.permutation(pool_blocks)[:n_blocks]),
-        ("head slice 4 of 8, head_major, shuffled", plan_slice, lay(4, "head_major"),
-         lay(8, "head_major"), shuffled, rng.permutation(pool_blocks)[:n_blocks]),
-        ("MLA latent, shuffled ids", plan_mla, lay(1, mla=True), lay(1, mla=True), shuffled,
-         rng.permutation(pool_blocks)[:n_blocks]),
-        ("ratio: decode bs 64 <- prefill bs 16, 1 head", plan_same, lay(1, bs=64), lay(1),
-         consecutive[: n_blocks // 4], consecutive),
+        BuildCase("kv_split HND whole, consecutive ids", whole, _layout(8, "kv_split", "HND"),
+                  _layout(8, "kv_split", "HND"), np.arange(N_BLOCKS), np.arange(N_BLOCKS)),
+        BuildCase("kv_split HND slice 4/8, consecutive ids", half,
+                  _layout(4, "kv_split", "HND"), _layout(8, "kv_split", "HND"),
+                  np.arange(N_BLOCKS), np.arange(N_BLOCKS)),
+        BuildCase("MLA kv_split latent, shuffled", one, _layout(1, "kv_split", "HND", mla=True),
+                  _layout(1, "kv_split", "HND", mla=True), ids(N_BLOCKS, POOL_BLOCKS),
+                  ids(N_BLOCKS, POOL_BLOCKS)),
+        BuildCase("kv_split 1 head, ratio 64<-16, consecutive", one,
+                  _layout(1, "kv_split", "HND", bs=64), _layout(1, "kv_split", "HND"),
+                  np.arange(N_BLOCKS // 4), np.arange(N_BLOCKS)),
     ]
-    print(f"descriptor build, {layers} layers x {n_blocks} blocks (best of 20):")
-    for name, plan, local, remote, lids, rids in cases:
-        read = plan.reads_for(next(iter(plan.reads)))[0]
-        if local.num_heads == 1 and not local.mla:  # a single-head pair for the ratio case
-            read = type(read)(read.remote, (0, 1), (0, 1), (0, 1), read.layers)
-        desc = build_read_descriptors(read, local, 0, remote, 0, lids, rids)
-        ms = best_ms(lambda r=read, lo=local, re=remote, a=lids, b=rids:
-                     build_read_descriptors(r, lo, 0, re, 0, a, b), 20)
-        flag = "ok" if ms <= BUILD_TARGET_MS else "OVER TARGET"
-        mean_kib = desc.total_nbytes / len(desc) / 1024
-        print(f"  {name:44s} {ms:7.2f} ms  {len(desc):7d} descs  mean {mean_kib:9.1f} KiB"
-              f"  [{flag}]")
+    combos = [(k, h) for k in KV_LAYOUTS for h in HEAD_LAYOUTS if k != "head_major" or h == "HND"]
+    combos += [(k, vllm_head_layout(k)) for k in VLLM_LAYOUTS]
+    for kv_layout, head_layout in combos:
+        tag = kv_layout if kv_layout in VLLM_LAYOUTS else f"{kv_layout} {head_layout}"
+
+        def lay(heads: int, bs: int = 16, k: str = kv_layout, h: str = head_layout):
+            return _layout(heads, k, h, bs)
+
+        n_pool = POOL_BLOCKS
+        cases += [
+            BuildCase(f"{tag} whole, shuffled", whole, lay(8), lay(8),
+                      ids(N_BLOCKS, n_pool), ids(N_BLOCKS, n_pool)),
+            BuildCase(f"{tag} slice 4/8, shuffled", half, lay(4), lay(8),
+                      ids(N_BLOCKS, n_pool), ids(N_BLOCKS, n_pool)),
+            BuildCase(f"{tag} whole, ratio 64<-16, shuffled", whole, lay(8, 64), lay(8),
+                      ids(N_BLOCKS // 4, n_pool // 4), ids(N_BLOCKS, n_pool)),
+            BuildCase(f"{tag} whole, ratio 16<-64, shuffled", whole, lay(8), lay(8, 64),
+                      ids(N_BLOCKS, n_pool), ids(N_BLOCKS // 4, n_pool // 4)),
+        ]
+    return cases
+
+
+def bench_descriptors(match: str = "", as_json: bool = False) -> list[dict]:
+    """Time every BuildCase; best of up to 20 runs, fewer (at least 3) for slow cases."""
+    if not as_json:
+        print(f"descriptor build, {LAYERS} layers x {N_BLOCKS} blocks of 16 tokens "
+              f"(target {BUILD_TARGET_MS:.0f} ms, best of <= 20):")
+    rows = []
+    for c in build_cases():
+        if match not in c.name:
+            continue
+
+        def run(c: BuildCase = c) -> Descriptors:
+            return build_read_descriptors(c.read, c.local, 0, c.remote, 0, c.local_ids,
+                                          c.remote_ids)
+
+        try:
+            desc = run()
+        except LayoutError as e:
+            rows.append({"case": c.name, "refused": str(e)})
+            if not as_json:
+                print(f"  {c.name:46s} refused: {str(e)[:60]}")
+            continue
+        t0 = time.perf_counter()
+        run()
+        once = time.perf_counter() - t0
+        ms = min(once * 1e3, best_ms(run, max(2, min(19, int(1.0 / max(once, 1e-6))))))
+        ok = ms <= BUILD_TARGET_MS
+        row = {"case": c.name, "ms": round(ms, 3), "descriptors": len(desc),
+               "ns_per_descriptor": round(ms * 1e6 / len(desc), 1),
+               "mean_kib": round(desc.total_nbytes / len(desc) / 1024, 1), "ok": ok}
+        rows.append(row)
+        if not as_json:
+            print(f"  {c.name:46s} {ms:8.2f} ms {len(desc):8d} descs "
+                  f"{row['ns_per_descriptor']:7.1f} ns/desc  mean {row['mean_kib']:8.1f} KiB  "
+                  f"[{'ok' if ok else 'OVER TARGET'}]")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    ap.add_argument("-k", dest="match", default="", help="only build cases whose name has this")
+    ap.add_argument("--no-plans", action="store_true", help="skip the plan-time section")
+    args = ap.parse_args(argv)
+    plans = [] if args.no_plans else bench_plans(as_json=args.json)
+    builds = bench_descriptors(args.match, as_json=args.json)
+    if args.json:
+        print(json.dumps({"plan_target_ms": PLAN_TARGET_MS, "build_target_ms": BUILD_TARGET_MS,
+                          "plans": plans, "builds": builds}, indent=1))
 
 
 if __name__ == "__main__":
-    bench_plans()
-    bench_descriptors()
+    main()
