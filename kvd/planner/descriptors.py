@@ -176,6 +176,164 @@ def _merge(lo: np.ndarray, ro: np.ndarray, chunk_nbytes: int) -> Descriptors:
     return Descriptors(lo[starts], ro[starts], run_chunks.astype(np.int64) * chunk_nbytes)
 
 
+# The chunk grid. Offsets of chunk (i_0 .. i_5), axes in _AXIS_ORDER, on one side are a
+# sum of terms: one per regular axis (layer, kv, head, tok: a start plus a stride) and the
+# segment table over (big, sub). Each term is kept as a 6-d array, size 1 on the axes it
+# does not vary along, so that numpy broadcasting lays it on the grid.
+#
+# Why not build the whole grid and np.diff it: a chunk i follows chunk i - 1 in memory iff
+# their offsets differ by the chunk size on both sides, and that difference depends only
+# on the innermost axis k whose index is not 0 in i (the "level" of i: axis k stepped, the
+# axes inside it wrapped from their last index to 0) and on that step's index (plus the
+# big index where the segment table is cut by k). So the merge is decided on arrays of
+# the size of one axis (or of the segment table), not of the grid: axes whose every step
+# merges fold into the chunk, and when no step can merge, the grid is the answer as is.
+
+
+def _level_delta(terms: list[np.ndarray], sizes: list[int], k: int) -> np.ndarray | int:
+    """Offset difference of every chunk of level k from its predecessor, on one side.
+
+    Shaped (sizes[0], .., sizes[k-1], sizes[k] - 1, 1, ..) (or 1 where no term varies);
+    axes > k are at index 0 (after the step) and at their last index (before it).
+    """
+    delta: np.ndarray | int = 0
+    for t in terms:
+        if all(t.shape[d] == 1 for d in range(k, len(sizes))):
+            continue  # constant across this step: cancels
+        new, old = [], []
+        for d in range(len(sizes)):
+            if d < k or t.shape[d] == 1:
+                new.append(slice(None))
+                old.append(slice(None))
+            elif d == k:
+                new.append(slice(1, None))
+                old.append(slice(None, -1))
+            else:
+                new.append(slice(0, 1))
+                old.append(slice(-1, None))
+        delta = delta + (t[tuple(new)] - t[tuple(old)])
+    return delta
+
+
+def _level_breaks(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[int],
+                  k: int, chunk: int) -> np.ndarray:
+    """True where a chunk of level k does not continue its predecessor on some side."""
+    return np.asarray((_level_delta(lo_terms, sizes, k) != chunk)
+                      | (_level_delta(ro_terms, sizes, k) != chunk))
+
+
+def _fold(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[int], k: int
+          ) -> None:
+    """Axis k's lines become single chunks: keep each term's index 0 along k (in place)."""
+    cut = (slice(None),) * k + (slice(0, 1),)
+    for terms in (lo_terms, ro_terms):
+        terms[:] = [t[cut] if t.shape[k] > 1 else t for t in terms]
+    sizes[k] = 1
+
+
+_SHORT = 16  # a last axis shorter than this makes numpy's broadcast loop slow
+_TILE = 1 << 16  # chunks per row tile in _outer_sum's short-axis path (512 KiB of int64)
+
+
+def _outer_sum(terms: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    """Sum of broadcastable terms over `shape`, C order, as a fresh array of that shape.
+
+    numpy's broadcasting runs its inner loop over the last axis only, and here that axis
+    is often 2 to 16 long (kv, sub-blocks, tokens): 5M chunks would cost 1M+ inner-loop
+    calls. So split the axes where no term straddles the cut, sum each side on its own
+    (recursively, small), and write the grid once as outer[:, None] + inner[None, :],
+    whose inner loop is the whole inner side.
+    """
+    out = np.empty(shape, dtype=np.int64)
+    if not terms:
+        out.fill(0)
+        return out
+    spans = [[d for d in range(len(shape)) if t.shape[d] > 1] for t in terms]
+    for cut in range(1, len(shape)):
+        if all(not sp or sp[-1] < cut or sp[0] >= cut for sp in spans):
+            outer = [t for t, sp in zip(terms, spans, strict=True) if sp and sp[-1] < cut]
+            inner = [t for t, sp in zip(terms, spans, strict=True) if sp and sp[0] >= cut]
+            if outer and inner:
+                a = _outer_sum([t.reshape(t.shape[:cut]) for t in outer], shape[:cut])
+                b = _outer_sum([t.reshape(t.shape[cut:]) for t in inner], shape[cut:])
+                np.add(a.reshape(-1, 1), b.reshape(1, -1), out=out.reshape(a.size, b.size))
+                return out
+    terms = sorted(terms, key=lambda t: t.size)
+    acc = terms[0]
+    for t in terms[1:-1]:
+        acc = acc + t
+    if len(terms) == 1:
+        out[...] = acc
+        return out
+    big = terms[-1]
+    if len(shape) < 2 or shape[-1] >= _SHORT or out.size < _TILE:
+        np.add(acc, big, out=out)
+        return out
+    # No cut and a short last axis (a segment table cut by the axes between "big" and
+    # "sub"): write one last-axis index at a time, numpy then coalesces the axes above
+    # into one long inner loop; in row tiles of ~_TILE chunks so that the strided
+    # writes stay in cache.
+    rows = max(1, _TILE // (out.size // shape[0]))
+
+    def at(t: np.ndarray, r0: int, s: int) -> np.ndarray:
+        lead = slice(r0, r0 + rows) if t.shape[0] > 1 else slice(None)
+        return t[(lead,) + (slice(None),) * (len(shape) - 2) + (s if t.shape[-1] > 1 else 0,)]
+
+    for r0 in range(0, shape[0], rows):
+        tile = out[r0:r0 + rows]
+        for s in range(shape[-1]):
+            np.add(at(acc, r0, s), at(big, r0, s), out=tile[..., s])
+    return out
+
+
+def _grid(terms: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+    """One side's chunk offsets, C order over the grid, as a fresh flat int64 array."""
+    keep = [d for d in range(len(sizes)) if sizes[d] > 1]
+    const = 0
+    arrays = []
+    for t in terms:
+        if t.size == 1:
+            const += int(t.reshape(-1)[0])  # constant terms: one scalar added to the smallest
+        else:
+            arrays.append(t.reshape(tuple(t.shape[d] for d in keep)))
+    if const:
+        if arrays:
+            i = min(range(len(arrays)), key=lambda j: arrays[j].size)
+            arrays[i] = arrays[i] + const
+        else:
+            arrays.append(np.full((1,) * len(keep), const, dtype=np.int64))
+    return _outer_sum(arrays, tuple(sizes[d] for d in keep)).reshape(-1)
+
+
+def _run_nbytes(starts: np.ndarray, n: int, chunk: int) -> np.ndarray:
+    """Bytes of each run of chunks starting at `starts` (sorted, starts[0] == 0) out of n.
+
+    By hand: np.diff(starts, append=n) costs ~10x more (it concatenates first).
+    """
+    out = np.empty(starts.size, dtype=np.int64)
+    np.subtract(starts[1:], starts[:-1], out=out[:-1])
+    out[-1] = n - starts[-1]
+    out *= chunk
+    return out
+
+
+def _split_segments(seg: np.ndarray, big: int, sub: int) -> list[np.ndarray]:
+    """The segment table (axes `big` and `sub`) as a big-only plus a sub-only term where
+    it is one: on the side with the bigger blocks (a block's base plus the sub-segment's
+    token offset) and wherever a side's ids are consecutive. Then no term straddles the
+    axes between "big" and "sub" and _outer_sum can cut there.
+    """
+    if seg.shape[big] == 1 or seg.shape[sub] == 1:
+        return [seg]
+    first = tuple(slice(0, 1) if d in (big, sub) else slice(None) for d in range(seg.ndim))
+    per_big = seg[tuple(slice(0, 1) if d == sub else slice(None) for d in range(seg.ndim))]
+    per_sub = seg[tuple(slice(0, 1) if d == big else slice(None) for d in range(seg.ndim))]
+    per_sub = per_sub - seg[first]
+    if np.array_equal(per_big + per_sub, seg):
+        return [per_big, per_sub]
+    return [seg]
+
+
 def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: int,
                            remote: CacheLayout, remote_first_layer: int,
                            local_block_ids: np.ndarray,
@@ -194,6 +352,11 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     pull included). vLLM's layouts go through the same path with K||V as the
     element (`_chunking` decides by strides); BHLNC behaves as head_major, and
     an NH name (LBNHC, BLNHC) cut to a head range is one descriptor per token.
+
+    The result is exactly the run-merge of the chunk grid in local memory order
+    (`_merge` of the flat grid); it is computed per axis, not per chunk, see
+    `_level_delta`, so a request of 80 layers x 4096 blocks costs a few passes
+    over its output and nothing per chunk in Python.
     """
     _check_pair(read, local, local_first_layer, remote, remote_first_layer)
     local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
@@ -225,42 +388,81 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
         chunk *= n_layers * n_kv
     n_layer_idx, n_kv_idx = (1, 1) if fold else (n_layers, n_kv)
     n_big = lb.size // n_sub
-    head_idx = np.arange(n_head_idx, dtype=np.int64)
-    tok_idx = np.arange(n_tok, dtype=np.int64)
-    sides = []
-    for s, first, blocks, tokens, heads0 in (
-        (ls, local_first_layer, lb, lt, read.local_heads[0]),
-        (rs, remote_first_layer, rb, rt, read.remote_heads[0]),
-    ):
-        layer = (read.layers[0] - first + np.arange(n_layer_idx, dtype=np.int64)) * s["layer"]
-        kv = np.arange(n_kv_idx, dtype=np.int64) * s["kv"]
-        seg = (blocks * s["block"] + tokens * s["token"]).reshape(n_big, n_sub)
-        head = (heads0 + head_idx) * s["head"]
-        sides.append((layer, kv, seg, head, tok_idx * s["token"]))
 
     # Enumerate chunks in the local pool's memory order so that neighbours in memory
     # are neighbours in the list. Any order is correct (each chunk pairs the same
     # (layer, kv, segment, head) on both sides); only the merge depends on it.
     order = _AXIS_ORDER[local.kv_layout]
-    sizes = {"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": n_head_idx,
-             "sub": n_sub, "tok": n_tok}
-    full = tuple(sizes[a] for a in order)
+    pos = {a: i for i, a in enumerate(order)}
+    sizes = [{"layer": n_layer_idx, "kv": n_kv_idx, "big": n_big, "head": n_head_idx,
+              "sub": n_sub, "tok": n_tok}[a] for a in order]
 
     def place(values: np.ndarray, *axes: str) -> np.ndarray:
         # "big" precedes "sub" in every order, so a C-order (big, sub) array reshapes in place
         shape = [1] * len(order)
         for a in axes:
-            shape[order.index(a)] = sizes[a]
+            shape[pos[a]] = sizes[pos[a]]
         return values.reshape(shape)
 
-    def grid(layer, kv, seg, head, tok):
-        return (place(layer, "layer") + place(kv, "kv") + place(seg, "big", "sub")
-                + place(head, "head") + place(tok, "tok"))
+    sides = []
+    for s, first, blocks, tokens, heads0 in (
+        (ls, local_first_layer, lb, lt, read.local_heads[0]),
+        (rs, remote_first_layer, rb, rt, read.remote_heads[0]),
+    ):
+        sides.append([
+            place((read.layers[0] - first + np.arange(n_layer_idx, dtype=np.int64))
+                  * s["layer"], "layer"),
+            place(np.arange(n_kv_idx, dtype=np.int64) * s["kv"], "kv"),
+            *_split_segments(place(blocks * s["block"] + tokens * s["token"], "big", "sub"),
+                             pos["big"], pos["sub"]),
+            place((heads0 + np.arange(n_head_idx, dtype=np.int64)) * s["head"], "head"),
+            place(np.arange(n_tok, dtype=np.int64) * s["token"], "tok"),
+        ])
+    lo_terms, ro_terms = sides
+    padded = not valid.all()  # a partial last big block: its missing segments drop out
 
-    mask = np.broadcast_to(place(valid, "big", "sub"), full)
-    lo = grid(*sides[0]).reshape(-1)
-    ro = grid(*sides[1]).reshape(-1)
-    if not valid.all():
-        keep = mask.reshape(-1)
-        lo, ro = lo[keep], ro[keep]
-    return _merge(lo, ro, chunk)
+    # Fold every innermost axis whose steps all merge (a whole line is one chunk). Padding
+    # sits on (big, sub): with it, no line may span "sub" or anything outside it.
+    breaks: dict[int, np.ndarray] = {}
+    for k in reversed(range(len(order))):
+        if sizes[k] == 1:
+            continue
+        if padded and k <= pos["sub"]:
+            break
+        brk = _level_breaks(lo_terms, ro_terms, sizes, k, chunk)
+        if brk.any():
+            breaks[k] = brk
+            break
+        chunk *= sizes[k]
+        _fold(lo_terms, ro_terms, sizes, k)
+    for k in range(len(order)):
+        if sizes[k] > 1 and k not in breaks:
+            breaks[k] = _level_breaks(lo_terms, ro_terms, sizes, k, chunk)
+
+    lo, ro = _grid(lo_terms, sizes), _grid(ro_terms, sizes)
+    n = lo.size
+    if not padded and all(b.all() for b in breaks.values()):
+        # no step of any level merges: every chunk is a descriptor
+        return Descriptors(lo, ro, np.full(n, chunk, dtype=np.int64))
+    starts_mask = np.empty(sizes, dtype=bool)
+    starts_mask.reshape(-1)[0] = True
+    for k, brk in breaks.items():  # level k: index >= 1 on axis k, 0 on every axis inside it
+        tail = (slice(0, 1),) * (len(order) - k - 1)
+        starts_mask[(slice(None),) * k + (slice(1, None),) + tail] = brk
+    starts_mask = starts_mask.reshape(-1)
+    if not padded:
+        starts = np.flatnonzero(starts_mask)
+        if starts.size == n:
+            return Descriptors(lo, ro, np.full(n, chunk, dtype=np.int64))
+        return Descriptors(lo[starts], ro[starts], _run_nbytes(starts, n, chunk))
+    # Padding: drop the missing segments, then re-decide each chunk that followed a gap
+    # against the chunk kept before the gap.
+    kept = np.flatnonzero(np.broadcast_to(place(valid, "big", "sub"), sizes).reshape(-1))
+    mask = starts_mask[kept]
+    after_gap = np.flatnonzero(np.diff(kept) > 1) + 1
+    if after_gap.size:
+        cur, prev = kept[after_gap], kept[after_gap - 1]
+        mask[after_gap] = (lo[cur] - lo[prev] != chunk) | (ro[cur] - ro[prev] != chunk)
+    starts = np.flatnonzero(mask)
+    at = kept[starts]
+    return Descriptors(lo[at], ro[at], _run_nbytes(starts, kept.size, chunk))
