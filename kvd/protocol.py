@@ -8,7 +8,8 @@ The header is decoded first, ignoring unknown fields (a later version may add a
 MAC or a tenant); the version, then the daemon's token, are checked before the
 body is decoded (kvd.codec). Every reply of a daemon carries its ``instance``, a
 random id per incarnation: when it changes, what a peer cached about it is stale.
-NIXL notifications carry a ReadNotice, prefixed by NOTICE_MAGIC.
+NIXL notifications carry a ReadNotice, prefixed by NOTICE_MAGIC; a consumer sends
+it once its READs from that daemon are done and its Acquire answered.
 
 Version history:
     1  initial protocol: engine face (register, publish, pull, poll, status),
@@ -19,6 +20,9 @@ Version history:
        Additive: hybrid models (ModelSpec.hybrid, per-group block ids on Publish and
        Pull, Event.invalid_group_block_ids); ModelSpec, Publish and Pull omit fields
        at their defaults, so attention-only messages are what earlier v2 peers expect.
+       Additive: Acquired.held_s (replies accept unknown fields: earlier v2 consumers
+       ignore it; from an earlier producer it reads 0, so the consumer re-reads any
+       READ it posted before the reply came, correct but slower).
 """
 
 from __future__ import annotations
@@ -372,9 +376,17 @@ class Acquire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Acquired(msgspec.Struct, frozen=True):
-    """The request is held; ``epoch`` lets the consumer detect a stale cached handshake."""
+    """The request is held; ``epoch`` lets the consumer detect a stale cached handshake.
+
+    ``held_s``: how long the request had been held (since its publish) when this Acquire
+    arrived, on the producer's clock (a duration: no clock is compared across nodes). A
+    consumer that posted its READs before this reply came back trusts their bytes only
+    if the hold is older than the round trip it saw (the READ cannot predate the
+    publish); otherwise it reads again.
+    """
 
     epoch: int
+    held_s: float = 0.0
 
 
 class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -407,7 +419,8 @@ class Error(msgspec.Struct, frozen=True):
 
 
 class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Rides on a READ's NIXL notification: 'these plan reads of the request are done'."""
+    """A NIXL notification sent once a pull's READs from a daemon are done and its
+    Acquire answered: 'these plan reads of the request are done'."""
 
     request_id: str
     producer_engine_id: str

@@ -3,7 +3,7 @@
 Injecting one object (rather than ``time.monotonic`` here and ``asyncio.sleep``
 there) is what lets a test move a daemon through a 30 s lease or a 60 s transfer
 timeout in milliseconds, deterministically: the fake in ``tests/support/clock.py``
-implements the same three methods on virtual time. Only measurements reported as
+implements the same methods on virtual time. Only measurements reported as
 metrics (how long a post or handshake took) use ``time.perf_counter`` directly.
 
 Monotonic only: no timestamp is ever exchanged with a peer, so clock skew between
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -31,6 +31,16 @@ class Clock(Protocol):
         """``aw``'s result, or TimeoutError (``aw`` cancelled) once ``timeout_s`` passed."""
         ...
 
+    def call_later(self, seconds: float, fn: Callable[[], object]) -> Cancellable:
+        """Call ``fn`` once ``seconds`` passed, unless cancelled first. Unlike `wait_for`
+        it runs nothing in a task of its own: a deadline on the current task (cancel it)
+        costs no extra loop turns."""
+        ...
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> object: ...
+
 
 class MonotonicClock:
     """Real time: ``time.monotonic`` and the event loop's own timers."""
@@ -43,3 +53,6 @@ class MonotonicClock:
 
     async def wait_for(self, aw: Awaitable[T], timeout_s: float) -> T:
         return await asyncio.wait_for(aw, timeout_s)
+
+    def call_later(self, seconds: float, fn: Callable[[], object]) -> Cancellable:
+        return asyncio.get_running_loop().call_later(seconds, fn)

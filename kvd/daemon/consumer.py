@@ -26,13 +26,12 @@ from kvd.daemon.engines import (
     Engine,
     PlanCache,
     check_block_ids,
-    compat_hash,
     geometry,
     parallelism,
     rank_layout,
 )
 from kvd.daemon.peers import RemoteEngine
-from kvd.daemon.pull_reads import PullJob, PullReads, PullState
+from kvd.daemon.pull_reads import Acquiring, PullJob, PullReads, PullState
 from kvd.daemon.services import Services
 from kvd.errors import (
     BlockIdError,
@@ -42,6 +41,7 @@ from kvd.errors import (
     KvdError,
     TooLargeError,
 )
+from kvd.planner import Parallelism, RankId
 from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
 
 log = logging.getLogger("kvd.consumer")
@@ -74,7 +74,21 @@ class Consumer:
         job = PullJob(msg=msg, started_s=self.svc.clock.now())
         self.jobs[job.key] = job
         self.svc.metrics.inflight_transfers.inc()
+        job.early = self._early_acquire(job, engine)
         job.task = self.svc.spawn(self._run(job))
+
+    def _early_acquire(self, job: PullJob, engine: Engine) -> Acquiring | None:
+        """With the handshake cached and the engine complete, the Acquire leaves now,
+        before the pull's task even starts: its round trip overlaps the rest."""
+        msg, svc = job.msg, self.svc
+        remote = svc.peers.cached(msg.engine_id, msg.remote_engine_id, msg.remote_address)
+        if remote is None or engine.missing_ranks(svc.cfg.peer_advertise):
+            return None
+        try:
+            return Acquiring.send(svc, job, engine, remote)
+        except Exception:  # noqa: BLE001 - the task sends it again, and reports its failure
+            log.debug("early Acquire not sent", exc_info=True)
+            return None
 
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its READs, then reports."""
@@ -88,8 +102,14 @@ class Consumer:
 
     async def _run(self, job: PullJob) -> None:
         msg, cfg = job.msg, self.svc.cfg
+        # The pull's deadline cancels this very task (clock.wait_for would run the pull in
+        # a task of its own: two more loop turns per pull).
+        task = asyncio.current_task()
+        assert task is not None
+        timer = self.svc.clock.call_later(cfg.transfer_timeout_s,
+                                          lambda: self._time_out(job, task))
         try:
-            await self.svc.clock.wait_for(self._pull(job), cfg.transfer_timeout_s)
+            await self._pull(job)
             outcome, error = "ok", ""
         except KvdError as exc:
             # Before TimeoutError: KvdTimeoutError (a handshake or acquire that timed out) is
@@ -98,15 +118,27 @@ class Consumer:
         except TimeoutError:
             outcome, error = "failed", f"timeout: pull timed out after {cfg.transfer_timeout_s}s"
         except asyncio.CancelledError:
-            reason = job.cancel_reason or DrainingError("pull cancelled (engine gone or daemon "
-                                                        "stopping)")
-            outcome, error = "cancelled", f"{reason.code}: {reason}"
+            if job.timed_out and job.cancel_reason is None:
+                task.uncancel()
+                outcome = "failed"
+                error = f"timeout: pull timed out after {cfg.transfer_timeout_s}s"
+            else:
+                reason = job.cancel_reason or DrainingError("pull cancelled (engine gone or "
+                                                            "daemon stopping)")
+                outcome, error = "cancelled", f"{reason.code}: {reason}"
         except Exception as exc:  # noqa: BLE001 - never let one pull take the daemon down
             log.exception("pull %s crashed", msg.request_id)
             outcome, error = "failed", f"internal: {exc!r}"
         finally:
+            timer.cancel()
             await self.reads.release(job)
         self._report(job, outcome, error)
+
+    @staticmethod
+    def _time_out(job: PullJob, task: asyncio.Task[None]) -> None:
+        if not task.done():
+            job.timed_out = True
+            task.cancel()
 
     def _report(self, job: PullJob, outcome: str, error: str) -> None:
         msg, svc = job.msg, self.svc
@@ -137,80 +169,73 @@ class Consumer:
         msg, svc = job.msg, self.svc
         job.state = PullState.WAITING_RANKS
         engine = await svc.registry.complete(msg.engine_id, svc.cfg.handshake_timeout_s)
-        remote = job.remote = await self._handshake_and_acquire(job, engine)
-        if compat_hash(remote.desc.model, remote.desc.layout) != engine.compat:
+        for _ in range(2):
+            job.state = PullState.HANDSHAKING
+            remote = job.remote = await svc.peers.remote_engine(engine, msg.remote_engine_id,
+                                                                msg.remote_address)
+            job.state = PullState.ACQUIRING
+            # On the wire now (or since the Pull came); its replies are awaited only when
+            # the READs need them.
+            early, job.early = job.early, None
+            if early is not None and early.remote is remote:
+                acquiring = early
+            else:
+                if early is not None:  # the cached handshake changed meanwhile
+                    svc.spawn(early.forget())
+                acquiring = Acquiring.send(svc, job, engine, remote)
+            try:
+                groups = self._groups(job, engine, remote)
+            except BaseException:
+                await acquiring.settle()  # who holds it for us: the failure abandons them
+                raise
+            job.state = PullState.READING
+            if await self.reads.post_and_wait(job, engine, remote, groups, acquiring):
+                return
+            # A producer daemon restarted, or its pools changed, since we cached this.
+            svc.peers.forget(msg.engine_id, msg.remote_engine_id)
+        raise KvdError(f"engine {msg.remote_engine_id!r} keeps changing its pools or daemons")
+
+    def _groups(self, job: PullJob, engine: Engine, remote: RemoteEngine
+                ) -> dict[str, ProducerReads]:
+        """The pull's descriptors, grouped by producer (kvd.planner.assembly)."""
+        msg = job.msg
+        if remote.compat != engine.compat:
             raise IncompatibleError(
                 f"engine {msg.remote_engine_id!r} is incompatible with {msg.engine_id!r} "
                 f"(model/dtype/layout differ: {remote.desc.model} {remote.desc.layout})")
         if not engine.live_ranks():
             raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
         if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
-            groups = hybrid.assemble_pull(engine, remote, msg)
-        else:
-            local_ids, remote_ids = match_tail(
-                msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
-                remote.desc.layout.block_size_tokens, msg.num_tokens)
-            groups = self._assemble(engine, remote, local_ids, remote_ids)
-        job.state = PullState.READING
-        await self.reads.post_and_wait(job, engine, remote, groups)
-
-    async def _handshake_and_acquire(self, job: PullJob, engine: Engine) -> RemoteEngine:
-        """Handshake (cached) and acquire; once more if the cache proved stale."""
-        msg, peers = job.msg, self.svc.peers
-        for _ in range(2):
-            job.state = PullState.HANDSHAKING
-            remote = await peers.remote_engine(engine, msg.remote_engine_id, msg.remote_address)
-            job.state = PullState.ACQUIRING
-            if await self._acquire(job, engine, remote):
-                return remote
-            # A producer daemon restarted, or its pools changed, since we cached this.
-            peers.forget(msg.engine_id, msg.remote_engine_id)
-        raise KvdError(f"engine {msg.remote_engine_id!r} keeps changing its pools or daemons")
-
-    async def _acquire(self, job: PullJob, engine: Engine, remote: RemoteEngine) -> bool:
-        """Every producer daemon must still hold the request before any byte moves.
-
-        False when a daemon answered from another incarnation or epoch than the cached
-        handshake: the addresses we know may be stale.
-        """
-        msg = job.msg
-        acquire = P.Acquire(request_id=msg.producer_request_id,
-                            producer_engine_id=msg.remote_engine_id,
-                            consumer_engine_id=msg.engine_id,
-                            block_ids=list(msg.remote_block_ids),
-                            consumer_tp_size=engine.par.tp_size,
-                            consumer_pp_size=engine.par.pp_size,
-                            consumer_layer_partition=(list(engine.par.layer_partition)
-                                                      if engine.par.layer_partition else None))
-        addrs = list(remote.daemons)
-        replies = await asyncio.gather(*(self.svc.peers.request(a, acquire) for a in addrs),
-                                       return_exceptions=True)
-        job.acquired = [a for a, r in zip(addrs, replies, strict=True)
-                        if not isinstance(r, BaseException)]
-        for r in replies:
-            if isinstance(r, BaseException):
-                raise r
-        return all(r.instance == remote.daemons[a].instance
-                   and r.body.epoch == remote.daemons[a].epoch
-                   for a, r in zip(addrs, replies, strict=True))
+            return hybrid.assemble_pull(engine, remote, msg)
+        local_ids, remote_ids = match_tail(
+            msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
+            remote.desc.layout.block_size_tokens, msg.num_tokens)
+        return self._assemble(engine, remote, local_ids, remote_ids)
 
     def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
                   ) -> dict[str, ProducerReads]:
-        rdesc = remote.desc
-        rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
         local = [RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
                  for r in engine.live_ranks()]
-        remote_pools = {}
-        for rid, rr in remote.ranks.items():
-            cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
-                                       rr.desc.num_blocks)
-            remote_pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
-                                         owner=rr.agent)
+        rpar, remote_pools = self._remote_pools(remote)
         plan, hit = self.plans.get(geometry(engine.model), rpar, engine.par)
         (self.svc.metrics.plan_cache_hits if hit else self.svc.metrics.plan_cache_misses).inc()
         return assemble_pull(plan, local, remote_pools, local_ids, remote_ids,
                              owners=[d.agent for d in remote.daemons.values()])
 
+    @staticmethod
+    def _remote_pools(remote: RemoteEngine) -> tuple[Parallelism, dict[RankId, RankPool]]:
+        """The remote engine's parallelism and rank pools, built once per handshake."""
+        if remote.pools is None:
+            rdesc = remote.desc
+            rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
+            pools = {}
+            for rid, rr in remote.ranks.items():
+                cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
+                                           rr.desc.num_blocks)
+                pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
+                                      owner=rr.agent)
+            remote.pools = (rpar, pools)
+        return remote.pools
 
     async def _abandon(self, msg: P.Pull, addrs: list[str]) -> None:
         note = P.Abandon(request_id=msg.producer_request_id,

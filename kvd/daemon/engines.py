@@ -14,6 +14,7 @@ published requests from publish until they end (remote reads). The async part
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -148,8 +149,8 @@ class Engine:
     epoch: int = 0
     mem_type: str = "DRAM"
 
-    @property
-    def compat(self) -> str:
+    @functools.cached_property
+    def compat(self) -> str:  # model and layout are fixed at registration
         return compat_hash(self.model, self.layout)
 
     def desc(self) -> EngineDesc:

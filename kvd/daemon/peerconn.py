@@ -30,9 +30,20 @@ RECONNECT_INTERVAL_MS = 100
 
 
 @dataclass(frozen=True)
+class Sent:
+    """A request on its way: its id, the future its reply will fill, the send itself."""
+
+    msg_id: int
+    reply: asyncio.Future[Reply]
+    sending: Any  # zmq.asyncio's send future (done at once unless the queue is full)
+    what: str
+
+
+@dataclass(frozen=True)
 class Reply:
     body: Any
     instance: str  # the answering daemon's incarnation ("" from a daemon too old to say)
+    received_s: float = 0.0  # when it arrived, on the daemon's clock
 
 
 class PeerConnection:
@@ -73,7 +84,7 @@ class PeerConnection:
             self._saw_instance(header.instance)
             fut = self._waiting.pop(header.id, None)
             if fut is not None and not fut.done():
-                fut.set_result(Reply(body, header.instance))
+                fut.set_result(Reply(body, header.instance, self.clock.now()))
 
     def _saw_instance(self, instance: str) -> None:
         if not instance or instance == self.remote_instance:
@@ -98,26 +109,38 @@ class PeerConnection:
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
                 self._on_lost(self.address, "disconnected")
 
-    async def request(self, msg: Any, timeout_s: float) -> Reply:
-        """Send ``msg``; its reply (an Error reply raised as its KvdError class), or after
-        ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped (the
-        daemon died) or KvdTimeoutError when it is connected, or never was, but silent."""
+    def send(self, msg: Any) -> Sent:
+        """Put ``msg`` on the wire now (no await: it leaves before the caller's next step);
+        its reply is awaited with `reply`, which must follow."""
         msg_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        frames = P.encode(msg, msg_id, self.token, self.own_instance)
+        sending = self.sock.send_multipart(frames)
         self._waiting[msg_id] = fut
+        return Sent(msg_id, fut, sending, type(msg).__name__)
+
+    async def reply(self, sent: Sent, timeout_s: float) -> Reply:
+        """The reply to a sent message (an Error reply raised as its KvdError class), or
+        after ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped
+        (the daemon died) or KvdTimeoutError when it is connected, or never was, but
+        silent."""
         try:
-            await self.sock.send_multipart(P.encode(msg, msg_id, self.token, self.own_instance))
-            reply = await self.clock.wait_for(fut, timeout_s)
+            await sent.sending
+            reply = await self.clock.wait_for(sent.reply, timeout_s)
         except TimeoutError:
-            what = f"peer {self.address} did not answer {type(msg).__name__} within {timeout_s}s"
+            what = f"peer {self.address} did not answer {sent.what} within {timeout_s}s"
             if self.connected is False:
                 raise PeerLostError(f"{what}: its connection dropped (daemon gone?)") from None
             raise KvdTimeoutError(what) from None
         finally:
-            self._waiting.pop(msg_id, None)
+            self._waiting.pop(sent.msg_id, None)
         if isinstance(reply.body, P.Error):
             raise error_from_code(reply.body.code, f"peer {self.address}: {reply.body.message}")
         return reply
+
+    async def request(self, msg: Any, timeout_s: float) -> Reply:
+        """Send ``msg`` and await its reply (see `reply`)."""
+        return await self.reply(self.send(msg), timeout_s)
 
     def close(self) -> None:
         self._reader.cancel()

@@ -20,9 +20,11 @@ so a restarted daemon is loaded afresh rather than through stale sections.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -31,8 +33,8 @@ from kvd import protocol as P
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
-from kvd.daemon.engines import Engine
-from kvd.daemon.peerconn import PeerConnection, Reply
+from kvd.daemon.engines import Engine, compat_hash
+from kvd.daemon.peerconn import PeerConnection, Reply, Sent
 from kvd.errors import (
     IncompatibleError,
     KvdError,
@@ -71,6 +73,11 @@ class RemoteEngine:
     desc: P.EngineDesc  # geometry (ranks field: as reported by the first daemon)
     ranks: dict[RankId, RemoteRank] = field(default_factory=dict)
     daemons: dict[str, RemoteDaemon] = field(default_factory=dict)  # by peer address
+    pools: Any = None  # (parallelism, rank pools) for the assembly, built at first use
+
+    @functools.cached_property
+    def compat(self) -> str:
+        return compat_hash(self.desc.model, self.desc.layout)
 
 
 class PeerTable:
@@ -107,9 +114,28 @@ class PeerTable:
 
     async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:
         """One request to a daemon; no answer drops what we cached about it."""
+        return await self.send(address, msg, timeout_s)
+
+    def send(self, address: str, msg: object, timeout_s: float | None = None
+             ) -> asyncio.Future[Reply]:
+        """The same request, on the wire before this returns: its reply (or error) is
+        the returned future, so the caller can work meanwhile (issue 12.4: a pull posts
+        its READs while its Acquire travels)."""
+        loop = asyncio.get_running_loop()
         try:
-            return await self.conn(address).request(
-                msg, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
+            conn = self.conn(address)
+            sent = conn.send(msg)
+        except KvdError as exc:
+            fut: asyncio.Future[Reply] = loop.create_future()
+            fut.set_exception(exc)
+            return fut
+        return loop.create_task(self._reply(address, conn, sent, timeout_s))
+
+    async def _reply(self, address: str, conn: PeerConnection, sent: Sent,
+                     timeout_s: float | None) -> Reply:
+        try:
+            return await conn.reply(
+                sent, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
         except (KvdTimeoutError, PeerLostError):
             self.drop_address(address, "no answer")
             raise
@@ -133,6 +159,11 @@ class PeerTable:
         self.remotes.pop((local_engine, remote_engine), None)
 
     # ------------------------------------------------------------ handshakes
+
+    def cached(self, engine_id: str, remote_engine: str, address: str) -> RemoteEngine | None:
+        """The cached handshake that `remote_engine` would return at once, if any."""
+        cached = self.remotes.get((engine_id, remote_engine))
+        return cached if cached is not None and address in cached.daemons else None
 
     async def remote_engine(self, engine: Engine, remote_engine: str,
                             address: str) -> RemoteEngine:

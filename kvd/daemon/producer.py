@@ -103,11 +103,12 @@ class Producer:
         cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
                            msg.consumer_layer_partition)
         check_parallelism(geometry(engine.model), cpar, "consumer")
-        held.acquire(msg.consumer_engine_id, msg.block_ids, self.svc.clock.now(),
+        now = self.svc.clock.now()
+        held.acquire(msg.consumer_engine_id, msg.block_ids, now,
                      self.expected_reads(engine, cpar), consumer_instance)
         self._reading.add((held.engine_id, held.request_id))
         self.wake()
-        return P.Acquired(epoch=engine.epoch)
+        return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s))
 
     def abandon(self, msg: P.Abandon) -> P.Ok:
         held = self.held.get(msg.producer_engine_id, msg.request_id)
@@ -136,6 +137,8 @@ class Producer:
     # ------------------------------------------------------------ notices and progress
 
     def on_notification(self, agent: str, raw: bytes) -> None:
+        if not raw:  # a READ posted without a notification (some transports report one)
+            return
         try:
             notice = P.decode_notice(raw)
         except ProtocolError as exc:

@@ -3,8 +3,11 @@
 `PullReads` posts one READ per producer daemon (through prepared lists where the
 pools are named), polls them until done, keeps the producers' leases alive
 meanwhile (heartbeats), and tells a lost or restarted producer (``peer_lost``)
-from a failed READ. The local pools stay pinned from posting until `release` has
-released every transfer handle. kvd.daemon.consumer drives the pull around it.
+from a failed READ. The pull's Acquire (`Acquiring`) travels meanwhile: the READs
+do not wait for its replies, their bytes and notices do. Each producer gets its
+``ReadNotice`` as a NIXL notification once every READ is done and every Acquire
+answered. The local pools stay pinned from posting until `release` has released
+every transfer handle. kvd.daemon.consumer drives the pull around it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from kvd import protocol as P
 from kvd.daemon.datapath import PostResult, XferState
 from kvd.daemon.engines import Engine, EngineRank
+from kvd.daemon.peerconn import Reply
 from kvd.daemon.peers import RemoteEngine
 from kvd.daemon.services import Services
 from kvd.errors import KvdError, PeerLostError, TransferError
@@ -30,6 +34,10 @@ log = logging.getLogger("kvd.consumer")
 # completes in well under a millisecond; a multi-GiB one takes seconds).
 FIRST_POLL_S = 0.0001
 MAX_POLL_S = 0.002
+SPIN_POLLS = 8  # polls a loop turn apart (inline: no thread hop) before the first sleep
+# READs of at most this many descriptors are posted on fresh lists: NIXL validates a
+# few descriptors faster than kvd maps them onto prepared lists (and none merge).
+FRESH_POST_MAX_DESCRIPTORS = 8
 PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
 # A producer that no longer holds our request (or restarted) fails the pull only if the
 # READ from it is still pending this long after: a producer releases the hold when our
@@ -61,11 +69,90 @@ class PullJob:
     reading_from: dict[int, str] = field(default_factory=dict)  # pending xfer -> agent
     lost: dict[str, tuple[float, PeerLostError]] = field(default_factory=dict)  # by agent
     cancel_reason: KvdError | None = None  # why the daemon cancelled the task
+    timed_out: bool = False  # past transfer_timeout_s: the deadline cancelled the task
     task: asyncio.Task[None] | None = None
+    early: Acquiring | None = None  # the Acquire sent when the Pull came (cached handshake)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.msg.engine_id, self.msg.request_id)
+
+
+class Acquiring:
+    """A pull's Acquire, on its way to every producer daemon while the pull goes on.
+
+    Sent before the descriptors are assembled; the READs are posted without waiting
+    for the replies when they have not come yet (issue 12.4: one control round trip
+    on the request path, overlapped with the READ). Nothing read is trusted, and no
+    READ notice sent, before `settle` has every reply: a refused Acquire fails the pull
+    (its blocks reported invalid), a stale handshake makes it start over, and a hold
+    younger than the time from posting to the reply (the READ may predate the publish)
+    makes it read again.
+    """
+
+    def __init__(self, job: PullJob, remote: RemoteEngine,
+                 replies: dict[str, asyncio.Future[Reply]]) -> None:
+        self.job = job
+        self.remote = remote
+        self._futures = replies  # by producer daemon address
+        self._replies: dict[str, Reply] | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def send(cls, svc: Services, job: PullJob, engine: Engine,
+             remote: RemoteEngine) -> Acquiring:
+        msg = job.msg
+        acquire = P.Acquire(request_id=msg.producer_request_id,
+                            producer_engine_id=msg.remote_engine_id,
+                            consumer_engine_id=msg.engine_id,
+                            block_ids=list(msg.remote_block_ids),
+                            consumer_tp_size=engine.par.tp_size,
+                            consumer_pp_size=engine.par.pp_size,
+                            consumer_layer_partition=(list(engine.par.layer_partition)
+                                                      if engine.par.layer_partition else None))
+        return cls(job, remote, {a: svc.peers.send(a, acquire) for a in remote.daemons})
+
+    async def forget(self) -> None:
+        """An Acquire superseded by another one of the same pull: only its replies are
+        collected (the producer holds the request for this consumer either way)."""
+        await asyncio.gather(*self._futures.values(), return_exceptions=True)
+
+    @property
+    def answered(self) -> bool:
+        return self._replies is not None or all(f.done() for f in self._futures.values())
+
+    @property
+    def settled(self) -> bool:
+        return self._replies is not None
+
+    async def settle(self) -> bool:
+        """Every reply, or the first error raised (after noting in ``job.acquired`` who
+        holds the request for us). True when each came from the daemon incarnation and
+        engine epoch of the cached handshake: False, the addresses we know may be stale."""
+        if self._error is not None:
+            raise self._error
+        if self._replies is None:
+            addrs = list(self._futures)
+            got = await asyncio.gather(*self._futures.values(), return_exceptions=True)
+            self.job.acquired = [a for a, r in zip(addrs, got, strict=True)
+                                 if not isinstance(r, BaseException)]
+            for r in got:
+                if isinstance(r, BaseException):
+                    self._error = r
+                    raise r
+            self._replies = dict(zip(addrs, got, strict=True))  # type: ignore[arg-type]
+        daemons = self.remote.daemons
+        return all(r.instance == daemons[a].instance and r.body.epoch == daemons[a].epoch
+                   for a, r in self._replies.items())
+
+    def may_predate_publish(self, agent: str, posted_s: float) -> bool:
+        """Whether a READ from ``agent`` posted at ``posted_s`` (before its daemon's reply
+        came) may have run before the request was published there: the producer held it
+        for ``held_s`` when the Acquire arrived, at most ``received_s - posted_s`` after
+        the post; a hold older than that began before the READ."""
+        assert self._replies is not None
+        return any(self._replies[a].body.held_s < self._replies[a].received_s - posted_s
+                   for a, d in self.remote.daemons.items() if d.agent == agent)
 
 
 class PullReads:
@@ -75,39 +162,49 @@ class PullReads:
         self.svc = svc
 
     async def post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
-                             groups: dict[str, ProducerReads]) -> None:
+                            groups: dict[str, ProducerReads], acquiring: Acquiring) -> bool:
+        """Read every group, then notify each producer; False (nothing kept: READs
+        released, pools unpinned) when the Acquire found the cached handshake stale."""
         msg, svc = job.msg, self.svc
-        posts, notify_only = [], []
-        # Pools named so that the data path posts through prepared lists (issue 12.1).
+        posts, notices = [], []
+        job.nbytes = job.descriptors = 0
+        # Pools named so that the data path posts through prepared lists (issue 12.1);
+        # not for a few descriptors: the lookup then costs more than NIXL's validation.
         local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
                             for r in engine.live_ranks())
         for g in groups.values():
-            notice = P.encode_notice(P.ReadNotice(
+            notices.append((g.owner, P.encode_notice(P.ReadNotice(
                 request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
-                consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))
+                consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))))
             if not g.descriptors:  # nothing to read from this daemon: notification only
-                notify_only.append((g.owner, notice))
                 continue
+            prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS
             posts.append(ReadPost(peer=g.owner, local_addrs=g.local_addrs,
                                   remote_addrs=g.remote_addrs, nbytes=g.nbytes,
-                                  mem_type=remote.desc.mem_type, notif=notice,
+                                  mem_type=remote.desc.mem_type, notif=b"",
                                   local_devs=g.local_devs, remote_devs=g.remote_devs,
-                                  local_pools=local_pools,
+                                  local_pools=local_pools if prepped else (),
                                   remote_pools=tuple(
                                       PoolSpan(rr.desc.base_addr, rr.desc.nbytes,
                                                rr.desc.device_id)
-                                      for rr in remote.ranks.values() if rr.agent == g.owner)))
+                                      for rr in remote.ranks.values()
+                                      if rr.agent == g.owner) if prepped else ()))
             job.nbytes += g.total_nbytes
             job.descriptors += g.descriptors
+        if (not posts or acquiring.answered) and not await acquiring.settle():
+            return False
         if posts:
-            for r in engine.live_ranks():
-                r.pins += 1
-                job.pinned.append(r)
-            t0 = time.perf_counter()
-            results = await self._post(job, posts)
-            svc.metrics.post_duration.observe(time.perf_counter() - t0)
-            svc.metrics.descriptors_posted.inc(job.descriptors)
-            svc.metrics.reads_posted([r.timing for r in results])
+            posted_s = svc.clock.now()
+            results = await self._post(job, engine, posts)
+            if not acquiring.settled:
+                if not await acquiring.settle():
+                    await self._discard(job)
+                    return False
+                if any(acquiring.may_predate_publish(p.peer, posted_s) for p in posts):
+                    log.info("READ posted before the request's hold was seen to be older: "
+                             "reading again", extra={"request_id": msg.request_id})
+                    await self._discard(job)
+                    results = await self._post(job, engine, posts)
             errors = [r.error for r in results if r.error is not None]
             if errors:
                 await self._read_failed(job, remote, errors[0])
@@ -120,17 +217,26 @@ class PullReads:
             finally:
                 if hb is not None:
                     hb.cancel()
-        for agent, notice in notify_only:
+        # Every READ is done and every Acquire answered: now the producers may count them.
+        for agent, notice in notices:
             try:
                 await svc.datapath.send_notif(agent, notice)
             except TransferError as exc:
                 svc.metrics.notifications_failed.inc()
                 await self._read_failed(job, remote, exc)
+        return True
 
-    async def _post(self, job: PullJob, posts: list[ReadPost]) -> list[PostResult]:
-        """Post, and record the handles even when cancelled meanwhile: the READs exist on
-        the NIXL thread either way, and must be released before the pools are unpinned."""
-        post = asyncio.ensure_future(self.svc.datapath.post_reads(posts))
+    async def _post(self, job: PullJob, engine: Engine, posts: list[ReadPost]
+                    ) -> list[PostResult]:
+        """Pin the local pools and post, recording the handles even when cancelled
+        meanwhile: the READs exist on the NIXL thread either way, and must be released
+        before the pools are unpinned."""
+        svc = self.svc
+        for r in engine.live_ranks():
+            r.pins += 1
+            job.pinned.append(r)
+        t0 = time.perf_counter()
+        post = asyncio.ensure_future(svc.datapath.post_reads(posts))
         try:
             results = await asyncio.shield(post)
         except asyncio.CancelledError:
@@ -138,12 +244,32 @@ class PullReads:
             job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
             raise
         job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+        svc.metrics.post_duration.observe(time.perf_counter() - t0)
+        svc.metrics.descriptors_posted.inc(job.descriptors)
+        svc.metrics.reads_posted([r.timing for r in results])
         return results
 
-    async def _wait(self, job: PullJob, remote: RemoteEngine, pending: list[int]) -> None:
-        interval_s = FIRST_POLL_S
+    async def _discard(self, job: PullJob) -> None:
+        """READs whose bytes are not trusted: let them end (failed or not; a new READ
+        must not race them into the same blocks), release them, unpin."""
+        pending, interval_s = list(job.xfers), FIRST_POLL_S
         while pending:
-            await self.svc.clock.sleep(interval_s)
+            states = await self.svc.datapath.poll_many(pending)
+            pending = [x for x, s in states.items() if s.state is XferState.PENDING]
+            if pending:
+                await self.svc.clock.sleep(interval_s)
+                interval_s = min(interval_s * 2, MAX_POLL_S)
+        await self.release(job)
+
+    async def _wait(self, job: PullJob, remote: RemoteEngine, pending: list[int]) -> None:
+        interval_s, spins = FIRST_POLL_S, 0
+        while pending:
+            if spins < SPIN_POLLS:  # a small READ ends within a few loop turns
+                spins += 1
+                await self.svc.clock.sleep(0)
+            else:
+                await self.svc.clock.sleep(interval_s)
+                interval_s = min(interval_s * 2, MAX_POLL_S)
             states = await self.svc.datapath.poll_many(pending)
             failed = [s.error for s in states.values() if s.error is not None]
             if failed:
@@ -154,7 +280,6 @@ class PullReads:
             for agent, (since_s, exc) in job.lost.items():
                 if agent in job.reading_from.values() and now - since_s >= LOST_GRACE_S:
                     raise exc
-            interval_s = min(interval_s * 2, MAX_POLL_S)
 
     async def _read_failed(self, job: PullJob, remote: RemoteEngine, exc: TransferError) -> None:
         """Drop the cached producer daemons and raise: peer_lost if a producer daemon is

@@ -1,6 +1,7 @@
 """The one fake clock of the test suites: virtual time that moves only when told.
 
-It implements ``kvd.daemon.clock.Clock`` (``now``, ``sleep``, ``wait_for``), so a
+It implements ``kvd.daemon.clock.Clock`` (``now``, ``sleep``, ``wait_for``,
+``call_later``), so a
 daemon built with it takes every lease, timeout and loop cadence from it: a test
 moves through a 30 s lease in a few milliseconds of real time, and nothing
 expires because the machine was slow. ``run()`` advances in small steps and gives
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -56,6 +57,13 @@ class FakeClock:
             await self._cancel_and_wait(task)
             raise TimeoutError(f"timed out after {timeout_s} s of fake time")
         return task.result()
+
+    def call_later(self, seconds: float, fn: Callable[[], object]) -> asyncio.Task[None]:
+        async def later() -> None:
+            await self.sleep(seconds)
+            fn()
+
+        return asyncio.ensure_future(later())
 
     @staticmethod
     async def _cancel_and_wait(task: asyncio.Future) -> None:

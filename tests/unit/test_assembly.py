@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from kvd.daemon.engines import geometry, parallelism, rank_layout
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import RankId, plan_transfer
-from kvd.planner.assembly import RankPool, assemble_pull, match_tail
+from kvd.planner.assembly import RankPool, assemble_pull, match_tail, read_descriptors
+from kvd.planner.descriptors import build_read_descriptors
 from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS
 from kvd.protocol import ModelSpec
 from kvd.tools.sim import EngineShape, global_kv, layout_spec, write_shard
@@ -158,3 +159,45 @@ def test_match_tail_refuses_ambiguous_or_inconsistent_pulls(local, remote, bs_l,
 def test_match_tail_names_negative_ids() -> None:
     with pytest.raises(BlockIdError, match=r"\[-3\]"):
         match_tail([1, -3], [1, 2], 16, 16)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pulls(), st.data())
+def test_one_block_template_gives_the_builders_descriptors(case, data) -> None:
+    """A one-block pull's descriptors come from a cached template (issue 12.4): exactly
+    what build_read_descriptors gives, for any layout, parallelism and block pair."""
+    model, pshape, dshape, *_ = case
+    _, pranks = _pools(model, pshape)
+    _, dranks = _pools(model, dshape)
+    remote = {rid: pool for rid, pool, _ in pranks}
+    plan = plan_transfer(geometry(model), parallelism(pshape.tp_size, pshape.pp_size, None),
+                         parallelism(dshape.tp_size, dshape.pp_size, None))
+    for rid, lp, _ in dranks:
+        for read in plan.reads_for(rid):
+            rp = remote[read.remote]
+            ids = (np.array([data.draw(st.integers(0, lp.cache.num_blocks - 1))]),
+                   np.array([data.draw(st.integers(0, rp.cache.num_blocks - 1))]))
+            args = (read, lp.cache, lp.first_layer, rp.cache, rp.first_layer, *ids)
+            try:
+                want = build_read_descriptors(*args)
+            except LayoutError:
+                with pytest.raises(LayoutError):
+                    read_descriptors(*args)
+                continue
+            got = read_descriptors(*args)
+            for a, b in ((got.local_offsets, want.local_offsets),
+                         (got.remote_offsets, want.remote_offsets), (got.nbytes, want.nbytes)):
+                assert np.array_equal(a, b)
+
+
+def test_one_block_template_checks_block_ids() -> None:
+    model = ModelSpec(name="t", num_kv_heads=2, num_layers=2, head_dim=4, dtype="bfloat16")
+    shape = EngineShape(1, 1, 4, 3, "cross_layer", "HND")
+    _, [(rid, pool, _)] = _pools(model, shape)
+    [read] = plan_transfer(geometry(model), parallelism(1, 1, None),
+                           parallelism(1, 1, None)).reads_for(rid)
+    args = (read, pool.cache, 0, pool.cache, 0)
+    assert len(read_descriptors(*args, np.array([2]), np.array([0]))) == 1
+    for bad in ((3, 0), (0, 3), (-1, 0)):
+        with pytest.raises(LayoutError):
+            read_descriptors(*args, np.array([bad[0]]), np.array([bad[1]]))
