@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from engine_proc import EngineProc
+from tiny_hybrid_model import build_tiny_nemotron_h
 from tiny_model import build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
@@ -86,6 +87,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama (``tiny_model.build_tiny_llama``), built once per session."""
     return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Nemotron-H (``tiny_hybrid_model``), built once per session."""
+    return build_tiny_nemotron_h(tmp_path_factory.getbasetemp() / "tiny-nemotron-h")
 
 
 @pytest.fixture(scope="session")

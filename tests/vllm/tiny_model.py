@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def _vocab() -> dict[str, int]:
     return vocab
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddings"]) -> None:
     """A WordLevel tokenizer: word ``t<id>`` is token ``<id>``, so ids and text map 1:1.
 
     vLLM loads it offline through transformers' fast-tokenizer path
@@ -154,7 +155,7 @@ def _write_tokenizer(out: Path) -> None:
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": CONFIG["max_position_embeddings"],
+        "model_max_length": max_positions,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -182,21 +183,22 @@ def _file_digests(directory: Path) -> dict[str, str]:
     }
 
 
-def _is_current(directory: Path) -> bool:
-    """True when ``directory`` holds this spec's files, unmodified."""
+def _is_current(directory: Path, digest: str) -> bool:
+    """True when ``directory`` holds the files of the spec hashed ``digest``, unmodified."""
     stamp_path = directory / STAMP_FILE
     try:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):
         return False
-    return stamp.get("spec_hash") == spec_hash() and stamp.get("files") == _file_digests(directory)
+    return stamp.get("spec_hash") == digest and stamp.get("files") == _file_digests(directory)
 
 
-def build_tiny_llama(directory: str | os.PathLike[str]) -> Path:
-    """Write the tiny model into ``directory`` (created) and return it.
+def build_model_dir(directory: str | os.PathLike[str], digest: str,
+                    write_all: Callable[[Path], None]) -> Path:
+    """Write a model with ``write_all`` into ``directory`` (created) and return it.
 
-    Idempotent: a directory whose stamp matches this spec's hash and whose files
-    still match their recorded digests is reused as is. A stale directory is
+    Idempotent: a directory whose stamp matches ``digest`` (the spec's hash) and whose
+    files still match their recorded digests is reused as is. A stale directory is
     replaced only if it carries our stamp; anything else there is refused, so a
     wrong path never deletes someone's files. The files are built in a sibling
     temporary directory and renamed into place, so a crash never leaves a
@@ -204,15 +206,15 @@ def build_tiny_llama(directory: str | os.PathLike[str]) -> Path:
     """
     target = Path(directory)
     if target.exists():
-        if _is_current(target):
+        if _is_current(target, digest):
             return target
         if any(target.iterdir()) and not (target / STAMP_FILE).exists():
             raise FileExistsError(f"{target} is not empty and holds no tiny-model stamp")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_all(tmp)
-        stamp = {"spec_hash": spec_hash(), "files": _file_digests(tmp)}
+        write_all(tmp)
+        stamp = {"spec_hash": digest, "files": _file_digests(tmp)}
         (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -221,6 +223,11 @@ def build_tiny_llama(directory: str | os.PathLike[str]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def build_tiny_llama(directory: str | os.PathLike[str]) -> Path:
+    """The tiny Llama in ``directory`` (see build_model_dir)."""
+    return build_model_dir(directory, spec_hash(), _write_all)
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:
