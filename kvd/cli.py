@@ -62,7 +62,8 @@ def plan(
     hybrid: str | None = typer.Option(
         None, "--hybrid", help="Hybrid model (attention, sliding window, Mamba): a preset "
         "(nemotron-h-8b, tiny-hybrid) or a JSON file, instead of --kv-heads/--layers; counts "
-        "the descriptors of one --tokens request (0: off) with --block-size kernel blocks."
+        "the descriptors of one --tokens request (0: off) with --block-size kernel blocks "
+        "and --layout attention pages (LBHNC default, LBNHC or blocks_first)."
     ),
 ) -> None:
     """Show which bytes every decode rank reads from which prefill rank."""
@@ -75,7 +76,7 @@ def plan(
 
             typer.echo(render_hybrid_cli(hybrid, prefill_tp, decode_tp, prefill_pp, decode_pp,
                                          prefill_layers, decode_layers, tokens, block_size,
-                                         decode_block_size, as_json))
+                                         decode_block_size, as_json, layout))
             return
         if kv_heads is None or layers is None:
             _fail("--kv-heads and --layers are required (or --hybrid MODEL)")

@@ -24,6 +24,7 @@ from kvd.planner.hybrid_layout import (
     AttentionGroupLayout,
     HybridRankLayout,
     build_hybrid_descriptors,
+    hybrid_head_layout,
     vllm_rank_layout,
 )
 from kvd.planner.plan import RankId
@@ -186,20 +187,22 @@ def vllm_3read_count(plan: HybridPlan, decode_rank: RankId, local_ids: list[list
 
 
 def descriptor_report(plan: HybridPlan, num_tokens: int, prefill_block_tokens: int,
-                      decode_block_tokens: int) -> dict:
-    """Descriptors of one request of num_tokens per decode rank and source, in vLLM pools."""
+                      decode_block_tokens: int, kv_layout: str = "LBHNC") -> dict:
+    """Descriptors of one request of num_tokens per decode rank and source, in vLLM pools
+    with attention pages in kv_layout (vLLM's hybrid engines: LBHNC)."""
     m = plan.model
     counts: dict[str, object] = {"tokens": num_tokens, "prefill_kernel_block_tokens":
                                  prefill_block_tokens,
-                                 "decode_kernel_block_tokens": decode_block_tokens}
+                                 "decode_kernel_block_tokens": decode_block_tokens,
+                                 "kv_layout": kv_layout}
     layouts = {}
     for side, par, kbs in (("prefill", plan.prefill, prefill_block_tokens),
                            ("decode", plan.decode, decode_block_tokens)):
-        probe = vllm_rank_layout(m, par, 0, 1, kbs)
+        probe = vllm_rank_layout(m, par, 0, 1, kbs, kv_layout=kv_layout)
         ratio = _ratio(probe)
         blocks = max(1, -(-num_tokens // (kbs * ratio)))
         size = 2 * len(m.groups) * blocks + 2
-        layouts[side] = ({pp: vllm_rank_layout(m, par, pp, size, kbs)
+        layouts[side] = ({pp: vllm_rank_layout(m, par, pp, size, kbs, kv_layout=kv_layout)
                           for pp in range(par.pp_size)}, ratio)
         counts[f"{side}_blocks_per_logical"] = ratio
     (p_lay, p_ratio), (d_lay, d_ratio) = layouts["prefill"], layouts["decode"]
@@ -231,7 +234,8 @@ def descriptor_report(plan: HybridPlan, num_tokens: int, prefill_block_tokens: i
 
 def render_report(report: dict) -> list[str]:
     lines = ["", f"descriptors for one request of {report['tokens']} tokens in vLLM hybrid pools "
-             f"(kernel blocks: prefill {report['prefill_kernel_block_tokens']}, decode "
+             f"(attention pages {report.get('kv_layout', 'LBHNC')}; "
+             f"kernel blocks: prefill {report['prefill_kernel_block_tokens']}, decode "
              f"{report['decode_kernel_block_tokens']} tokens; kernel blocks per logical block: "
              f"prefill {report['prefill_blocks_per_logical']}, decode "
              f"{report['decode_blocks_per_logical']}; no two block ids of a group adjacent):"]
@@ -257,12 +261,13 @@ def render_report(report: dict) -> list[str]:
 def render_hybrid_cli(model_spec: str, prefill_tp: int, decode_tp: int, prefill_pp: int,
                       decode_pp: int, prefill_layers: str | None, decode_layers: str | None,
                       tokens: int, prefill_block_tokens: int, decode_block_tokens: int | None,
-                      as_json: bool) -> str:
+                      as_json: bool, kv_layout: str | None = None) -> str:
     """Everything `kvd plan --hybrid` prints; raises KvdError for configs no engine can run.
 
     tokens > 0 adds the descriptor counts of one request of that many tokens,
     with kernel blocks of prefill_block_tokens (decode: decode_block_tokens, or
-    the same).
+    the same) and attention pages in kv_layout (default LBHNC, what vLLM's hybrid
+    engines use; blocks_first and LBNHC are the others a hybrid pool can have).
     """
     model = load_model(model_spec)
     prefill = Parallelism(prefill_tp, prefill_pp, parse_partition(prefill_layers, "prefill"))
@@ -271,7 +276,9 @@ def render_hybrid_cli(model_spec: str, prefill_tp: int, decode_tp: int, prefill_
     if min(prefill_block_tokens, d_kbs) < 1:
         raise PlanError(f"block sizes must be >= 1 token, got {prefill_block_tokens} / {d_kbs}")
     plan = plan_hybrid(model, prefill, decode)
-    report = descriptor_report(plan, tokens, prefill_block_tokens, d_kbs) if tokens > 0 else None
+    hybrid_head_layout(kv_layout or "LBHNC")  # refuses layouts a hybrid pool cannot have
+    report = (descriptor_report(plan, tokens, prefill_block_tokens, d_kbs, kv_layout or "LBHNC")
+              if tokens > 0 else None)
     if as_json:
         out = plan.to_json()
         if report is not None:

@@ -115,3 +115,20 @@ def test_hybrid_plan_path_does_not_import_heavy_modules():
             "print(sorted(m for m in ('torch', 'nixl', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_descriptor_counts_follow_the_attention_page_order():
+    """vLLM's LBHNC (the default) keeps K||V of a head slice together: about half the
+    descriptors of blocks_first for a hetero-TP pull; a cross-layer order is refused."""
+    totals = {}
+    for layout in ("LBHNC", "blocks_first"):
+        result = invoke("--hybrid", "nemotron-h-8b", "--prefill-tp", "4", "--decode-tp", "2",
+                        "--tokens", "8192", "--block-size", "16", "--layout", layout, "--json")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)["descriptors"]
+        assert report["kv_layout"] == layout
+        totals[layout] = report["decode_ranks"][0]["total"]
+    assert totals["LBHNC"] < 0.6 * totals["blocks_first"], totals
+    line = one_line_error(invoke("--hybrid", "nemotron-h-8b", "--prefill-tp", "4",
+                                 "--decode-tp", "2", "--layout", "BHLNC"))
+    assert "layer outermost" in line
