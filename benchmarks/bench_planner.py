@@ -125,6 +125,13 @@ def build_cases() -> list[BuildCase]:
         BuildCase("kv_split 1 head, ratio 64<-16, consecutive", one,
                   _layout(1, "kv_split", "HND", bs=64), _layout(1, "kv_split", "HND"),
                   np.arange(N_BLOCKS // 4), np.arange(N_BLOCKS)),
+        # a request that ends inside a decode block: the padded path
+        BuildCase("kv_split NHD whole, ratio 64<-16, partial last", whole,
+                  _layout(8, "kv_split", "NHD", bs=64), _layout(8, "kv_split", "NHD"),
+                  ids(N_BLOCKS // 4, POOL_BLOCKS // 4), ids(N_BLOCKS - 3, POOL_BLOCKS)),
+        BuildCase("LBHNC whole, ratio 64<-16, partial last", whole,
+                  _layout(8, "LBHNC", "HND", bs=64), _layout(8, "LBHNC", "HND"),
+                  ids(N_BLOCKS // 4, POOL_BLOCKS // 4), ids(N_BLOCKS - 3, POOL_BLOCKS)),
     ]
     combos = [(k, h) for k in KV_LAYOUTS for h in HEAD_LAYOUTS if k != "head_major" or h == "HND"]
     combos += [(k, vllm_head_layout(k)) for k in VLLM_LAYOUTS]

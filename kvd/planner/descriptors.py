@@ -218,8 +218,109 @@ def _level_delta(terms: list[np.ndarray], sizes: list[int], k: int) -> np.ndarra
 def _level_breaks(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[int],
                   k: int, chunk: int) -> np.ndarray:
     """True where a chunk of level k does not continue its predecessor on some side."""
-    return np.asarray((_level_delta(lo_terms, sizes, k) != chunk)
-                      | (_level_delta(ro_terms, sizes, k) != chunk))
+    brk = np.asarray((_level_delta(lo_terms, sizes, k) != chunk)
+                     | (_level_delta(ro_terms, sizes, k) != chunk))
+    return brk.reshape((1,) * len(sizes)) if brk.ndim == 0 else brk
+
+
+def _count_merges(brk: np.ndarray, sizes: list[int], k: int) -> int:
+    """How many chunks of level k continue their predecessor (brk broadcasts over the
+    axes where it has size 1)."""
+    mult = 1
+    for d in range(k + 1):
+        if brk.shape[d] == 1:
+            mult *= sizes[d] - 1 if d == k else sizes[d]
+    return (brk.size - int(np.count_nonzero(brk))) * mult
+
+
+def _merge_positions(breaks: dict[int, np.ndarray], sizes: list[int]) -> np.ndarray:
+    """Sorted flat grid positions of the chunks that continue their predecessor."""
+    strides = [int(np.prod(sizes[d + 1:])) for d in range(len(sizes))]
+    parts = []
+    for k, brk in breaks.items():
+        idx = np.nonzero(~brk)
+        pos = np.zeros(idx[0].size, dtype=np.int64)
+        for d in range(k + 1):
+            if brk.shape[d] > 1:
+                pos += (idx[d] + (d == k)) * strides[d]
+        for d in range(k + 1):  # the axes brk broadcasts over: every index
+            if brk.shape[d] == 1 and sizes[d] > 1:
+                steps = np.arange(1 if d == k else 0, sizes[d], dtype=np.int64) * strides[d]
+                pos = (pos[:, None] + steps[None, :]).reshape(-1)
+        parts.append(pos)
+    return np.sort(np.concatenate(parts))
+
+
+def _drop(lo: np.ndarray, ro: np.ndarray, dropped: np.ndarray, merged: np.ndarray | None,
+          chunk: int) -> Descriptors:
+    """The grid less the chunks at `dropped` (sorted positions, a few): those flagged in
+    `merged` (all when None) continue the descriptor before them and add their bytes to
+    it, the others (padding) vanish.
+
+    A handful of positions are closed up in place (no fresh n-sized copies: first
+    touches of fresh pages are most of the cost at these sizes); more go through a mask.
+    """
+    n, m = lo.size, dropped.size
+    if m <= max(64, n // 1024):
+        bounds = [*dropped.tolist(), n]
+        for j in range(m):  # 1-d forward copies onto lower addresses: numpy memmoves them
+            src, end = bounds[j] + 1, bounds[j + 1]
+            lo[src - j - 1:end - j - 1] = lo[src:end]
+            ro[src - j - 1:end - j - 1] = ro[src:end]
+        lo, ro = lo[:n - m], ro[:n - m]
+    else:
+        keep = np.ones(n, dtype=bool)
+        keep[dropped] = False
+        lo, ro = lo[keep], ro[keep]
+    # the descriptor before dropped[j] has output index dropped[j] - j - 1
+    into = dropped - np.arange(1, m + 1)
+    if merged is not None:
+        into = into[merged]
+    nbytes = np.bincount(into, minlength=n - m).astype(np.int64, copy=False)
+    nbytes += 1
+    nbytes *= chunk
+    return Descriptors(lo, ro, nbytes)
+
+
+def _padding_positions(sizes: list[int], big: int, sub: int, valid_subs: int) -> np.ndarray:
+    """Sorted flat positions of the last big block's missing sub-segments (sub index >=
+    valid_subs): every index on the other axes."""
+    strides = [int(np.prod(sizes[d + 1:])) for d in range(len(sizes))]
+    pos = np.zeros((1,) * len(sizes), dtype=np.int64)
+    for d, n in enumerate(sizes):
+        if d == big:
+            steps = np.array([(n - 1) * strides[d]], dtype=np.int64)
+        elif d == sub:
+            steps = np.arange(valid_subs, n, dtype=np.int64) * strides[d]
+        else:
+            steps = np.arange(n, dtype=np.int64) * strides[d]
+        shape = [1] * len(sizes)
+        shape[d] = steps.size
+        pos = pos + steps.reshape(shape)
+    return pos.reshape(-1)  # C order over positive strides: already sorted
+
+
+def _padded(lo: np.ndarray, ro: np.ndarray, breaks: dict[int, np.ndarray], sizes: list[int],
+            big: int, sub: int, valid_subs: int, chunk: int) -> Descriptors:
+    """A grid whose last big block has only `valid_subs` sub-segments: drop the others,
+    and re-decide each chunk right after a dropped run against the chunk before the run
+    (the levels' breaks compared it with a padding chunk)."""
+    pad = _padding_positions(sizes, big, sub, valid_subs)
+    run_end = np.flatnonzero(np.diff(pad) != 1)
+    last = np.append(pad[run_end], pad[-1])  # each dropped run's last position
+    first = np.insert(pad[run_end + 1], 0, pad[0])
+    after, before = last + 1, first - 1
+    inside = after < lo.size
+    after, before = after[inside], before[inside]
+    joins = after[(lo[after] - lo[before] == chunk) & (ro[after] - ro[before] == chunk)]
+    merged = _merge_positions(breaks, sizes)
+    stale = np.concatenate((pad, after))
+    merged = merged[~np.isin(merged, stale, assume_unique=False)]
+    dropped = np.concatenate((pad, merged, joins))
+    flags = np.zeros(dropped.size, dtype=bool)
+    flags[pad.size:] = True
+    order = np.argsort(dropped, kind="stable")
+    return _drop(lo, ro, dropped[order], flags[order], chunk)
 
 
 def _fold(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[int], k: int
@@ -232,7 +333,7 @@ def _fold(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[in
 
 
 _SHORT = 16  # a last axis shorter than this makes numpy's broadcast loop slow
-_TILE = 1 << 16  # chunks per row tile in _outer_sum's short-axis path (512 KiB of int64)
+_TILE = 1 << 18  # chunks per row tile in _outer_sum's short-axis path (2 MiB of int64)
 
 
 def _outer_sum(terms: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
@@ -441,9 +542,17 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
 
     lo, ro = _grid(lo_terms, sizes), _grid(ro_terms, sizes)
     n = lo.size
-    if not padded and all(b.all() for b in breaks.values()):
-        # no step of any level merges: every chunk is a descriptor
-        return Descriptors(lo, ro, np.full(n, chunk, dtype=np.int64))
+    if not padded:
+        merges = sum(_count_merges(brk, sizes, k) for k, brk in breaks.items())
+        if merges == 0:  # no step of any level merges: every chunk is a descriptor
+            return Descriptors(lo, ro, np.full(n, chunk, dtype=np.int64))
+        if merges <= n // 8:  # a few: list them instead of masking the grid
+            return _drop(lo, ro, _merge_positions(breaks, sizes), None, chunk)
+    else:
+        merges = sum(_count_merges(brk, sizes, k) for k, brk in breaks.items())
+        valid_subs = int(np.count_nonzero(valid)) - (n_big - 1) * n_sub
+        if merges <= n // 8:
+            return _padded(lo, ro, breaks, sizes, pos["big"], pos["sub"], valid_subs, chunk)
     starts_mask = np.empty(sizes, dtype=bool)
     starts_mask.reshape(-1)[0] = True
     for k, brk in breaks.items():  # level k: index >= 1 on axis k, 0 on every axis inside it
@@ -452,8 +561,6 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
     starts_mask = starts_mask.reshape(-1)
     if not padded:
         starts = np.flatnonzero(starts_mask)
-        if starts.size == n:
-            return Descriptors(lo, ro, np.full(n, chunk, dtype=np.int64))
         return Descriptors(lo[starts], ro[starts], _run_nbytes(starts, n, chunk))
     # Padding: drop the missing segments, then re-decide each chunk that followed a gap
     # against the chunk kept before the gap.
