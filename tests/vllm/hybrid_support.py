@@ -135,12 +135,33 @@ class HybridEngine(ss.SimEngine):
             offset += nbytes
         return out[0], out[1]
 
+    def conv_channels(self, rank: int) -> torch.Tensor:
+        """Global conv channels of a rank in its order: its x, B and C slices (each of the
+        three sub-projections sharded over TP on its own, as MambaMixer2 shards them)."""
+        cfg, t = MODEL_CONFIG, self.tp_size
+        d_inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+        g, n = cfg["n_groups"], cfg["ssm_state_size"]
+        x = torch.arange(rank * d_inner // t, (rank + 1) * d_inner // t)
+        g0, g1 = (rank * g // t, (rank + 1) * g // t) if t <= g else (rank * g // t,
+                                                                       rank * g // t + 1)
+        b = d_inner + torch.arange(g0 * n, g1 * n)
+        return torch.cat([x, b, b + g * n])
+
     def state_pattern(self, tag: int, rank: int, layer: int, part: int, end: int
                       ) -> torch.Tensor:
+        """This rank's slice of one global Mamba state (conv: [channel, step] or its
+        transpose; SSM: [head, head_dim, d_state]), valued by global index, so that a
+        decode rank of another TP size can check what it got from several prefill ranks."""
         shape = self.mamba_shapes[part]
-        flat = ss.kv_pattern(tag * 16 + rank, 1000 * (part + 1) + layer,
-                             torch.tensor([end]), torch.arange(prod(shape[:-1])), shape[-1])
-        return flat.view(*shape)
+        if part == 1:  # SSM heads shard evenly
+            h = shape[0]
+            return ss.kv_pattern(tag, 2000 + layer + 100 * end,
+                                 torch.arange(rank * h, (rank + 1) * h),
+                                 torch.arange(shape[1]), shape[2])
+        steps = MODEL_CONFIG["conv_kernel"] - 1
+        flat = ss.kv_pattern(tag, 1000 + layer, torch.tensor([end]), self.conv_channels(rank),
+                             steps)[0]  # [channel, step]
+        return flat if tuple(shape) == tuple(flat.shape) else flat.T.contiguous()
 
     def mamba_slot(self, groups: list[list[int]]) -> int:
         g = next(i for i in range(len(groups)) if self.group_kind(i) == "mamba")

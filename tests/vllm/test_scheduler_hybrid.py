@@ -100,11 +100,13 @@ def test_connector_supports_hma() -> None:
     assert supports_hma(KvdConnector)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_hybrid_prefill_to_decode(daemons, engines, tp: int) -> None:
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_hybrid_prefill_to_decode(daemons, engines, p_tp: int, d_tp: int) -> None:
+    """Hetero TP too: a decode rank's Mamba state comes from one or two prefill ranks
+    (x, B, C conv slices and SSM heads), its attention heads likewise."""
     pd, dd = daemons
-    p = engines("hpre", pd, tp_size=tp)
-    d = engines("hdec", dd, tp_size=tp)
+    p = engines("hpre", pd, tp_size=p_tp)
+    d = engines("hdec", dd, tp_size=d_tp)
     assert p.vllm_config.cache_config.get_resolved_kv_cache_layout().name == "LBHNC"
     assert [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups] \
         == ["MambaSpec", "FullAttentionSpec"]
