@@ -24,14 +24,17 @@ DescSet = tuple[str, str, np.ndarray, np.ndarray, np.ndarray]
 
 def _alloc(kind: str, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> tuple[np.ndarray, Any]:
     """anon: numpy heap memory (numpy asks for transparent huge pages on big arrays);
-    shm: a shared-memory pool in ``shm_dir`` exactly like the ones kvd allocates (4 KiB
-    pages unless that directory is a huge-page mount). Unlinked at once: nothing can leak."""
+    shm: a pool exactly like the ones kvd's daemons allocate by default (``pool_backing``
+    auto: reserved 2 MiB pages where the host has them free, a huge-page mount in
+    ``shm_dir``, else a 4 KiB shm file there), so raw NIXL and memcpy run on the same
+    kind of memory as kvd. Unlinked at once: nothing can leak."""
     if kind == "anon":
         return np.empty(nbytes, dtype=np.uint8), None
-    from kvd.pool import ShmPool
+    from kvd.pool import PoolBacking, ShmPool
 
-    pool = ShmPool.create("kvd-bench", nbytes, shm_dir)
-    os.unlink(pool.directory / pool.name)
+    pool = ShmPool.create("kvd-bench", nbytes, shm_dir, backing=PoolBacking.AUTO)
+    if pool.fd is None:  # a file; memfd pools have none
+        os.unlink(pool.directory / pool.name)
     return pool.array, pool
 
 
@@ -50,7 +53,7 @@ def _copy_times(src: np.ndarray, dst: np.ndarray, repeats: int) -> list[float]:
     return times
 
 
-def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, float]:
+def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     """Heap-to-heap (numpy asks for huge pages) and shm-to-shm (the pools kvd uses)."""
     times = _copy_times(np.empty(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8),
                         repeats)
@@ -58,11 +61,13 @@ def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> d
     dst, dst_pool = _alloc("shm", nbytes, shm_dir)
     shm_times = _copy_times(src, dst, repeats)
     del src, dst
+    page_nbytes, backing = src_pool.page_nbytes, src_pool.backing.value
     src_pool.close()
     dst_pool.close()
     return {"memcpy_gbps": fmt_gbps(nbytes, statistics.median(times)),
             "memcpy_gbps_best": fmt_gbps(nbytes, min(times)),
-            "memcpy_gbps_shm": fmt_gbps(nbytes, statistics.median(shm_times))}
+            "memcpy_gbps_shm": fmt_gbps(nbytes, statistics.median(shm_times)),
+            "shm_buffers_backing": backing, "shm_buffers_page_nbytes": page_nbytes}
 
 
 # ------------------------------------------------------------------ raw NIXL

@@ -81,7 +81,7 @@ def machine_info(shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
 
 
 def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats: int,
-                 memcpy: dict[str, float], nixl: dict[str, Any], kvd: dict[str, Any],
+                 memcpy: dict[str, Any], nixl: dict[str, Any], kvd: dict[str, Any],
                  ndesc: dict[str, int], desc_nbytes: dict[str, int],
                  machine: dict[str, Any], logs: Path, started: float) -> dict[str, Any]:
     """The JSON of one run from the raw measurements of each phase."""
@@ -126,9 +126,12 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             "kvd_gbps_consecutive": k["kvd_gbps_consecutive"],
             "descriptors_consecutive": ndesc[scn.name + ":consecutive"],
             "memcpy_gbps_best": memcpy["memcpy_gbps_best"],
-            # Same copy between two shm pools (4 KiB pages, like kvd's): the memory kind
-            # kvd actually moves, for a like-for-like ceiling.
+            # Same copy between two pools allocated like kvd's (pool_backing auto: 2 MiB
+            # pages where the host has them, else 4 KiB shm): the memory kind kvd
+            # actually moves, for a like-for-like ceiling; raw NIXL's "_shm" sets too.
             "memcpy_gbps_shm": memcpy["memcpy_gbps_shm"],
+            "shm_buffers_backing": memcpy.get("shm_buffers_backing"),
+            "shm_buffers_page_nbytes": memcpy.get("shm_buffers_page_nbytes"),
             "ratio_kvd_memcpy_shm": round(k["kvd_gbps"] / memcpy["memcpy_gbps_shm"], 3),
             "kvd_ms": k["kvd_ms"],
             "nixl_ms": [fmt_ms(x) for x in nixl["single"]],
