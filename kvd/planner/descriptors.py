@@ -9,6 +9,7 @@ layouts themselves (strides per kv_layout) are kvd.planner.layout.CacheLayout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,10 +171,12 @@ def _merge(lo: np.ndarray, ro: np.ndarray, chunk_nbytes: int) -> Descriptors:
     if lo.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Descriptors(empty, empty.copy(), empty.copy())
-    breaks = (np.diff(lo) != chunk_nbytes) | (np.diff(ro) != chunk_nbytes)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
-    run_chunks = np.diff(np.append(starts, lo.size))
-    return Descriptors(lo[starts], ro[starts], run_chunks.astype(np.int64) * chunk_nbytes)
+    starts = np.empty(lo.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(lo[1:] - lo[:-1], chunk_nbytes, out=starts[1:])
+    starts[1:] |= ro[1:] - ro[:-1] != chunk_nbytes
+    at = np.flatnonzero(starts)
+    return Descriptors(lo[at], ro[at], _run_nbytes(at, lo.size, chunk_nbytes))
 
 
 # The chunk grid. Offsets of chunk (i_0 .. i_5), axes in _AXIS_ORDER, on one side are a
@@ -197,12 +200,23 @@ def _level_delta(terms: list[np.ndarray], sizes: list[int], k: int) -> np.ndarra
     axes > k are at index 0 (after the step) and at their last index (before it).
     """
     delta: np.ndarray | int = 0
+    nd = len(sizes)
     for t in terms:
-        if all(t.shape[d] == 1 for d in range(k, len(sizes))):
+        shape = t.shape
+        vary = [d for d in range(nd) if shape[d] > 1]
+        if not vary or vary[-1] < k:
             continue  # constant across this step: cancels
+        if len(vary) == 1:  # one axis (most terms): 1-d arithmetic, no index tuples
+            v = t.reshape(-1)
+            if vary[0] > k:  # wraps from its last index to 0
+                delta = delta + (int(v[0]) - int(v[-1]))
+            else:  # steps
+                delta = delta + (v[1:] - v[:-1]).reshape(shape[:k] + (shape[k] - 1,)
+                                                         + shape[k + 1:])
+            continue
         new, old = [], []
-        for d in range(len(sizes)):
-            if d < k or t.shape[d] == 1:
+        for d in range(nd):
+            if d < k or shape[d] == 1:
                 new.append(slice(None))
                 old.append(slice(None))
             elif d == k:
@@ -332,6 +346,7 @@ def _fold(lo_terms: list[np.ndarray], ro_terms: list[np.ndarray], sizes: list[in
     sizes[k] = 1
 
 
+_SMALL_GRID = 1 << 14  # chunks up to which build_read_descriptors merges the flat grid
 _SHORT = 16  # a last axis shorter than this makes numpy's broadcast loop slow
 _TILE = 1 << 18  # chunks per row tile in _outer_sum's short-axis path (2 MiB of int64)
 
@@ -505,22 +520,33 @@ def build_read_descriptors(read: Read, local: CacheLayout, local_first_layer: in
             shape[pos[a]] = sizes[pos[a]]
         return values.reshape(shape)
 
+    # Small grids (a short request): the per-axis bookkeeping below costs more Python than
+    # it saves; sum the terms over the grid and merge it flat.
+    small = math.prod(sizes) <= _SMALL_GRID
     sides = []
     for s, first, blocks, tokens, heads0 in (
         (ls, local_first_layer, lb, lt, read.local_heads[0]),
         (rs, remote_first_layer, rb, rt, read.remote_heads[0]),
     ):
+        seg = place(blocks * s["block"] + tokens * s["token"], "big", "sub")
         sides.append([
             place((read.layers[0] - first + np.arange(n_layer_idx, dtype=np.int64))
                   * s["layer"], "layer"),
             place(np.arange(n_kv_idx, dtype=np.int64) * s["kv"], "kv"),
-            *_split_segments(place(blocks * s["block"] + tokens * s["token"], "big", "sub"),
-                             pos["big"], pos["sub"]),
+            *([seg] if small else _split_segments(seg, pos["big"], pos["sub"])),
             place((heads0 + np.arange(n_head_idx, dtype=np.int64)) * s["head"], "head"),
             place(np.arange(n_tok, dtype=np.int64) * s["token"], "tok"),
         ])
     lo_terms, ro_terms = sides
     padded = not valid.all()  # a partial last big block: its missing segments drop out
+    if small:
+        lo = (lo_terms[0] + lo_terms[1]) + lo_terms[2] + lo_terms[3] + lo_terms[4]
+        ro = (ro_terms[0] + ro_terms[1]) + ro_terms[2] + ro_terms[3] + ro_terms[4]
+        lo, ro = np.broadcast_to(lo, sizes).reshape(-1), np.broadcast_to(ro, sizes).reshape(-1)
+        if padded:
+            keep = np.broadcast_to(place(valid, "big", "sub"), sizes).reshape(-1)
+            lo, ro = lo[keep], ro[keep]
+        return _merge(lo, ro, chunk)
 
     # Fold every innermost axis whose steps all merge (a whole line is one chunk). Padding
     # sits on (big, sub): with it, no line may span "sub" or anything outside it.

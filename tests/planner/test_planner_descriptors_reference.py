@@ -9,16 +9,29 @@ head slice, block-size ratio (partial last blocks included), layer range and id 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.errors import LayoutError
-from kvd.planner import CacheLayout, Descriptors, RankId, build_read_descriptors
-from kvd.planner.descriptors import _AXIS_ORDER, _check_pair, _chunking, _merge, _segments
+from kvd.planner import CacheLayout, Descriptors, RankId, build_read_descriptors, descriptors
+from kvd.planner.descriptors import _AXIS_ORDER, _check_pair, _chunking, _segments
 from kvd.planner.layout import ALL_KV_LAYOUTS, VLLM_LAYOUTS, vllm_head_layout
 from kvd.planner.plan import Read
+
+
+def _merge(lo: np.ndarray, ro: np.ndarray, chunk_nbytes: int) -> Descriptors:
+    """Collapse runs of equal-size chunks that are contiguous on both sides."""
+    if lo.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Descriptors(empty, empty.copy(), empty.copy())
+    breaks = (np.diff(lo) != chunk_nbytes) | (np.diff(ro) != chunk_nbytes)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    run_chunks = np.diff(np.append(starts, lo.size))
+    return Descriptors(lo[starts], ro[starts], run_chunks.astype(np.int64) * chunk_nbytes)
 
 
 def reference(read: Read, local: CacheLayout, local_first_layer: int, remote: CacheLayout,
@@ -144,6 +157,17 @@ def _same(a: Descriptors, b: Descriptors) -> None:
         np.testing.assert_array_equal(x, y, err_msg=name)
 
 
+def _both_paths(*args) -> list[Descriptors]:
+    """The build as small requests get it (flat merge) and as big ones do (per axis, the
+    short-last-axis grids in whole and in tiles of one row)."""
+    out = [build_read_descriptors(*args)]
+    with mock.patch.object(descriptors, "_SMALL_GRID", -1):
+        out.append(build_read_descriptors(*args))
+        with mock.patch.object(descriptors, "_TILE", 8):
+            out.append(build_read_descriptors(*args))
+    return out
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fast_build_equals_the_reference(case):
@@ -154,7 +178,8 @@ def test_fast_build_equals_the_reference(case):
             build_read_descriptors(*case)
         assert str(got.value) == str(e)
         return
-    _same(build_read_descriptors(*case), expected)
+    for got in _both_paths(*case):
+        _same(got, expected)
 
 
 @pytest.mark.parametrize("kv_layout", ALL_KV_LAYOUTS)
@@ -180,4 +205,6 @@ def test_bench_shaped_cases_equal_the_reference(kv_layout, bs, ids):
         local_range = (read_heads[0] - (8 - local_heads), read_heads[1] - (8 - local_heads))
         read = Read(RankId(0, 0), read_heads, local_range, read_heads, (1, 5))
         args = (read, layouts[0], 0, layouts[1], 1, tables[0], tables[1])
-        _same(build_read_descriptors(*args), reference(*args))
+        expected = reference(*args)
+        for got in _both_paths(*args):
+            _same(got, expected)
