@@ -156,7 +156,11 @@ def build_cases() -> list[BuildCase]:
 
 
 def bench_descriptors(match: str = "", as_json: bool = False) -> list[dict]:
-    """Time every BuildCase; best of up to 20 runs, fewer (at least 3) for slow cases."""
+    """Time every BuildCase; best of up to 20 runs, fewer (at least 3) for slow cases.
+
+    A build returns three fresh int64 arrays, so a time includes the first touch of their
+    pages; at 5M descriptors (126 MB) that is most of it, and it varies with the
+    allocator's state (a case run first or alone can read several times slower)."""
     if not as_json:
         print(f"descriptor build, {LAYERS} layers x {N_BLOCKS} blocks of 16 tokens "
               f"(target {BUILD_TARGET_MS:.0f} ms, best of <= 20):")

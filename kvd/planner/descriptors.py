@@ -367,7 +367,7 @@ def _outer_sum(terms: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     spans = [[d for d in range(len(shape)) if t.shape[d] > 1] for t in terms]
     for cut in range(1, len(shape)):
         if all(not sp or sp[-1] < cut or sp[0] >= cut for sp in spans):
-            outer = [t for t, sp in zip(terms, spans, strict=True) if sp and sp[-1] < cut]
+            outer = [t for t, sp in zip(terms, spans, strict=True) if not sp or sp[-1] < cut]
             inner = [t for t, sp in zip(terms, spans, strict=True) if sp and sp[0] >= cut]
             if outer and inner:
                 a = _outer_sum([t.reshape(t.shape[:cut]) for t in outer], shape[:cut])
