@@ -30,16 +30,6 @@ RECONNECT_INTERVAL_MS = 100
 
 
 @dataclass(frozen=True)
-class Sent:
-    """A request on its way: its id, the future its reply will fill, the send itself."""
-
-    msg_id: int
-    reply: asyncio.Future[Reply]
-    sending: Any  # zmq.asyncio's send future (done at once unless the queue is full)
-    what: str
-
-
-@dataclass(frozen=True)
 class Reply:
     body: Any
     instance: str  # the answering daemon's incarnation ("" from a daemon too old to say)
@@ -83,7 +73,12 @@ class PeerConnection:
                 continue
             self._saw_instance(header.instance)
             fut = self._waiting.pop(header.id, None)
-            if fut is not None and not fut.done():
+            if fut is None or fut.done():
+                continue
+            if isinstance(body, P.Error):
+                fut.set_exception(error_from_code(body.code,
+                                                  f"peer {self.address}: {body.message}"))
+            else:
                 fut.set_result(Reply(body, header.instance, self.clock.now()))
 
     def _saw_instance(self, instance: str) -> None:
@@ -109,38 +104,40 @@ class PeerConnection:
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
                 self._on_lost(self.address, "disconnected")
 
-    def send(self, msg: Any) -> Sent:
-        """Put ``msg`` on the wire now (no await: it leaves before the caller's next step);
-        its reply is awaited with `reply`, which must follow."""
+    def send(self, msg: Any, timeout_s: float) -> asyncio.Future[Reply]:
+        """Put ``msg`` on the wire now (no await: it leaves before the caller's next step).
+
+        The returned future gets the reply; an Error reply as its KvdError class; after
+        ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped (the
+        daemon died) or KvdTimeoutError when it is connected, or never was, but silent.
+        No task runs for it: the reader fills it, a timer fails it.
+        """
         msg_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        frames = P.encode(msg, msg_id, self.token, self.own_instance)
-        sending = self.sock.send_multipart(frames)
+        sending = self.sock.send_multipart(P.encode(msg, msg_id, self.token, self.own_instance))
         self._waiting[msg_id] = fut
-        return Sent(msg_id, fut, sending, type(msg).__name__)
+        what = type(msg).__name__
 
-    async def reply(self, sent: Sent, timeout_s: float) -> Reply:
-        """The reply to a sent message (an Error reply raised as its KvdError class), or
-        after ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped
-        (the daemon died) or KvdTimeoutError when it is connected, or never was, but
-        silent."""
-        try:
-            await sent.sending
-            reply = await self.clock.wait_for(sent.reply, timeout_s)
-        except TimeoutError:
-            what = f"peer {self.address} did not answer {sent.what} within {timeout_s}s"
-            if self.connected is False:
-                raise PeerLostError(f"{what}: its connection dropped (daemon gone?)") from None
-            raise KvdTimeoutError(what) from None
-        finally:
-            self._waiting.pop(sent.msg_id, None)
-        if isinstance(reply.body, P.Error):
-            raise error_from_code(reply.body.code, f"peer {self.address}: {reply.body.message}")
-        return reply
+        def expire() -> None:
+            if fut.done():
+                return
+            text = f"peer {self.address} did not answer {what} within {timeout_s}s"
+            fut.set_exception(
+                PeerLostError(f"{text}: its connection dropped (daemon gone?)")
+                if self.connected is False else KvdTimeoutError(text))
+
+        def sent(s: asyncio.Future[Any]) -> None:
+            if not fut.done() and not s.cancelled() and s.exception() is not None:
+                fut.set_exception(s.exception())  # type: ignore[arg-type]
+
+        timer = self.clock.call_later(timeout_s, expire)
+        sending.add_done_callback(sent)
+        fut.add_done_callback(lambda _: (timer.cancel(), self._waiting.pop(msg_id, None)))
+        return fut
 
     async def request(self, msg: Any, timeout_s: float) -> Reply:
-        """Send ``msg`` and await its reply (see `reply`)."""
-        return await self.reply(self.send(msg), timeout_s)
+        """Send ``msg`` and await its reply (see `send`)."""
+        return await self.send(msg, timeout_s)
 
     def close(self) -> None:
         self._reader.cancel()

@@ -34,7 +34,7 @@ from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines import Engine, compat_hash
-from kvd.daemon.peerconn import PeerConnection, Reply, Sent
+from kvd.daemon.peerconn import PeerConnection, Reply
 from kvd.errors import (
     IncompatibleError,
     KvdError,
@@ -121,24 +121,23 @@ class PeerTable:
         """The same request, on the wire before this returns: its reply (or error) is
         the returned future, so the caller can work meanwhile (issue 12.4: a pull posts
         its READs while its Acquire travels)."""
-        loop = asyncio.get_running_loop()
         try:
             conn = self.conn(address)
-            sent = conn.send(msg)
         except KvdError as exc:
-            fut: asyncio.Future[Reply] = loop.create_future()
+            fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
             fut.set_exception(exc)
             return fut
-        return loop.create_task(self._reply(address, conn, sent, timeout_s))
+        fut = conn.send(msg, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
 
-    async def _reply(self, address: str, conn: PeerConnection, sent: Sent,
-                     timeout_s: float | None) -> Reply:
-        try:
-            return await conn.reply(
-                sent, self.cfg.handshake_timeout_s if timeout_s is None else timeout_s)
-        except (KvdTimeoutError, PeerLostError):
-            self.drop_address(address, "no answer")
-            raise
+        def answered(f: asyncio.Future[Reply]) -> None:
+            # Retrieved here, so that a reply nobody awaits any more (its pull was
+            # cancelled) is not logged as a lost exception; awaiting it still raises.
+            exc = None if f.cancelled() else f.exception()
+            if isinstance(exc, (KvdTimeoutError, PeerLostError)):
+                self.drop_address(address, "no answer")
+
+        fut.add_done_callback(answered)
+        return fut
 
     def drop_address(self, address: str, why: str) -> None:
         """Forget every cached handshake involving that daemon, and its NIXL metadata."""

@@ -14,6 +14,7 @@ the notices riding on them, complete.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from kvd import protocol as P
@@ -36,10 +37,15 @@ _END_REASONS = {
 # Progress polling: every FAST_POLL_S for HOT_WINDOW_S after activity (a READ is likely
 # landing), then backing off x2 to READING_POLL_MAX_S while some acquired request is
 # being read, or IDLE_POLL_MAX_S when none is (an idle daemon costs ~1% of a core).
-FAST_POLL_S = 0.00025
+FAST_POLL_S = 0.001
 HOT_WINDOW_S = 0.005
 READING_POLL_MAX_S = 0.002
 IDLE_POLL_MAX_S = 0.05
+
+
+def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
+    if not fut.done():
+        fut.set_result(woke)
 
 
 class Producer:
@@ -49,7 +55,7 @@ class Producer:
         self._pinned: dict[tuple[str, str], list] = {}
         self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
         self._plans = PlanCache()
-        self._wake = asyncio.Event()
+        self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -59,7 +65,8 @@ class Producer:
 
     def wake(self) -> None:
         """READ notices may come soon (publish, acquire): poll now."""
-        self._wake.set()
+        if self._waker is not None:
+            _resolve(self._waker, True)
 
     # ------------------------------------------------------------ engine face
 
@@ -175,12 +182,15 @@ class Producer:
             else:
                 cap_s = READING_POLL_MAX_S if self.reading else IDLE_POLL_MAX_S
                 interval_s = min(interval_s * 2, cap_s)
-            self._wake.clear()
+            # A pause that wake() ends early: a future and a timer, no task per turn.
+            self._waker = waker = asyncio.get_running_loop().create_future()
+            timer = clock.call_later(interval_s, functools.partial(_resolve, waker, False))
             try:
-                await clock.wait_for(self._wake.wait(), interval_s)
+                woke = await waker
+            finally:
+                timer.cancel()
+            if woke:
                 interval_s, last_activity_s = FAST_POLL_S, clock.now()
-            except TimeoutError:
-                pass
 
     # ------------------------------------------------------------ endings
 

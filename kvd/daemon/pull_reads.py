@@ -133,7 +133,12 @@ class Acquiring:
             raise self._error
         if self._replies is None:
             addrs = list(self._futures)
-            got = await asyncio.gather(*self._futures.values(), return_exceptions=True)
+            got: list[Reply | BaseException] = []
+            for fut in self._futures.values():  # no gather: no extra loop turn
+                try:
+                    got.append(await fut)
+                except Exception as exc:  # noqa: BLE001 - every reply is looked at first
+                    got.append(exc)
             self.job.acquired = [a for a, r in zip(addrs, got, strict=True)
                                  if not isinstance(r, BaseException)]
             for r in got:

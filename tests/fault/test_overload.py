@@ -2,10 +2,16 @@
 
 Past max_inflight_pulls the daemon answers "busy" at once; everything it
 accepted completes; it answers status while loaded; its memory stays bounded.
+
+The producer daemon is paused (SIGSTOP) during the storm, so that pulls stay in
+flight whatever their speed: a 1-block pull now ends within about one Acquire
+round trip, faster than a client issues the next one.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -34,7 +40,8 @@ def _rss_kib(pid: int) -> int:
 def test_thousands_of_pulls_are_bounded(tmp_path):
     prefill = DaemonProcess.start("ovp", tmp_path, extra_args=["--set", "drain_timeout_s=1"])
     decode = DaemonProcess.start("ovd", tmp_path,
-                                 extra_args=["--set", f"max_inflight_pulls={BOUND}"])
+                                 extra_args=["--set", f"max_inflight_pulls={BOUND}",
+                                             "--set", "handshake_timeout_s=60"])
     g = global_kv(MODEL, 16)
     try:
         with prefill.client() as pc, decode.client() as dc, decode.client() as probe:
@@ -50,16 +57,20 @@ def test_thousands_of_pulls_are_bounded(tmp_path):
 
             accepted, busy = [], 0
             t0 = time.perf_counter()
-            for i in range(1, PULLS):
-                try:
-                    dc.pull("d", f"r{i}", "p", prefill.peer_address, [5], [9])
-                    accepted.append(f"r{i}")
-                except BusyError:
-                    busy += 1
-                if i % 500 == 0:  # the daemon stays responsive while loaded
-                    t = time.perf_counter()
-                    probe.status()
-                    assert time.perf_counter() - t < 2.0, "status took over 2 s under load"
+            os.kill(prefill.proc.pid, signal.SIGSTOP)  # every accepted pull waits for it
+            try:
+                for i in range(1, PULLS):
+                    try:
+                        dc.pull("d", f"r{i}", "p", prefill.peer_address, [5], [9])
+                        accepted.append(f"r{i}")
+                    except BusyError:
+                        busy += 1
+                    if i % 500 == 0:  # the daemon stays responsive while loaded
+                        t = time.perf_counter()
+                        probe.status()
+                        assert time.perf_counter() - t < 2.0, "status took over 2 s under load"
+            finally:
+                os.kill(prefill.proc.pid, signal.SIGCONT)
             storm_s = time.perf_counter() - t0
             assert busy > 0, f"the bound was never reached ({len(accepted)} accepted)"
             assert decode.metric("kvd_busy_rejections_total") == busy  # counted once each
