@@ -75,16 +75,23 @@ class KvdScheduler:
     # ------------------------------------------------------------ prefill side (new)
 
     def on_new_request(self, request: Any) -> None:
-        """Mamba hybrids: the prefill engine stops one prompt token short.
+        """Mamba and sliding-window models: the prefill engine stops one prompt token short.
 
         A Mamba state is the state after the last token computed; the decode
         engine always recomputes the last prompt token, so it must load the state
         after N-1 tokens, not N (vLLM's NIXL connector does the same: "backoff").
-        The prefill request is truncated to N-1 tokens; its kv_transfer_params then
-        say N-1, and the decode side loads that many and computes the rest.
+        Sliding windows need it too: when a load covers the whole prompt, vLLM's
+        SlidingWindowManager drops blocks for a window ending at token N, then
+        rewinds to recompute token N-1, whose window reaches one token further back
+        (into a block it already made null: measured on vLLM 0.32,
+        tests/vllm/test_scheduler_swa.py). The prefill request is truncated to N-1
+        tokens; its kv_transfer_params then say N-1, and the decode side loads that
+        many and computes the rest, so every window is counted from the token the
+        decode computes first.
         """
         params = request.kv_transfer_params
-        if (self.groups is None or not any(kind == "mamba" for kind, _ in self.groups)
+        if (self.groups is None
+                or not any(kind in ("mamba", "sliding") for kind, _ in self.groups)
                 or not wants_remote_decode(params) or params.get("_kvd_truncated")
                 or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None):
             return
