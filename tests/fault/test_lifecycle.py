@@ -31,8 +31,11 @@ def _wait_until(pred, timeout_s: float = 10.0) -> bool:
 
 
 def test_clean_stop_balances_registrations_and_shm(tmp_path):
-    prefill = DaemonProcess.start("lbp", tmp_path)
-    decode = DaemonProcess.start("lbd", tmp_path)
+    # file-backed pools on every host (auto would take memfd huge pages where reserved,
+    # which leave no file to count)
+    shm = ["--set", "pool_backing=shm"]
+    prefill = DaemonProcess.start("lbp", tmp_path, extra_args=shm)
+    decode = DaemonProcess.start("lbd", tmp_path, extra_args=shm)
     g = global_kv(MODEL, 64 * 16)
     ids = list(range(64))
     with prefill.client() as pc, decode.client() as dc:

@@ -36,7 +36,10 @@ pytestmark = pytest.mark.nixl
 MODEL = ModelSpec(name="restart", num_kv_heads=4, num_layers=8, head_dim=64)
 BIG = EngineShape(tp_size=1, num_blocks=512)  # 64 KiB per block-layer-kv: 32 MiB a request
 SMALL_IDS = [3, 5, 7]
-ARGS = ["--set", "handshake_timeout_s=2", "--set", "heartbeat_interval_s=0.5"]
+# File-backed pools on every host: these tests reap and count pool files, which memfd
+# pools (chosen by pool_backing=auto where 2 MiB pages are reserved) never leave.
+ARGS = ["--set", "handshake_timeout_s=2", "--set", "heartbeat_interval_s=0.5",
+        "--set", "pool_backing=shm"]
 
 
 def _start(tmp: Path, name: str, like: DaemonProcess | None = None) -> DaemonProcess:
