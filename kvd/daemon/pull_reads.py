@@ -208,7 +208,16 @@ class PullReads:
                 if any(acquiring.may_predate_publish(p.peer, posted_s) for p in posts):
                     log.info("READ posted before the request's hold was seen to be older: "
                              "reading again", extra={"request_id": msg.request_id})
-                    await self._discard(job)
+                    # The first READs must end before new ones go out, and a big READ can
+                    # outlast a lease: keep the producers' leases alive meanwhile.
+                    job.reading_from = {r.xfer_id: p.peer for p, r in
+                                        zip(posts, results, strict=True)
+                                        if r.xfer_id is not None}
+                    beat = svc.spawn(self._heartbeat(job, remote))
+                    try:
+                        await self._discard(job)
+                    finally:
+                        beat.cancel()
                     results = await self._post(job, engine, posts)
             errors = [r.error for r in results if r.error is not None]
             if errors:

@@ -412,8 +412,11 @@ def test_prefill_daemon_killed_mid_transfer(pair, tmp_path: Path) -> None:
 
 
 def test_silent_engine_rank_is_dropped_and_its_pool_freed(tmp_path: Path) -> None:
+    # pool_backing=shm: the pool is a file to watch on every host (auto takes memfd
+    # huge pages where they are reserved)
     d = start_daemon(tmp_path, "live", ["--set", "engine_timeout_s=1", "--set",
-                                        "heartbeat_interval_s=0.2", "--set", "lease_s=2"])
+                                        "heartbeat_interval_s=0.2", "--set", "lease_s=2",
+                                        "--set", "pool_backing=shm"])
     try:
         with d.client(ping_interval_s=0) as silent, d.client(ping_interval_s=0.2) as alive:
             gone = register(silent, "silent", MODEL, SHAPE)

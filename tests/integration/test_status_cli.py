@@ -34,7 +34,10 @@ def kvd_status(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, str]]:
-    d = DaemonProcess.start(f"status-{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"))
+    # pool_backing=shm: pools named after the daemon on every host (memfd pools, which
+    # auto takes where 2 MiB pages are reserved, are named by their fd)
+    d = DaemonProcess.start(f"status-{uuid.uuid4().hex[:6]}", tmp_path_factory.mktemp("logs"),
+                            extra_args=["--set", "pool_backing=shm"])
     client: KvdClient | None = None
     ranks = []
     try:

@@ -184,6 +184,49 @@ def test_heartbeats_keep_a_slow_pull_alive_past_its_lease() -> None:
     run(body())
 
 
+def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ posted before the Acquire's reply, whose hold then looks younger than the
+    READ, is read again once the first one ends; heartbeats must cover that wait (a big
+    READ can outlast a lease; it expired here before the fix)."""
+    from kvd.daemon import pull_reads
+
+    rereads: list[str] = []
+
+    def predate(self: pull_reads.Acquiring, agent: str, posted_s: float) -> bool:
+        rereads.append(agent)
+        return len(rereads) == 1  # the first READ only
+
+    # the READ goes out before the reply, and its hold looks too young once
+    monkeypatch.setattr(pull_reads.Acquiring, "answered", property(lambda self: False))
+    monkeypatch.setattr(pull_reads.Acquiring, "may_predate_publish", predate)
+
+    async def body() -> None:
+        async with daemon_pair(heartbeat_interval_s=0.5) as p:
+            pr = await register(p.pc, "pre")
+            dr = await register(p.dc, "dec")
+            g = global_kv(MODEL, 32)
+            write_shard(pr.kv, g, MODEL, SHAPE, 0, 0, [1, 2])
+            await p.pc.publish("pre", "r1", [1, 2])  # lease 5 s of fake time
+            p.decode.datapath.transport.hold_reads = True
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
+            await _until_state(p.dc, p.clock, "pulls", "reading")
+            for _ in range(5):  # 20 s of fake time: four leases
+                await p.clock.run(4.0, step_s=0.05)
+                assert [h.state for h in (await p.pc.status()).held] == ["reading"], \
+                    "the lease expired while the first READ was ending"
+            assert rereads, "the read-again path was not taken"
+            p.decode.datapath.transport.hold_reads = False
+            recv = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")
+            assert recv.ok, recv.error
+            assert check_shard(dr.kv, g, MODEL, SHAPE, 0, 0, [5, 6]) == 0
+            sent = await wait_event(p.pc, p.clock, "pre", "r1", "done_sending")
+            assert sent.ok
+            assert sample(p.prefill, "kvd_leases_expired_total") == 0
+
+    run(body())
+
+
 def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
     """No heartbeats (consumer daemon stopped mid-read): the producer's lease ends the hold."""
     async def body() -> None:
