@@ -58,12 +58,13 @@ class FakeClock:
             raise TimeoutError(f"timed out after {timeout_s} s of fake time")
         return task.result()
 
-    def call_later(self, seconds: float, fn: Callable[[], object]) -> asyncio.Task[None]:
-        async def later() -> None:
-            await self.sleep(seconds)
-            fn()
-
-        return asyncio.ensure_future(later())
+    def call_later(self, seconds: float, fn: Callable[[], object]) -> asyncio.Future[None]:
+        """A sleeper without a task: ``fn`` runs when time passes its deadline, unless the
+        returned handle is cancelled first."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
+        fut.add_done_callback(lambda f: None if f.cancelled() else fn())
+        return fut
 
     @staticmethod
     async def _cancel_and_wait(task: asyncio.Future) -> None:
