@@ -20,36 +20,15 @@ what it received byte for byte.
 from __future__ import annotations
 
 import json
-import uuid
 from math import prod
 from pathlib import Path
 from typing import Any
 
 import scheduler_support as ss
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from engine_build import make_multi_group_engine
 from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
-from vllm.utils.hashing import sha256
-from vllm.v1.attention.backends.utils import record_kv_cache_layout
-from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.kv_cache_utils import init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
-
-import kvd.integrations.vllm.vllm_geometry as vllm_geometry
-from kvd.integrations.vllm import KvdConnector
 
 PATTERN = "M*M*"
 MAMBA_LAYERS = (0, 2)
@@ -219,77 +198,24 @@ class HybridEngine(ss.SimEngine):
 def make_hybrid_engine(name: str, model_dir: Path, kvd_address: str, *,
                        num_blocks: int = 24, tp_size: int = 1, block_size: int = 32,
                        tag: int | None = None) -> HybridEngine:
-    """A hybrid engine wired as ``vllm serve`` with KvdConnector would wire it."""
-    if not ss._hash_ready:
-        init_none_hash(sha256)
-        ss._hash_ready = True
-    engine_id = f"{name}-{uuid.uuid4().hex[:6]}"
-    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                               dtype="float32", max_model_len=2048, seed=0)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                                         max_model_len=2048, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
-            kv_role="kv_both", engine_id=engine_id,
-            kv_connector_extra_config={"kvd_address": kvd_address, "kvd_lease_s": 30.0,
-                                       "kvd_pull_timeout_s": 30.0},
-            kv_load_failure_policy="fail"),  # type: ignore[arg-type]
-        device_config=DeviceConfig("cpu"),
-    )
-    record_kv_cache_layout(vllm_config.cache_config,
-                           KvdConnector.get_required_kvcache_layout(vllm_config) or "LBHNC")
-    heads = NUM_KV_HEADS // tp_size
-    att = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD_DIM,
-                            dtype=torch.float32)
-    shapes = NemotronHForCausalLM.get_mamba_state_shape_from_config(vllm_config)
-    dtypes = NemotronHForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
-    mamba = MambaSpec(shapes=tuple(tuple(s) for s in shapes), dtypes=tuple(dtypes),
-                      block_size=vllm_config.cache_config.mamba_block_size or 2048,
-                      page_size_padded=att.page_size_bytes)
-    assert mamba.state_content_size_bytes <= att.page_size_bytes
-    specs = {LAYER_NAMES[i]: (mamba if c == "M" else att) for i, c in enumerate(PATTERN)}
-    groups = kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
-    kv_cache_config = ss.get_kv_cache_config_from_groups(
-        vllm_config, groups, att.page_size_bytes * 2 * num_blocks)
-    assert kv_cache_config.num_blocks == num_blocks, kv_cache_config
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    sched_bs, hash_bs = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config,
-                                                                    vllm_config)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
-    workers: list[KvdConnector] = []
-    caches: list[dict[str, torch.Tensor]] = []
-    try:
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        for rank in range(tp_size):
-            real_ranks = vllm_geometry._ranks
-            vllm_geometry._ranks = ss._ranks_patch(rank)  # type: ignore[assignment]
-            try:
-                conn = KvdConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            finally:
-                vllm_geometry._ranks = real_ranks  # type: ignore[assignment]
-            workers.append(conn)
-            with conn.get_mem_pool_context():
-                cache = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-            conn.register_kv_caches(cache)
-            caches.append(cache)
-        handshake = {rank: w.get_handshake_metadata() for rank, w in enumerate(workers)}
-        scheduler.connector.set_xfer_handshake_metadata(handshake)  # type: ignore[union-attr]
-    except BaseException:
-        for w in workers:
-            w.shutdown()
-        scheduler.shutdown()
-        raise
-    aggregator = KVOutputAggregator.from_connector(workers[0], tp_size)
-    engine = HybridEngine(engine_id=engine_id, tag=next(ss._tags) if tag is None else tag,
-                          vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          scheduler=scheduler, workers=workers, caches=caches,
-                          aggregator=aggregator, initial_free=0)
-    engine.mamba_shapes = tuple(tuple(s) for s in shapes)
-    engine.initial_free = engine.num_free_blocks()
+    """A hybrid engine wired as ``vllm serve`` with KvdConnector would wire it: the KV specs
+    NemotronHForCausalLM reports at this TP, the Mamba page padded to the attention page."""
+    shapes: list[tuple[int, ...]] = []
+
+    def specs(vllm_config: Any) -> dict[str, Any]:
+        att = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS // tp_size,
+                                head_size=HEAD_DIM, dtype=torch.float32)
+        shapes.extend(tuple(s) for s in
+                      NemotronHForCausalLM.get_mamba_state_shape_from_config(vllm_config))
+        dtypes = NemotronHForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+        mamba = MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes),
+                          block_size=vllm_config.cache_config.mamba_block_size or 2048,
+                          page_size_padded=att.page_size_bytes)
+        assert mamba.state_content_size_bytes <= att.page_size_bytes
+        return {LAYER_NAMES[i]: (mamba if c == "M" else att) for i, c in enumerate(PATTERN)}
+
+    engine = make_multi_group_engine(HybridEngine, name, model_dir, kvd_address, specs,
+                                        block_size=block_size, num_blocks=num_blocks,
+                                        tp_size=tp_size, tag=tag)
+    engine.mamba_shapes = tuple(shapes)
     return engine

@@ -31,6 +31,7 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
     pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
                 "(README: 'Run the vLLM suite')", allow_module_level=True)
 
+from engine_build import make_engine  # noqa: E402
 from scheduler_support import (  # noqa: E402
     HEAD_DIM,
     NUM_KV_HEADS,
@@ -39,7 +40,6 @@ from scheduler_support import (  # noqa: E402
     SimEngine,
     drain,
     kill_daemon,
-    make_engine,
     prefill,
     prompt_tokens,
     run_until,

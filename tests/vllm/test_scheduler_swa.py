@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,28 +27,9 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
 
 import scheduler_support as ss  # noqa: E402
 import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.attention.backends.utils import record_kv_cache_layout  # noqa: E402
-from vllm.v1.core import kv_cache_utils  # noqa: E402
-from vllm.v1.core.kv_cache_utils import init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from engine_build import make_multi_group_engine  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-import kvd.integrations.vllm.vllm_geometry as vllm_geometry  # noqa: E402
-from kvd.integrations.vllm import KvdConnector  # noqa: E402
 from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
@@ -115,74 +95,17 @@ class SwaEngine(ss.SimEngine):
 
 def make_swa_engine(name: str, model_dir: Path, kvd_address: str, *, tp_size: int = 1,
                     num_blocks: int = 32, block_size: int = 32) -> SwaEngine:
-    if not ss._hash_ready:
-        init_none_hash(sha256)
-        ss._hash_ready = True
-    engine_id = f"{name}-{uuid.uuid4().hex[:6]}"
-    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                               dtype="float32", max_model_len=2048, seed=0)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024,
-                                         max_model_len=2048, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
-            kv_role="kv_both", engine_id=engine_id,
-            kv_connector_extra_config={"kvd_address": kvd_address, "kvd_lease_s": 30.0,
-                                       "kvd_pull_timeout_s": 30.0},
-            kv_load_failure_policy="fail"),  # type: ignore[arg-type]
-        device_config=DeviceConfig("cpu"),
-    )
-    record_kv_cache_layout(vllm_config.cache_config,
-                           KvdConnector.get_required_kvcache_layout(vllm_config) or "LBHNC")
-    heads = ss.NUM_KV_HEADS // tp_size
-    full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=ss.HEAD_DIM,
-                             dtype=ss.DTYPE)
-    swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=heads, head_size=ss.HEAD_DIM,
-                            dtype=ss.DTYPE, sliding_window=WINDOW)
-    specs = {NAMES[i]: (full if i in FULL_LAYERS else swa) for i in range(4)}
-    groups = kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
-    kv_cache_config = ss.get_kv_cache_config_from_groups(
-        vllm_config, groups, full.page_size_bytes * 2 * num_blocks)
-    assert kv_cache_config.num_blocks == num_blocks, kv_cache_config
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    sched_bs, hash_bs = kv_cache_utils.resolve_kv_cache_block_sizes(kv_cache_config,
-                                                                    vllm_config)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=sched_bs, hash_block_size=hash_bs, log_stats=True)
-    workers: list[KvdConnector] = []
-    caches: list[dict[str, torch.Tensor]] = []
-    try:
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        for rank in range(tp_size):
-            real_ranks = vllm_geometry._ranks
-            vllm_geometry._ranks = ss._ranks_patch(rank)  # type: ignore[assignment]
-            try:
-                conn = KvdConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            finally:
-                vllm_geometry._ranks = real_ranks  # type: ignore[assignment]
-            workers.append(conn)
-            with conn.get_mem_pool_context():
-                cache = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-            conn.register_kv_caches(cache)
-            caches.append(cache)
-        handshake = {rank: w.get_handshake_metadata() for rank, w in enumerate(workers)}
-        scheduler.connector.set_xfer_handshake_metadata(handshake)  # type: ignore[union-attr]
-    except BaseException:
-        for w in workers:
-            w.shutdown()
-        scheduler.shutdown()
-        raise
-    engine = SwaEngine(engine_id=engine_id, tag=next(ss._tags), vllm_config=vllm_config,
-                       kv_cache_config=kv_cache_config, scheduler=scheduler, workers=workers,
-                       caches=caches,
-                       aggregator=KVOutputAggregator.from_connector(workers[0], tp_size),
-                       initial_free=0)
-    engine.initial_free = engine.num_free_blocks()
-    return engine
+    def specs(_: object) -> dict[str, object]:
+        heads = ss.NUM_KV_HEADS // tp_size
+        full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads,
+                                 head_size=ss.HEAD_DIM, dtype=ss.DTYPE)
+        swa = SlidingWindowSpec(block_size=block_size, num_kv_heads=heads,
+                                head_size=ss.HEAD_DIM, dtype=ss.DTYPE, sliding_window=WINDOW)
+        return {NAMES[i]: (full if i in FULL_LAYERS else swa) for i in range(4)}
+
+    return make_multi_group_engine(SwaEngine, name, model_dir, kvd_address, specs,
+                                      block_size=block_size, num_blocks=num_blocks,
+                                      tp_size=tp_size)
 
 
 @pytest.fixture(scope="module")
