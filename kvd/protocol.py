@@ -8,8 +8,8 @@ The header is decoded first, ignoring unknown fields (a later version may add a
 MAC or a tenant); the version, then the daemon's token, are checked before the
 body is decoded (kvd.codec). Every reply of a daemon carries its ``instance``, a
 random id per incarnation: when it changes, what a peer cached about it is stale.
-NIXL notifications carry a ReadNotice, prefixed by NOTICE_MAGIC; a consumer sends
-it once its READs from that daemon are done and its Acquire answered.
+A consumer sends a ReadNotice once its READs from a daemon are done and its Acquire
+answered: as a peer request, or as a NIXL notification prefixed by NOTICE_MAGIC.
 
 Version history:
     1  initial protocol: engine face (register, publish, pull, poll, status),
@@ -22,7 +22,9 @@ Version history:
        at their defaults, so attention-only messages are what earlier v2 peers expect.
        Additive: Acquired.held_s (replies accept unknown fields: earlier v2 consumers
        ignore it; from an earlier producer it reads 0, so the consumer re-reads any
-       READ it posted before the reply came, correct but slower).
+       READ it posted before the reply came, correct but slower); ReadNotice as a peer
+       request (an earlier producer refuses it: the consumer then sends it as a NIXL
+       notification, which every v2 producer takes).
 """
 
 from __future__ import annotations
@@ -419,8 +421,9 @@ class Error(msgspec.Struct, frozen=True):
 
 
 class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A NIXL notification sent once a pull's READs from a daemon are done and its
-    Acquire answered: 'these plan reads of the request are done'."""
+    """'These plan reads of the request are done', sent once a pull's READs from a daemon
+    are done and its Acquire answered: a peer request (answered Ok), or, to a daemon that
+    refuses it (an earlier v2), a NIXL notification prefixed by NOTICE_MAGIC."""
 
     request_id: str
     producer_engine_id: str
@@ -430,7 +433,7 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)
-PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon)
+PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice)
 REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Error)
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 

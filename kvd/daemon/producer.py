@@ -153,6 +153,11 @@ class Producer:
             self.svc.metrics.notifications_failed.inc()
             log.warning("bad notification from %s: %s", agent, exc, extra={"peer": agent})
             return
+        self.on_notice(notice, agent)
+
+    def on_notice(self, notice: P.ReadNotice, sender: str) -> None:
+        """A consumer's READs from here are done: by NIXL notification or peer request."""
+        agent = sender
         try:
             held = self.held.get(notice.producer_engine_id, notice.request_id)
         except NotFoundError as exc:

@@ -5,7 +5,7 @@ pools are named), polls them until done, keeps the producers' leases alive
 meanwhile (heartbeats), and tells a lost or restarted producer (``peer_lost``)
 from a failed READ. The pull's Acquire (`Acquiring`) travels meanwhile: the READs
 do not wait for its replies, their bytes and notices do. Each producer gets its
-``ReadNotice`` as a NIXL notification once every READ is done and every Acquire
+``ReadNotice`` as a peer request once every READ is done and every Acquire
 answered. The local pools stay pinned from posting until `release` has released
 every transfer handle. kvd.daemon.consumer drives the pull around it.
 """
@@ -24,7 +24,7 @@ from kvd.daemon.engines import Engine, EngineRank
 from kvd.daemon.peerconn import Reply
 from kvd.daemon.peers import RemoteEngine
 from kvd.daemon.services import Services
-from kvd.errors import KvdError, PeerLostError, TransferError
+from kvd.errors import KvdError, PeerLostError, ProtocolError, TransferError
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, ReadPost
 
@@ -178,9 +178,9 @@ class PullReads:
         local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
                             for r in engine.live_ranks())
         for g in groups.values():
-            notices.append((g.owner, P.encode_notice(P.ReadNotice(
+            notices.append((g.owner, P.ReadNotice(
                 request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
-                consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes))))
+                consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes)))
             if not g.descriptors:  # nothing to read from this daemon: notification only
                 continue
             prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS
@@ -236,12 +236,40 @@ class PullReads:
                     hb.cancel()
         # Every READ is done and every Acquire answered: now the producers may count them.
         for agent, notice in notices:
-            try:
-                await svc.datapath.send_notif(agent, notice)
-            except TransferError as exc:
-                svc.metrics.notifications_failed.inc()
-                await self._read_failed(job, remote, exc)
+            self._notify(job, remote, agent, notice)
         return True
+
+    def _notify(self, job: PullJob, remote: RemoteEngine, agent: str,
+                notice: P.ReadNotice) -> None:
+        """Send a producer its ReadNotice as a peer request, not awaited (the pull is done:
+        its bytes are read and the hold confirmed). Not a NIXL notification: a standalone
+        one holds up the next READ on that connection until the producer progresses
+        NIXL. A daemon that refuses the request (an earlier v2) gets the notification; one
+        that cannot be reached releases the hold when the lease ends."""
+        svc = self.svc
+        addrs = [a for a, d in remote.daemons.items() if d.agent == agent]
+        if not addrs:
+            return
+
+        def sent(fut: asyncio.Future[Reply]) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, ProtocolError):  # "unknown message kind": an earlier v2
+                svc.spawn(self._notify_by_nixl(job, agent, notice))
+            elif exc is not None:
+                svc.metrics.notifications_failed.inc()
+                log.info("READ notice to %s not delivered (%s); the lease will release the "
+                         "request", addrs[0], exc,
+                         extra={"request_id": job.msg.request_id, "peer": addrs[0]})
+
+        svc.peers.send(addrs[0], notice).add_done_callback(sent)
+
+    async def _notify_by_nixl(self, job: PullJob, agent: str, notice: P.ReadNotice) -> None:
+        try:
+            await self.svc.datapath.send_notif(agent, P.encode_notice(notice))
+        except TransferError as exc:
+            self.svc.metrics.notifications_failed.inc()
+            log.info("READ notice to %s not delivered (%s); the lease will release the "
+                     "request", agent, exc, extra={"request_id": job.msg.request_id})
 
     async def _post(self, job: PullJob, engine: Engine, posts: list[ReadPost]
                     ) -> list[PostResult]:

@@ -245,4 +245,9 @@ class Daemon:
         async def abandon(m: P.Abandon, _: Request) -> P.Ok:
             return producer.abandon(m)
 
-        return {P.Hello: hello, P.Acquire: acquire, P.Heartbeat: heartbeat, P.Abandon: abandon}
+        async def notice(m: P.ReadNotice, req: Request) -> P.Ok:
+            producer.on_notice(m, req.header.instance or "peer")
+            return P.Ok()
+
+        return {P.Hello: hello, P.Acquire: acquire, P.Heartbeat: heartbeat, P.Abandon: abandon,
+                P.ReadNotice: notice}

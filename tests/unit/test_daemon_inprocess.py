@@ -95,6 +95,34 @@ def test_loopback_pull_is_byte_exact_and_releases_the_producer() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("producer_takes_requests", [True, False])
+def test_read_notice_reaches_the_producer_as_request_or_notification(
+        producer_takes_requests: bool) -> None:
+    """The ReadNotice goes as a peer request; a producer that refuses that kind (an
+    earlier v2) gets it as a NIXL notification. Either way the hold ends ``ok``."""
+    async def body() -> None:
+        async with daemon_pair() as p:
+            if not producer_takes_requests:
+                p.prefill.peer_face.allowed = tuple(
+                    c for c in P.PEER_REQUESTS if c is not P.ReadNotice)
+            pr = await register(p.pc, "pre")
+            dr = await register(p.dc, "dec")
+            g = global_kv(MODEL, 32)
+            write_shard(pr.kv, g, MODEL, SHAPE, 0, 0, [3, 5])
+            await p.pc.publish("pre", "r1", [3, 5])
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [3, 5], [0, 1])
+            recv = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")
+            assert recv.ok, recv.error
+            assert check_shard(dr.kv, g, MODEL, SHAPE, 0, 0, [0, 1]) == 0
+            sent = await wait_event(p.pc, p.clock, "pre", "r1", "done_sending")
+            assert sent.ok and sent.nbytes == recv.nbytes > 0
+            refused = sample(p.prefill, "kvd_protocol_errors_total", face="peer",
+                             reason="unknown")
+            assert refused == (0 if producer_takes_requests else 1)
+
+    run(body())
+
+
 def test_two_prefill_engines_publishing_the_same_id_are_pulled_apart() -> None:
     """Pull.remote_request_id: one decode engine pulls the same producer id from two
     prefill engines under two local ids; events carry the local ids, bytes are each
