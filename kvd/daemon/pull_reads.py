@@ -38,6 +38,8 @@ SPIN_POLLS = 8  # polls a loop turn apart (inline: no thread hop) before the fir
 # READs of at most this many descriptors are posted on fresh lists: NIXL validates a
 # few descriptors faster than kvd maps them onto prepared lists (and none merge).
 FRESH_POST_MAX_DESCRIPTORS = 8
+# Pulls of at most this many bytes post their READs before the Acquire's reply comes.
+EARLY_POST_MAX_BYTES = 4 << 20
 PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
 # A producer that no longer holds our request (or restarted) fails the pull only if the
 # READ from it is still pending this long after: a producer releases the hold when our
@@ -196,7 +198,11 @@ class PullReads:
                                       if rr.agent == g.owner) if prepped else ()))
             job.nbytes += g.total_nbytes
             job.descriptors += g.descriptors
-        if (not posts or acquiring.answered) and not await acquiring.settle():
+        # Only a small pull posts before the Acquire's reply: it saves up to a round trip,
+        # which is most of a small pull and nothing of a large one, and a read-again (a
+        # young hold) costs a whole READ.
+        early = job.nbytes <= EARLY_POST_MAX_BYTES
+        if (not posts or acquiring.answered or not early) and not await acquiring.settle():
             return False
         if posts:
             posted_s = svc.clock.now()
