@@ -133,7 +133,7 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, kind: str, nbytes: int,
             if i:
                 times.append(time.perf_counter() - t0)
             t.release(xfer)
-        out[f"nixl_{name}fmt_gbps"] = round(nbytes / statistics.median(times) / 1e9, 2)
+        out[f"nixl_{name}_gbps"] = round(nbytes / statistics.median(times) / 1e9, 2)
         if name == "one":
             out["verified"] = check_test_pattern(buf)
     out["initiator_pages"] = _huge_kb(buf)
