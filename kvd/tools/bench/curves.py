@@ -176,6 +176,9 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
     return {"geometry": geom.to_json(), "repeats": repeats, "shm_dir": shm_dir,
             "size_curve": size_rows, "concurrency_curve": conc_rows,
             "memcpy_gbps": memcpy["memcpy_gbps"], "memcpy_gbps_shm": memcpy["memcpy_gbps_shm"],
+            # the shm buffers are allocated like the daemons' pools (pool_backing auto)
+            "pool_backing": memcpy.get("shm_buffers_backing"),
+            "pool_page_nbytes": memcpy.get("shm_buffers_page_nbytes"),
             "loadavg_1m_end": round(os.getloadavg()[0], 2), "logs": str(logs),
             "seconds": round(time.perf_counter() - started, 1)}
 
@@ -205,10 +208,19 @@ def render_curves(result: dict[str, Any]) -> str:
                      str(r["ratio_vs_single"])])
     lines += _table(rows)
     g = result["geometry"]
-    lines += ["", f"layout {g['kv_layout']}, {g['block_nbytes'] // MiB} MiB blocks, pools in "
-              f"{result['shm_dir']}, medians of >= {result['repeats']}; load at end "
+    lines += ["", f"layout {g['kv_layout']}, {g['block_nbytes'] // MiB} MiB blocks, pools "
+              f"{_pools(result)}, medians of >= {result['repeats']}; load at end "
               f"{result['loadavg_1m_end']}; {result['seconds']} s"]
     return "\n".join(lines)
+
+
+def _pools(result: dict[str, Any]) -> str:
+    """Where the pools lived and on which pages: the figures depend on it (issue 12.2)."""
+    where = f"in {result['shm_dir']}"
+    if result.get("pool_backing"):
+        where += f" ({result['pool_backing']}, {(result.get('pool_page_nbytes') or 0) // 1024}"\
+                 " KiB pages)"
+    return where
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -278,8 +290,8 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     ax2.legend(fontsize=8, loc="best", framealpha=0.9)
     g = result["geometry"]
     fig.suptitle(f"kvd scale curves: layout {g['kv_layout']}, "
-                 f"{g['block_nbytes'] // MiB} MiB blocks, random block ids, pools in "
-                 f"{result['shm_dir']}", fontsize=10)
+                 f"{g['block_nbytes'] // MiB} MiB blocks, random block ids, pools "
+                 f"{_pools(result)}", fontsize=10)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
