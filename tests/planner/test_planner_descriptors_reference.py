@@ -17,7 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.errors import LayoutError
-from kvd.planner import CacheLayout, Descriptors, RankId, build_read_descriptors, descriptors
+from kvd.planner import (
+    CacheLayout,
+    Descriptors,
+    RankId,
+    build_read_descriptors,
+    descriptor_grid,
+    descriptors,
+)
 from kvd.planner.descriptors import _AXIS_ORDER, _check_pair, _chunking, _segments
 from kvd.planner.layout import ALL_KV_LAYOUTS, VLLM_LAYOUTS, vllm_head_layout
 from kvd.planner.plan import Read
@@ -161,9 +168,9 @@ def _both_paths(*args) -> list[Descriptors]:
     """The build as small requests get it (flat merge) and as big ones do (per axis, the
     short-last-axis grids in whole and in tiles of one row)."""
     out = [build_read_descriptors(*args)]
-    with mock.patch.object(descriptors, "_SMALL_GRID", -1):
+    with mock.patch.object(descriptors, "SMALL_GRID", -1):
         out.append(build_read_descriptors(*args))
-        with mock.patch.object(descriptors, "_TILE", 8):
+        with mock.patch.object(descriptor_grid, "_TILE", 8):
             out.append(build_read_descriptors(*args))
     return out
 
