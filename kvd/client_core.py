@@ -40,10 +40,18 @@ class RankHandle:
     daemon_id: str
     peer_address: str
     instance_id: str = ""  # the daemon incarnation it is registered with
+    # The layout the daemon allocated the pool in: what the engine asked for, with
+    # kv_layout "auto" resolved (Registered.layout). Views and kernels follow this one.
+    layout: P.LayoutSpec | None = None
+
+    @property
+    def kv_layout(self) -> str:
+        """The pool's concrete kv_layout (never "auto" once registered)."""
+        return self.layout.kv_layout if self.layout is not None else ""
 
     @property
     def kv(self) -> Any:
-        """numpy view of the whole pool, shaped by the layout."""
+        """numpy view of the whole pool, shaped by the (resolved) layout."""
         return self.pool.array
 
 
@@ -77,9 +85,12 @@ class Messages:
 
     @staticmethod
     def handle(msg: P.RegisterEngine, reply: P.Registered) -> RankHandle:
+        # A daemon from before "auto" sends no layout: it used the requested one as is.
+        layout = reply.layout if reply.layout is not None else msg.layout
         return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
                           pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
-                          peer_address=reply.peer_address, instance_id=reply.instance_id)
+                          peer_address=reply.peer_address, instance_id=reply.instance_id,
+                          layout=layout)
 
     @staticmethod
     def deregister(handle: RankHandle) -> P.Deregister:

@@ -25,6 +25,9 @@ Version history:
        READ it posted before the reply came, correct but slower); ReadNotice as a peer
        request (an earlier producer refuses it: the consumer then sends it as a NIXL
        notification, which every v2 producer takes).
+       Additive: LayoutSpec.kv_layout "auto" (the new default), resolved by the
+       engine's own daemon and returned in Registered.layout; peers see only the
+       resolved name. An earlier daemon refuses "auto" (bad_layout): name a layout.
 """
 
 from __future__ import annotations
@@ -123,17 +126,25 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     hybrid: HybridSpec | None = None  # attention + sliding + Mamba layers, several groups
 
 
+AUTO_KV_LAYOUT = "auto"  # LayoutSpec.kv_layout: the engine's daemon picks the layout
+
+
 class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A rank's cache layout; block size and block count may differ between engines.
 
-    ``kv_layout`` defaults to ``head_major``, the layout with the fewest descriptors per
-    pull (one per block homogeneous, one per block per rank across TP sizes; table in
-    docs/planner.md); vLLM's engines send their own (kv_split, blocks_first).
+    ``kv_layout`` defaults to ``auto``: the daemon the rank registers with resolves it
+    to the layout with the fewest descriptors that the model and ``head_layout`` allow
+    (kvd.daemon.engines.auto_kv_layout: head_major for plain HND attention, cross_layer
+    for NHD and MLA, LBHNC/LBNHC for hybrid models; table in docs/engine-api.md) and
+    answers with it in ``Registered.layout``. The resolution depends on the model and
+    ``head_layout`` only, never on TP, PP or block size, so two daemons resolve two
+    engines that may pair alike; peers only ever see the resolved name (``EngineDesc``,
+    the compatibility hash). vLLM's engines send their own layout (kv_split, LBHNC, ...).
     """
 
     num_blocks: int
     block_size_tokens: int
-    kv_layout: str = "head_major"
+    kv_layout: str = AUTO_KV_LAYOUT
     head_layout: str = "HND"
 
 
@@ -196,6 +207,9 @@ class Registered(msgspec.Struct, frozen=True):
     daemon_id: str
     peer_address: str
     instance_id: str = ""  # the daemon's incarnation: a restarted daemon has another one
+    # The rank's layout as the daemon allocated it: ``auto`` resolved to a concrete
+    # kv_layout (the pool's shape follows it). None: a daemon from before "auto".
+    layout: LayoutSpec | None = None
 
 
 class Deregister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

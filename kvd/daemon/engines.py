@@ -21,8 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvd.daemon.hybrid import HybridPool, hybrid_compat, hybrid_rank_pool
-from kvd.errors import BlockIdError, IncompatibleError, KvdError, NotFoundError, PlanError
+from kvd.errors import (
+    BlockIdError,
+    IncompatibleError,
+    KvdError,
+    LayoutError,
+    NotFoundError,
+    PlanError,
+)
 from kvd.planner import (
     CacheLayout,
     ModelGeometry,
@@ -34,13 +43,74 @@ from kvd.planner import (
     plan_transfer,
     stage_layers,
 )
-from kvd.protocol import DTYPE_NBYTES, EngineDesc, LayoutSpec, ModelSpec, RankDesc, RegisterEngine
+from kvd.planner.layout import HEAD_LAYOUTS
+from kvd.protocol import (
+    AUTO_KV_LAYOUT,
+    DTYPE_NBYTES,
+    EngineDesc,
+    LayoutSpec,
+    ModelSpec,
+    RankDesc,
+    RegisterEngine,
+)
 
 _epochs = itertools.count(1)
+
+# What LayoutSpec.kv_layout "auto" becomes (auto_kv_layout), per (kind of model, head
+# order). Descriptor counts per layout: the table in docs/engine-api.md.
+AUTO_LAYOUTS = {
+    # Plain attention. HND: head_major, one descriptor per block homogeneous and per block
+    # per read across TP sizes. NHD: head_major exists only as HND, and NHD bodies cannot
+    # be head-sliced at all (docs/planner.md, NHD policy), so the fastest NHD layout for
+    # the pairs NHD serves, whole-head reads: cross_layer, one descriptor per block.
+    ("attention", "HND"): "head_major",
+    ("attention", "NHD"): "cross_layer",
+    # MLA: one latent head replicated on every rank, reads are always whole-head, and
+    # cross_layer is one descriptor per block for any TP and PP pair (head_major is the
+    # same bytes with one head, but HND only).
+    ("mla", "HND"): "cross_layer",
+    ("mla", "NHD"): "cross_layer",
+    # Hybrid (Mamba) pools refuse orders whose blocks span layers (HYBRID_KV_LAYOUTS).
+    # LBHNC keeps a rank's head range of a (layer, block) one run, also across TP sizes
+    # (blocks_first splits it into K and V runs); NHD pages: LBNHC, the only NHD one.
+    ("hybrid", "HND"): "LBHNC",
+    ("hybrid", "NHD"): "LBNHC",
+}
+
+
+def auto_kv_layout(model: ModelSpec, head_layout: str) -> str:
+    """The concrete kv_layout "auto" means for an engine of ``model`` whose kernels keep
+    ``head_layout`` bodies: the one with the fewest descriptors that they allow.
+
+    A function of the model's kind and the head order alone, never of TP, PP or block
+    size: two daemons resolve any two engines that may pair to the same name, so the
+    compatibility hash (which includes it) matches.
+    """
+    if head_layout not in HEAD_LAYOUTS:
+        raise LayoutError(f"unknown head_layout {head_layout!r}, expected one of {HEAD_LAYOUTS}")
+    kind = "hybrid" if model.hybrid is not None else "mla" if model.mla else "attention"
+    return AUTO_LAYOUTS[kind, head_layout]
+
+
+def resolve_layout(model: ModelSpec, layout: LayoutSpec) -> LayoutSpec:
+    """``layout`` with "auto" replaced by its concrete kv_layout (else unchanged)."""
+    if layout.kv_layout != AUTO_KV_LAYOUT:
+        return layout
+    return msgspec.structs.replace(layout,
+                                   kv_layout=auto_kv_layout(model, layout.head_layout))
+
+
+def resolve_registration(msg: RegisterEngine) -> RegisterEngine:
+    """The registration as the daemon keeps it: its layout concrete (resolve_layout)."""
+    layout = resolve_layout(msg.model, msg.layout)
+    return msg if layout is msg.layout else msgspec.structs.replace(msg, layout=layout)
 
 
 def compat_hash(model: ModelSpec, layout: LayoutSpec) -> str:
     """What two engines must share to exchange KV (not TP, PP or block size/count)."""
+    if layout.kv_layout == AUTO_KV_LAYOUT:  # a daemon resolves it before anyone compares
+        raise LayoutError("kv_layout 'auto' must be resolved by the engine's own daemon at "
+                          "registration; a peer never sends it")
     key = (f"{model.name}|{model.num_kv_heads}|{model.num_layers}|{model.head_dim}|"
            f"{model.dtype}|{model.mla}|{layout.kv_layout}|{layout.head_layout}")
     if model.hybrid is not None:  # layers, groups, Mamba shapes: kvd.planner.hybrid.compat_hash
@@ -193,7 +263,11 @@ MISSING_RANKS_SHOWN = 16
 
 def validate_registration(msg: RegisterEngine
                           ) -> tuple[Parallelism, CacheLayout | HybridPool, int]:
-    """Everything about a registration that can be refused before allocating memory."""
+    """Everything about a registration that can be refused before allocating memory.
+
+    ``msg.layout`` may still say "auto": the pool is sized by its resolved layout (the
+    registry stores ``resolve_registration(msg)``)."""
+    msg = resolve_registration(msg)
     if not msg.engine_id or len(msg.engine_id) > 256:
         raise KvdError("engine_id must be 1..256 characters")
     if msg.model.dtype not in DTYPE_NBYTES:

@@ -20,7 +20,13 @@ from kvd import protocol as P
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
-from kvd.daemon.engines import Engine, EngineRank, EngineTable, validate_registration
+from kvd.daemon.engines import (
+    Engine,
+    EngineRank,
+    EngineTable,
+    resolve_registration,
+    validate_registration,
+)
 from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
 from kvd.metrics import Metrics
 from kvd.planner import RankId
@@ -100,6 +106,10 @@ class EngineRegistry:
     # ------------------------------------------------------------ engine face
 
     async def register(self, msg: P.RegisterEngine) -> P.Registered:
+        # kv_layout "auto" becomes a concrete layout here, before anything keeps the
+        # message: the engine, its compatibility hash and every EngineDesc a peer sees
+        # carry the resolved name, and the reply tells the engine which one it got.
+        msg = resolve_registration(msg)
         par, cache, first = validate_registration(msg)
         self.table.check_joinable(msg, par)
         if self.rank_count() >= self.cfg.max_engines:
@@ -121,11 +131,12 @@ class EngineRegistry:
         self.metrics.pool_bytes.inc(pool.nbytes)
         self._pages_changed(pool, +1)
         self.metrics.engines.set(self.rank_count())
-        log.info("registered engine %s rank %s (%d bytes)", msg.engine_id, rank.rank.key,
-                 pool.nbytes, extra={"engine_id": msg.engine_id})
+        log.info("registered engine %s rank %s (%d bytes, %s %s)", msg.engine_id,
+                 rank.rank.key, pool.nbytes, msg.layout.kv_layout, msg.layout.head_layout,
+                 extra={"engine_id": msg.engine_id})
         return P.Registered(pool=pool.handle(cache.shape, msg.model.dtype),
                             daemon_id=self.daemon_id, peer_address=self.cfg.peer_advertise,
-                            instance_id=self.instance_id)
+                            instance_id=self.instance_id, layout=msg.layout)
 
     def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
         """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU."""

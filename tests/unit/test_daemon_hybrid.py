@@ -99,8 +99,8 @@ def test_registration_sizes_the_pool_by_the_hybrid_layout() -> None:
 
 def test_registration_refusals_name_the_problem() -> None:
     with pytest.raises(LayoutError, match="layer outermost, whole blocks contiguous"):
-        validate_registration(register(1, layout=P.LayoutSpec(num_blocks=8,
-                                                              block_size_tokens=2)))
+        validate_registration(register(1, layout=P.LayoutSpec(
+            num_blocks=8, block_size_tokens=2, kv_layout="head_major")))
     with pytest.raises(LayoutError, match="layer outermost"):  # cross-layer: blocks span layers
         validate_registration(register(1, layout=P.LayoutSpec(
             num_blocks=8, block_size_tokens=2, kv_layout="BHLNC", head_layout="HND")))

@@ -11,9 +11,13 @@ from kvd.planner.layout import KV_LAYOUTS
 from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT, Geometry
 
 
-def test_layout_spec_defaults_to_head_major() -> None:
+def test_layout_spec_defaults_to_auto_which_is_head_major_for_hnd() -> None:
+    from kvd.daemon.engines import resolve_layout
+
     spec = P.LayoutSpec(num_blocks=8, block_size_tokens=16)
-    assert spec.kv_layout == "head_major" and spec.head_layout == "HND"
+    assert spec.kv_layout == "auto" and spec.head_layout == "HND"
+    model = P.ModelSpec(name="m", num_kv_heads=8, num_layers=2, head_dim=64)
+    assert resolve_layout(model, spec).kv_layout == "head_major"
     assert Geometry().kv_layout == DEFAULT_KV_LAYOUT == "head_major" and \
         DEFAULT_KV_LAYOUT in KV_LAYOUTS
 
