@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd import protocol as P
-from kvd.errors import error_from_code
+from kvd.errors import KvdError, error_from_code
 from kvd.pool_map import MappedPool, map_pool
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
@@ -111,14 +111,24 @@ class Messages:
     @staticmethod
     def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
              remote_block_ids: BlockIds, local_block_ids: BlockIds,
-             remote_request_id: str, num_tokens: int) -> P.Pull:
+             remote_request_id: str, num_tokens: int, publish_receipt: str = "",
+             reply_when_done: bool = False) -> P.Pull:
         remote, remote_groups = split_block_ids(remote_block_ids)
         local, local_groups = split_block_ids(local_block_ids)
         return P.Pull(engine_id=engine_id, request_id=request_id,
                       remote_engine_id=remote_engine_id, remote_address=remote_address,
                       remote_block_ids=remote, local_block_ids=local,
                       remote_request_id=remote_request_id, num_tokens=num_tokens,
-                      local_group_block_ids=local_groups, remote_group_block_ids=remote_groups)
+                      local_group_block_ids=local_groups, remote_group_block_ids=remote_groups,
+                      publish_receipt=publish_receipt, reply_when_done=reply_when_done)
+
+    @staticmethod
+    def pulled(reply: Any) -> P.Event:
+        """The done_recving event a Pull with reply_when_done is answered with."""
+        events = Messages.check(reply).events
+        if len(events) != 1 or events[0].kind != "done_recving":
+            raise KvdError(f"a pull answered when done got {events!r}")
+        return events[0]
 
     @staticmethod
     def poll(engine_id: str, timeout_s: float) -> P.Poll:

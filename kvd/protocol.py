@@ -61,6 +61,7 @@ MAX_CONSUMERS = 1024
 MAX_POLL_EVENTS = 10_000
 MAX_HEARTBEAT_IDS = 4096
 MAX_ID_CHARS = 256
+MAX_RECEIPT_CHARS = 128  # Published.receipt: "<instance id>/<hold id>"
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # engine, request
 TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
 
@@ -261,6 +262,14 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     # blocks; Mamba: its state slot); the flat lists are then their concatenations.
     local_group_block_ids: list[list[int]] | None = None
     remote_group_block_ids: list[list[int]] | None = None
+    # The producer daemon's ``Published.receipt`` for this request, passed along by the
+    # router (vLLM: kv_transfer_params). It proves the publish happened before this Pull
+    # was sent, so READs may go out before the Acquire's reply at any size and are never
+    # read again for a young hold. Empty: unknown (the held_s rule applies).
+    publish_receipt: Annotated[str, msgspec.Meta(max_length=MAX_RECEIPT_CHARS)] = ""
+    # Answer this Pull only when it has ended, with its done_recving event (one Events
+    # reply; the event is not queued for polls): one round trip for an engine that waits.
+    reply_when_done: bool = False
 
     @property
     def producer_request_id(self) -> str:
@@ -403,6 +412,9 @@ class Acquired(msgspec.Struct, frozen=True):
 
     epoch: int
     held_s: float = 0.0
+    # The hold's id on this daemon incarnation; a Pull whose publish_receipt names it
+    # (``receipt(instance, hold_id)``) read after that publish, whatever held_s says.
+    hold_id: int = 0
 
 
 class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -429,6 +441,18 @@ class Ok(msgspec.Struct, frozen=True):
     pass
 
 
+class Published(msgspec.Struct, frozen=True):
+    """A publish is held. ``receipt`` names this hold on this daemon incarnation: the
+    decode engine passes it in its Pull (see ``Pull.publish_receipt``)."""
+
+    receipt: str = ""
+
+
+def receipt(instance_id: str, hold_id: int) -> str:
+    """The opaque publish receipt: a daemon incarnation and one hold of it."""
+    return f"{instance_id}/{hold_id}"
+
+
 class Error(msgspec.Struct, frozen=True):
     code: str
     message: str
@@ -448,7 +472,8 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)
 PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice)
-REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Error)
+REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Published,
+           Error)
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 
 # The one decode boundary (kvd.codec holds the rules), bound to this message set.

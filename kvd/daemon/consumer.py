@@ -54,8 +54,10 @@ class Consumer:
         self.plans = PlanCache()
         self.reads = PullReads(svc)
 
-    def start(self, msg: P.Pull) -> None:
-        """Validate cheaply and queue; the outcome arrives later as a done_recving event."""
+    def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
+        """Validate cheaply and queue; the outcome arrives later as a done_recving event,
+        queued for the engine's polls or, with ``reply_to`` (identity, request id), sent
+        as the answer to that one request."""
         cfg = self.svc.cfg
         engine = self.svc.registry.get(msg.engine_id)
         if (msg.engine_id, msg.request_id) in self.jobs:
@@ -71,7 +73,7 @@ class Consumer:
         if negative:
             raise BlockIdError(f"remote block ids {negative[:8]} are negative")
         hybrid.check_pull(engine.model, msg)
-        job = PullJob(msg=msg, started_s=self.svc.clock.now())
+        job = PullJob(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to)
         self.jobs[job.key] = job
         self.svc.metrics.inflight_transfers.inc()
         job.early = self._early_acquire(job, engine)
@@ -159,11 +161,20 @@ class Consumer:
             log.warning("pull failed: %s", error,
                         extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
                                "peer": msg.remote_address})
-        svc.events.push(msg.engine_id, P.Event(
+        event = P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok, invalid_block_ids=invalid,
             error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s,
             invalid_group_block_ids=[] if ok else list(msg.local_group_block_ids or []),
-            descriptors=job.descriptors))
+            descriptors=job.descriptors)
+        if job.reply_to is not None:
+            svc.events.answer(*job.reply_to, event)
+        else:
+            svc.events.push(msg.engine_id, event)
+        # The producers count our reads only now, after the engine heard (a notice is not
+        # on the pull's path): every READ is done and every Acquire answered.
+        notices, job.notices = job.notices, []
+        for send in notices if ok else ():
+            send()
 
     async def _pull(self, job: PullJob) -> None:
         msg, svc = job.msg, self.svc

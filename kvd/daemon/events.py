@@ -58,6 +58,11 @@ class EventHub:
             self._due.add(engine_id)
             self._schedule(lambda: self._deliver(engine_id))
 
+    def answer(self, identity: bytes, msg_id: int, event: P.Event) -> None:
+        """Reply to the one request that asked for this event (a Pull answered when done),
+        at once: it is not queued, so no poll sees it twice."""
+        self._reply(identity, msg_id, P.Events(events=[event]))
+
     def wait(self, engine_id: str, identity: bytes, msg_id: int, timeout_s: float,
              max_events: int) -> None:
         """Answer now if events exist (or the timeout is 0), else when they come or time out.

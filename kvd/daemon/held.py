@@ -57,6 +57,7 @@ class HeldRequest:
     consumers_done: set[str] = field(default_factory=set)
     abandoned: set[str] = field(default_factory=set)
     nbytes: int = 0  # read out of our pools, as reported by the consumers' notices
+    hold_id: int = 0  # unique in this daemon incarnation: the publish receipt names it
 
     @property
     def terminal(self) -> bool:
@@ -127,6 +128,7 @@ class HeldTable:
     def __init__(self, max_held: int) -> None:
         self.max_held = max_held
         self.items: dict[tuple[str, str], HeldRequest] = {}
+        self._last_hold_id = 0  # a released hold's id is never given again
 
     def __len__(self) -> int:
         return len(self.items)
@@ -140,7 +142,9 @@ class HeldTable:
             raise BusyError(f"{len(self.items)} requests held (max_held_requests)")
         held = HeldRequest(engine_id=engine_id, request_id=request_id,
                            block_ids=frozenset(block_ids), lease_s=lease_s,
-                           deadline_s=now_s + lease_s, consumers=consumers, published_s=now_s)
+                           deadline_s=now_s + lease_s, consumers=consumers, published_s=now_s,
+                           hold_id=self._last_hold_id + 1)
+        self._last_hold_id += 1
         self.items[key] = held
         return held
 

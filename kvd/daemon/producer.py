@@ -70,7 +70,7 @@ class Producer:
 
     # ------------------------------------------------------------ engine face
 
-    def publish(self, msg: P.Publish) -> None:
+    def publish(self, msg: P.Publish) -> P.Published:
         cfg = self.svc.cfg
         engine = self.svc.registry.get(msg.engine_id)
         if len(msg.block_ids) > cfg.max_blocks_per_request:
@@ -87,6 +87,7 @@ class Producer:
         self._pinned[(held.engine_id, held.request_id)] = ranks
         self.svc.metrics.held_requests.set(len(self.held))
         self.wake()
+        return P.Published(receipt=P.receipt(self.svc.instance_id, held.hold_id))
 
     # ------------------------------------------------------------ peer face
 
@@ -115,7 +116,8 @@ class Producer:
                      self.expected_reads(engine, cpar), consumer_instance)
         self._reading.add((held.engine_id, held.request_id))
         self.wake()
-        return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s))
+        return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
+                          hold_id=held.hold_id)
 
     def abandon(self, msg: P.Abandon) -> P.Ok:
         held = self.held.get(msg.producer_engine_id, msg.request_id)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd import protocol as P
@@ -74,6 +76,8 @@ class PullJob:
     timed_out: bool = False  # past transfer_timeout_s: the deadline cancelled the task
     task: asyncio.Task[None] | None = None
     early: Acquiring | None = None  # the Acquire sent when the Pull came (cached handshake)
+    reply_to: tuple[bytes, int] | None = None  # (identity, request id): answer when done
+    notices: list[Callable[[], None]] = field(default_factory=list)  # sent once reported
 
     @property
     def key(self) -> tuple[str, str]:
@@ -152,14 +156,31 @@ class Acquiring:
         return all(r.instance == daemons[a].instance and r.body.epoch == daemons[a].epoch
                    for a, r in self._replies.items())
 
+    def receipted(self, agent: str) -> bool:
+        """Whether the pull's publish receipt names the cached incarnation of every daemon
+        behind ``agent``: then the publish happened before the Pull was sent, and a READ
+        from it may go out before the Acquire's reply whatever its size."""
+        receipt = self.job.msg.publish_receipt
+        return bool(receipt) and all(receipt.startswith(d.instance + "/")
+                                     for d in self.remote.daemons.values() if d.agent == agent)
+
     def may_predate_publish(self, agent: str, posted_s: float) -> bool:
         """Whether a READ from ``agent`` posted at ``posted_s`` (before its daemon's reply
-        came) may have run before the request was published there: the producer held it
-        for ``held_s`` when the Acquire arrived, at most ``received_s - posted_s`` after
-        the post; a hold older than that began before the READ."""
+        came) may have run before the request was published there. Not if the reply names
+        the hold of the pull's publish receipt: that hold existed before the Pull was
+        sent, and lasted until the Acquire joined it. Otherwise the producer held it for
+        ``held_s`` when the Acquire arrived, at most ``received_s - posted_s`` after the
+        post; a hold older than that began before the READ."""
         assert self._replies is not None
-        return any(self._replies[a].body.held_s < self._replies[a].received_s - posted_s
-                   for a, d in self.remote.daemons.items() if d.agent == agent)
+        receipt = self.job.msg.publish_receipt
+        for a, d in self.remote.daemons.items():
+            r = self._replies[a]
+            if d.agent != agent or (receipt and P.receipt(r.instance, r.body.hold_id)
+                                    == receipt):
+                continue
+            if r.body.held_s < r.received_s - posted_s:
+                return True
+        return False
 
 
 class PullReads:
@@ -198,10 +219,11 @@ class PullReads:
                                       if rr.agent == g.owner) if prepped else ()))
             job.nbytes += g.total_nbytes
             job.descriptors += g.descriptors
-        # Only a small pull posts before the Acquire's reply: it saves up to a round trip,
-        # which is most of a small pull and nothing of a large one, and a read-again (a
-        # young hold) costs a whole READ.
-        early = job.nbytes <= EARLY_POST_MAX_BYTES
+        # Only a small pull posts before the Acquire's reply, unless its publish receipt
+        # rules out a read-again: the early post saves up to a round trip, which is most
+        # of a small pull, and a read-again (a young hold) costs a whole READ.
+        early = job.nbytes <= EARLY_POST_MAX_BYTES or all(
+            acquiring.receipted(p.peer) for p in posts)
         if (not posts or acquiring.answered or not early) and not await acquiring.settle():
             return False
         if posts:
@@ -240,9 +262,10 @@ class PullReads:
             finally:
                 if hb is not None:
                     hb.cancel()
-        # Every READ is done and every Acquire answered: now the producers may count them.
-        for agent, notice in notices:
-            self._notify(job, remote, agent, notice)
+        # Every READ is done and every Acquire answered: the producers may count them, as
+        # soon as the pull is reported (kvd.daemon.consumer sends them).
+        job.notices = [functools.partial(self._notify, job, remote, agent, notice)
+                       for agent, notice in notices]
         return True
 
     def _notify(self, job: PullJob, remote: RemoteEngine, agent: str,

@@ -206,13 +206,15 @@ class Daemon:
             reg.ping(m.engine_id, RankId(m.tp_rank, m.pp_rank))
             return P.Ok()
 
-        async def publish(m: P.Publish, _: Request) -> P.Ok:
+        async def publish(m: P.Publish, _: Request) -> P.Published:
             self._refuse_if_draining("publishes")
-            producer.publish(m)
-            return P.Ok()
+            return producer.publish(m)
 
-        async def pull(m: P.Pull, _: Request) -> P.Ok:
+        async def pull(m: P.Pull, req: Request) -> P.Ok | None:
             self._refuse_if_draining("pulls")
+            if m.reply_when_done:  # answered by the consumer with the pull's event
+                consumer.start(m, reply_to=(req.identity, req.header.id))
+                return None
             consumer.start(m)
             return P.Ok()
 

@@ -38,6 +38,17 @@ def test_params_survive_a_json_round_trip_like_a_router_makes() -> None:
     assert parse_remote_prefill(params) == _remote()
 
 
+def test_the_publish_receipt_travels_in_the_params_and_is_optional() -> None:
+    remote = RemotePrefill(engine_id="prefill-0", request_id="cmpl-1-0",
+                           address="tcp://p:7101", block_ids=(7,), num_tokens=4,
+                           receipt="3f2a/17")
+    params = json.loads(json.dumps(remote.to_params()))
+    assert params["kvd_receipt"] == "3f2a/17"
+    assert parse_remote_prefill(params).receipt == "3f2a/17"
+    assert "kvd_receipt" not in _remote().to_params()  # an older prefill: none
+    assert parse_remote_prefill(_remote().to_params()).receipt == ""
+
+
 def test_params_accept_vllm_per_group_block_lists() -> None:
     params = _remote().to_params()
     params["remote_block_ids"] = [[7, 3, 9]]
@@ -53,6 +64,8 @@ def test_params_accept_vllm_per_group_block_lists() -> None:
     ("remote_block_ids", [1, True], "remote block id"),
     ("remote_block_ids", "1,2", "remote_block_ids"),
     ("remote_num_tokens", -1, "remote_num_tokens"),
+    ("kvd_receipt", 17, "kvd_receipt"),
+    ("kvd_receipt", "r" * 129, "kvd_receipt"),
 ])
 def test_params_refuse_what_no_kvd_prefill_produced(key: str, value: object,
                                                      needle: str) -> None:

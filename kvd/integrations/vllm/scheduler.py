@@ -196,7 +196,7 @@ class KvdScheduler:
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
         try:
-            self.client.publish(self.settings.engine_id, request.request_id,
+            receipt = self.client.publish(self.settings.engine_id, request.request_id,
                                 blocks if groups is None else groups,
                                 lease_s=self.lease_s, consumers=consumers)
         except KvdError as exc:
@@ -209,7 +209,8 @@ class KvdScheduler:
                                block_ids=tuple(blocks), num_tokens=num_tokens,
                                block_size_tokens=self.block_size_tokens,
                                group_block_ids=(None if groups is None
-                                                else tuple(tuple(g) for g in groups)))
+                                                else tuple(tuple(g) for g in groups)),
+                               receipt=receipt)
         return True, remote.to_params()
 
     # ------------------------------------------------------------ every step
@@ -237,6 +238,7 @@ class KvdScheduler:
                              remote_block_ids=remote_ids,
                              local_block_ids=local_ids,
                              remote_request_id=pull.remote.request_id,
+                             publish_receipt=pull.remote.receipt,
                              num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
                                          else -1))
         except KvdError as exc:

@@ -14,10 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.protocol import MAX_RECEIPT_CHARS
+
 # Bumped if the meaning of a key changes; decoders refuse other formats.
 PARAMS_FORMAT = 1
 MAX_BLOCKS = 1 << 20  # a 16M-token prompt at 16 tokens a block: far past any engine
 MAX_ID_CHARS = 256
+
 
 
 class ParamsError(ValueError):
@@ -39,11 +42,16 @@ class RemotePrefill:
     # Hybrid models (several KV-cache groups): one block-id list per group, in vLLM's
     # group order (block_ids is then their concatenation). None: one group.
     group_block_ids: tuple[tuple[int, ...], ...] | None = None
+    # The prefill daemon's publish receipt ("": none, older prefill engines): the decode
+    # daemon then needs no proof from the hold's age that it reads after the publish.
+    receipt: str = ""
 
     def to_params(self) -> dict[str, Any]:
         """The dict a prefill engine returns; vLLM's standard keys plus ours."""
-        extra = ({} if self.block_size_tokens is None
-                 else {"kvd_block_size": self.block_size_tokens})
+        extra: dict[str, Any] = ({} if self.block_size_tokens is None
+                                 else {"kvd_block_size": self.block_size_tokens})
+        if self.receipt:
+            extra["kvd_receipt"] = self.receipt
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -109,11 +117,16 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     block_size = params.get("kvd_block_size")  # absent from older prefill engines
     if block_size is not None and not _int(block_size, "kv_transfer_params['kvd_block_size']"):
         raise ParamsError("kv_transfer_params['kvd_block_size'] must be positive")
+    receipt = params.get("kvd_receipt", "")  # absent from older prefill engines
+    if not isinstance(receipt, str) or len(receipt) > MAX_RECEIPT_CHARS:
+        raise ParamsError(f"kv_transfer_params['kvd_receipt'] must be a string of at most "
+                          f"{MAX_RECEIPT_CHARS} characters, got {receipt!r:.80}")
     return RemotePrefill(engine_id=_str(params, "remote_engine_id"),
                          request_id=_str(params, "remote_request_id"),
                          address=_str(params, "kvd_address"),
                          block_ids=block_ids, num_tokens=num_tokens,
-                         block_size_tokens=block_size, group_block_ids=groups)
+                         block_size_tokens=block_size, group_block_ids=groups,
+                         receipt=receipt)
 
 
 def blocks_to_pull(num_prompt_tokens: int, num_computed_tokens: int, block_size_tokens: int,
