@@ -211,7 +211,7 @@ def bench(
     nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Request size in MiB."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
     skip_hetero: bool = typer.Option(False, "--skip-hetero",
-                                     help="Skip the prefill TP1 -> decode TP2 scenario."),
+                                     help="Skip the hetero TP scenarios (TP1 -> TP2, TP4 -> TP2)."),
     kv_layout: str = typer.Option("head_major", "--kv-layout",
                                   help="Pool layout of both engines: head_major (default: the "
                                        "fewest descriptors), cross_layer, kv_split or "

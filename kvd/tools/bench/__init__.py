@@ -53,6 +53,7 @@ from kvd.tools.bench.geometry import (
     DEFAULT_KV_LAYOUT,
     DEFAULT_SHM_DIR,
     HETERO,
+    HETERO_4TO2,
     HOMOGENEOUS,
     TARGET_P50_MS,
     TARGET_RATIO_KVD_MEMCPY,
@@ -65,7 +66,8 @@ from kvd.tools.bench.raw import DescSet, bench_memcpy, bench_nixl
 from kvd.tools.bench.report import build_result, machine_info, render
 
 __all__ = [
-    "DEFAULT_SHM_DIR", "HETERO", "HOMOGENEOUS", "TARGET_P50_MS", "TARGET_RATIO_KVD_MEMCPY",
+    "DEFAULT_SHM_DIR", "HETERO", "HETERO_4TO2", "HOMOGENEOUS", "TARGET_P50_MS",
+    "TARGET_RATIO_KVD_MEMCPY",
     "Geometry", "MiB", "Scenario", "bench_kvd", "bench_memcpy", "bench_nixl",
     "kvd_descriptors", "machine_info", "main", "render", "run_bench",
 ]
@@ -91,7 +93,7 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
     rng = random.Random(seed)
     p_ids = rng.sample(range(pool_blocks), blocks)
     d_ids = rng.sample(range(pool_blocks), blocks)
-    scenarios = [HOMOGENEOUS] if skip_hetero else [HOMOGENEOUS, HETERO]
+    scenarios = [HOMOGENEOUS] if skip_hetero else [HOMOGENEOUS, HETERO, HETERO_4TO2]
 
     memcpy = bench_memcpy(nbytes, repeats, shm_dir)
 

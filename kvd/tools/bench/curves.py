@@ -143,12 +143,12 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
             times = []
             for rep in range(max(3, repeats // 2)):
                 rids = [f"c{c}-{rep}-{i}" for i in range(c)]
-                for rid in rids:
-                    pc.publish("prefill", rid, p_ids)
+                receipts = [pc.publish("prefill", rid, p_ids) for rid in rids]
                 t0 = time.perf_counter()
                 for i, rid in enumerate(rids):
                     dc.pull("decode", rid, "prefill", addr, p_ids,
-                            list(range(i * conc_blocks, (i + 1) * conc_blocks)))
+                            list(range(i * conc_blocks, (i + 1) * conc_blocks)),
+                            publish_receipt=receipts[i])
                 for rid in rids:
                     ev = dc.wait("decode", rid, "done_recving", timeout_s=120)
                     if not ev.ok:

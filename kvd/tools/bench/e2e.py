@@ -25,32 +25,38 @@ def _zero_blocks(kvs: list[np.ndarray], geom: Geometry, block_ids: list[int]) ->
             view[b] = 0
 
 
-def check_pulled_blocks(pkv: np.ndarray, dkvs: list[np.ndarray], geom: Geometry, p_ids: list[int],
-                  d_ids: list[int]) -> bool:
-    """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (any layout)."""
-    pview = blocks_view(pkv, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
+def check_pulled_blocks(pkv: np.ndarray | list[np.ndarray], dkvs: list[np.ndarray],
+                        geom: Geometry, p_ids: list[int], d_ids: list[int]) -> bool:
+    """Decode rank t must hold heads [t*h, (t+1)*h) of the prefill blocks (any layout);
+    ``pkv``: the prefill pool, or its TP ranks' pools in rank order (heads split)."""
+    pkvs = pkv if isinstance(pkv, list) else [pkv]
+    pviews = [blocks_view(k, geom.kv_layout, geom.head_layout)  # [block, L, kv, T, H, D]
+              for k in pkvs]
     for t, dkv in enumerate(dkvs):
         dview = blocks_view(dkv, geom.kv_layout, geom.head_layout)
         h = dview.shape[4]
         for i in range(0, len(p_ids), 64):  # a few blocks at a time: no 512 MiB temporaries
-            want = pview[p_ids[i:i + 64]][:, :, :, :, t * h:(t + 1) * h]
-            if not np.array_equal(dview[d_ids[i:i + 64]], want):
+            heads = np.concatenate([v[p_ids[i:i + 64]] for v in pviews], axis=4)
+            if not np.array_equal(dview[d_ids[i:i + 64]], heads[:, :, :, :, t * h:(t + 1) * h]):
                 return False
     return True
 
 
 def timed_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: list[int],
-              d_ids: list[int]) -> tuple[float, float, Any]:
-    """publish -> pull -> done_recving; returns (publish..done s, pull..done s, event)."""
+              d_ids: list[int], peng: str = "prefill") -> tuple[float, float, Any]:
+    """publish -> pull -> done_recving; returns (publish..done s, pull..done s, event).
+
+    As an engine that waits for its pull would: the publish receipt goes into the pull
+    (as a router passes it), and the pull is answered when done (one round trip)."""
     t0 = time.perf_counter()
-    pc.publish("prefill", rid, p_ids)
+    receipt = pc.publish(peng, rid, p_ids)
     t1 = time.perf_counter()
-    dc.pull(deng, rid, "prefill", prefill_addr, p_ids, d_ids)
-    ev = dc.wait(deng, rid, "done_recving", timeout_s=60)
+    ev = dc.pull_and_wait(deng, rid, peng, prefill_addr, p_ids, d_ids,
+                          publish_receipt=receipt, timeout_s=60)
     t2 = time.perf_counter()
     if not ev.ok:
         raise RuntimeError(f"pull {rid} failed: {ev.error}")
-    sent = pc.wait("prefill", rid, "done_sending", timeout_s=10)
+    sent = pc.wait(peng, rid, "done_sending", timeout_s=10)
     if not sent.ok:
         raise RuntimeError(f"producer did not release {rid}: {sent.error}")
     return t2 - t0, t2 - t1, ev
@@ -68,27 +74,36 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
     decode = DaemonProcess.start("bench-decode", log_dir, extra_args=pools)
     pc, dc = prefill.client(timeout_s=30), decode.client(timeout_s=30)
     try:
-        pshape = geom.shape(1, pool_blocks)
-        prank = pc.register("prefill", model, layout_spec(pshape), 0, 1)
-        fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
         consecutive = list(range(blocks))
         for scn in scenarios:
+            # the prefill engine of this scenario's TP size, its ranks' pools filled with a
+            # pattern unique per byte (each rank holds its own heads)
+            peng = f"prefill-tp{scn.prefill_tp}"
+            pshape = geom.shape(scn.prefill_tp, pool_blocks)
+            pranks = [pc.register(peng, model, layout_spec(pshape), t, scn.prefill_tp)
+                      for t in range(scn.prefill_tp)]
+            for t, pr in enumerate(pranks):
+                fill_test_pattern(pr.kv.reshape(-1).view(np.uint8), start=t << 40)
+            pkvs = [pr.kv for pr in pranks]
             deng = f"decode-tp{scn.decode_tp}"
             dshape = geom.shape(scn.decode_tp, pool_blocks)
             dranks = [dc.register(deng, model, layout_spec(dshape), t, scn.decode_tp)
                       for t in range(scn.decode_tp)]
             dkvs = [r.kv for r in dranks]
+            addr = prefill.peer_address
+
+            def pull(rid: str, src: list[int], dst: list[int]) -> tuple[float, float, Any]:
+                return timed_pull(pc, dc, addr, deng, rid, src, dst, peng=peng)  # noqa: B023
+
             r: dict[str, Any] = {}
             # Warm-up: handshake, NIXL connection, page faults on both sides.
-            t, _, ev = timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-warm", p_ids,
-                                 d_ids)
+            t, _, ev = pull(f"{deng}-warm", p_ids, d_ids)
             r["warmup_ms"] = fmt_ms(t)
-            r["verified_warmup"] = check_pulled_blocks(prank.kv, dkvs, geom, p_ids, d_ids)
+            r["verified_warmup"] = check_pulled_blocks(pkvs, dkvs, geom, p_ids, d_ids)
             totals, daemon = [], []
             before = _posting(decode)
             for i in range(repeats):
-                t, _, ev = timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-{i}", p_ids,
-                                     d_ids)
+                t, _, ev = pull(f"{deng}-{i}", p_ids, d_ids)
                 totals.append(t)
                 daemon.append(ev.duration_s)
             r["nbytes"] = ev.nbytes
@@ -97,22 +112,22 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             r["kvd_daemon_gbps"] = fmt_gbps(ev.nbytes, statistics.median(daemon))
             r.update(posting_delta(before, _posting(decode)))
             # Consecutive blocks on both sides: kvd's best case (descriptors merge).
-            timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-cwarm", consecutive,
-                      consecutive)
-            ctimes = [timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-c{i}",
-                                consecutive, consecutive)[0] for i in range(repeats)]
+            pull(f"{deng}-cwarm", consecutive, consecutive)
+            ctimes = [pull(f"{deng}-c{i}", consecutive, consecutive)[0] for i in range(repeats)]
             r["kvd_gbps_consecutive"] = fmt_gbps(ev.nbytes, statistics.median(ctimes))
             # Final check: zero the destination, pull once more, compare.
             _zero_blocks(dkvs, geom, d_ids)
-            timed_pull(pc, dc, prefill.peer_address, deng, f"{deng}-check", p_ids, d_ids)
+            pull(f"{deng}-check", p_ids, d_ids)
             r["verified"] = r["verified_warmup"] and check_pulled_blocks(
-                prank.kv, dkvs, geom, p_ids, d_ids)
+                pkvs, dkvs, geom, p_ids, d_ids)
             out["scenarios"][scn.name] = r
-            if scn.decode_tp == 1 and latency_pulls > 0:
-                out["latency"] = _latency(pc, dc, prefill.peer_address, deng, p_ids[:1],
-                                          d_ids[:1], latency_pulls)
+            if scn.decode_tp == 1 and scn.prefill_tp == 1 and latency_pulls > 0:
+                out["latency"] = _latency(pc, dc, addr, deng, p_ids[:1], d_ids[:1],
+                                          latency_pulls, peng)
             for h in dranks:
                 dc.deregister(h)
+            for h in pranks:
+                pc.deregister(h)
         return out
     finally:
         pc.close()
@@ -140,12 +155,13 @@ def posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[s
 
 
 def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
-             d_ids: list[int], pulls: int) -> dict[str, Any]:
+             d_ids: list[int], pulls: int, peng: str = "prefill") -> dict[str, Any]:
     for i in range(max(10, pulls // 10)):
-        timed_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids)
+        timed_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids, peng)
     pull_s, total_s, daemon_s = [], [], []
     for i in range(pulls):
-        total, pull, ev = timed_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids)
+        total, pull, ev = timed_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids,
+                                     peng)
         pull_s.append(pull)
         total_s.append(total)
         daemon_s.append(ev.duration_s)

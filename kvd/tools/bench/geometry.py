@@ -75,6 +75,9 @@ class Scenario:
 
 HOMOGENEOUS = Scenario("homogeneous", 1, 1)
 HETERO = Scenario("hetero", 1, 2)
+# Four prefill ranks into two decode ranks: each decode rank reads from two daemons'
+# worth of ranks (here one daemon hosts all four), the other direction of hetero TP.
+HETERO_4TO2 = Scenario("hetero_4to2", 4, 2)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -73,13 +73,14 @@ def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> d
 # ------------------------------------------------------------------ raw NIXL
 
 
-def fill_test_pattern(buf: np.ndarray) -> None:
-    """Unique 8-byte words (offset / 8), written in chunks to avoid a big temporary."""
+def fill_test_pattern(buf: np.ndarray, start: int = 0) -> None:
+    """Unique 8-byte words (start + offset / 8), written in chunks to avoid a big
+    temporary; distinct ``start``s keep several buffers apart."""
     words = buf.view(np.uint64)
     step = 1 << 20
     for i in range(0, words.size, step):
         n = min(step, words.size - i)
-        words[i:i + n] = np.arange(i, i + n, dtype=np.uint64)
+        words[i:i + n] = np.arange(start + i, start + i + n, dtype=np.uint64)
 
 
 def check_test_pattern(buf: np.ndarray) -> bool:
