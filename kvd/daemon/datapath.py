@@ -178,20 +178,45 @@ class DataPath:
         finally:
             gate.set()
 
+    @staticmethod
+    def _small(posts: list[ReadPost]) -> bool:
+        return (sum(int(p.nbytes.sum()) for p in posts) <= INLINE_POST_MAX_BYTES
+                and sum(len(p.nbytes) for p in posts) <= INLINE_POST_MAX_DESCRIPTORS)
+
+    def post_reads_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
+        """Post small READs inline and synchronously, or None when that cannot be done now
+        (too big, a peer being reloaded, another NIXL call running): ``post_reads`` then.
+        Without a coroutine the caller needs no task to keep a post it must not lose
+        (issue 12.4: a task and its shield cost two loop turns per small pull)."""
+        if not self._small(posts) or any(
+                (g := self._gates.get(p.peer)) is not None and not g.is_set() for p in posts):
+            return None
+        if not self._nixl.acquire(blocking=False):
+            return None
+        try:
+            self.inline_calls += 1
+            results = self._post_reads(posts)
+        finally:
+            self._nixl.release()
+        self._track(posts, results)
+        return results
+
     async def post_reads(self, posts: list[ReadPost]) -> list[PostResult]:
         """Post several READs in one hop, one result per post."""
         for post in posts:
             gate = self._gates.get(post.peer)
             if gate is not None:
                 await gate.wait()
-        small = (sum(int(p.nbytes.sum()) for p in posts) <= INLINE_POST_MAX_BYTES
-                 and sum(len(p.nbytes) for p in posts) <= INLINE_POST_MAX_DESCRIPTORS)
-        results = await (self.call_short if small else self.call)(self._post_reads, posts)
+        call = self.call_short if self._small(posts) else self.call
+        results = await call(self._post_reads, posts)
+        self._track(posts, results)
+        return results
+
+    def _track(self, posts: list[ReadPost], results: list[PostResult]) -> None:
         for post, res in zip(posts, results, strict=True):
             if res.xfer_id is not None:
                 self._xfer_peer[res.xfer_id] = post.peer
                 self._inflight[post.peer] = self._inflight.get(post.peer, 0) + 1
-        return results
 
     def _post_reads(self, posts: list[ReadPost]) -> list[PostResult]:
         """Post each READ; one already done is released here, and one still running is

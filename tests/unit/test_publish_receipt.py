@@ -109,13 +109,13 @@ def _order_of_post_and_reply(monkeypatch: pytest.MonkeyPatch, with_receipt: bool
             dr = await register(p.dc, "dec")
             g = global_kv(MODEL, 32)
             write_shard(pr.kv, g, MODEL, SHAPE, 0, 0, [1, 2])
-            post = p.decode.datapath.post_reads
+            post = p.decode.datapath._post_reads  # inline or on the NIXL thread: both
 
-            async def post_and_note(posts):
+            def post_and_note(posts):
                 order.append("post")
-                return await post(posts)
+                return post(posts)
 
-            p.decode.datapath.post_reads = post_and_note
+            p.decode.datapath._post_reads = post_and_note
             # first pull: the handshake (then cached, so the next Acquire leaves early)
             await p.pc.publish("pre", "warm", [1, 2])
             assert (await pull_and_wait(p, "dec", "warm", "pre", p.prefill.cfg.peer_address,
