@@ -11,23 +11,15 @@ random id per incarnation: when it changes, what a peer cached about it is stale
 A consumer sends a ReadNotice once its READs from a daemon are done and its Acquire
 answered: as a peer request, or as a NIXL notification prefixed by NOTICE_MAGIC.
 
-Version history:
+Version history (in full, with what each addition means for older peers:
+proto/README.md):
     1  initial protocol: engine face (register, publish, pull, poll, status),
        peer face (hello, acquire, heartbeat, abandon), ReadNotice notifications.
-    2  restart identity and exact placement: Header.instance, Pull.remote_request_id
-       and num_tokens, Acquire consumer parallelism, Registered.instance_id, typed
-       Status rows, bounds on timeouts and sizes, token checked before the body.
-       Additive: hybrid models (ModelSpec.hybrid, per-group block ids on Publish and
-       Pull, Event.invalid_group_block_ids); ModelSpec, Publish and Pull omit fields
-       at their defaults, so attention-only messages are what earlier v2 peers expect.
-       Additive: Acquired.held_s (replies accept unknown fields: earlier v2 consumers
-       ignore it; from an earlier producer it reads 0, so the consumer re-reads any
-       READ it posted before the reply came, correct but slower); ReadNotice as a peer
-       request (an earlier producer refuses it: the consumer then sends it as a NIXL
-       notification, which every v2 producer takes).
-       Additive: LayoutSpec.kv_layout "auto" (the new default), resolved by the
-       engine's own daemon and returned in Registered.layout; peers see only the
-       resolved name. An earlier daemon refuses "auto" (bad_layout): name a layout.
+    2  restart identity and exact placement (Header.instance, Pull.remote_request_id
+       and num_tokens, Acquire consumer parallelism, bounds, token before body).
+       Additive since: hybrid models; Acquired.held_s and ReadNotice as a peer
+       request; kv_layout "auto" and Registered.layout; publish receipts
+       (Published, Pull.publish_receipt and reply_when_done, Acquired.hold_id).
 """
 
 from __future__ import annotations
