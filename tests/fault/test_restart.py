@@ -148,10 +148,14 @@ def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_pa
                 dc.register("dec", MODEL, layout_spec(BIG))
                 recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
                 assert recv.ok, recv.error
-                pc.publish("pre", "held", SMALL_IDS, lease_s=60)
-                dc.pull("dec", "held", "pre", prefill.peer_address, SMALL_IDS, [1, 2, 4],
-                        num_tokens=len(SMALL_IDS) * 16)
-                _kill(decode)  # maybe mid-pull: the producer still holds "held"
+                # A 259-block request (~260 MiB): its READ cannot end, and no READ notice
+                # releases the hold, within the moment before the kill (a 3-block pull
+                # sometimes did, and the producer then rightly let the request go).
+                held_ids = SMALL_IDS + list(range(64, 320))
+                pc.publish("pre", "held", held_ids, lease_s=60)
+                dc.pull("dec", "held", "pre", prefill.peer_address, held_ids,
+                        [1, 2, 4, *range(100, 356)], num_tokens=len(held_ids) * 16)
+                _kill(decode)  # mid-pull at the latest: the producer still holds "held"
             again = _start(tmp_path, "rdd", like=decode)
             decode = again
             with again.client() as dc:
