@@ -22,7 +22,13 @@ from kvd.daemon import hybrid
 from kvd.daemon.engines import Engine, PlanCache, check_block_ids, geometry, parallelism
 from kvd.daemon.held import HeldRequest, HeldState, HeldTable
 from kvd.daemon.services import Services
-from kvd.errors import IncompatibleError, NotFoundError, ProtocolError, TooLargeError
+from kvd.errors import (
+    IncompatibleError,
+    LayoutError,
+    NotFoundError,
+    ProtocolError,
+    TooLargeError,
+)
 from kvd.planner import Parallelism, check_parallelism
 
 log = logging.getLogger("kvd.producer")
@@ -92,6 +98,9 @@ class Producer:
     # ------------------------------------------------------------ peer face
 
     async def hello(self, msg: P.Hello) -> P.HelloReply:
+        if msg.consumer.layout.kv_layout == P.AUTO_KV_LAYOUT:
+            raise LayoutError("the consumer engine's kv_layout must be concrete: 'auto' is "
+                              "resolved by its own daemon at registration, never sent")
         engine = self.svc.registry.get(msg.remote_engine_id)
         if msg.compat_hash != engine.compat:
             raise IncompatibleError(

@@ -147,3 +147,33 @@ def test_a_reply_without_layout_means_the_requested_one(monkeypatch: pytest.Monk
     assert client_core.Messages.handle(auto_msg, new).kv_layout == "head_major"
     wire = msgspec.msgpack.encode(new)
     assert msgspec.msgpack.decode(wire, type=RegisteredV2).instance_id == "i"
+
+
+def test_a_hello_naming_an_unresolved_layout_is_refused() -> None:
+    """Only a daemon resolves "auto", for its own engines: a peer that sends it (a bug,
+    or a forged Hello whose hash matches the concrete layout) gets bad_layout."""
+    import zmq
+    import zmq.asyncio
+
+    async def body() -> None:
+        async with daemon_pair() as p:
+            [pre] = await register(p.pc, "pre", PLAIN, layout(), 1)
+            resolved = pre.layout
+            desc = P.EngineDesc(engine_id="c", model=PLAIN, layout=layout(), tp_size=1,
+                                pp_size=1, layer_partition=None, ranks=[])
+            hello = P.Hello(daemon_id="d", remote_engine_id="pre", consumer=desc,
+                            agent_metadata=b"", compat_hash=compat_hash(PLAIN, resolved))
+            ctx = zmq.asyncio.Context()
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(p.prefill.cfg.peer_address)
+            try:
+                await s.send_multipart(P.encode(hello, 1))
+                _, reply = P.decode(await s.recv_multipart(), P.REPLIES)
+            finally:
+                s.close(0)
+                ctx.term()
+            assert isinstance(reply, P.Error) and reply.code == "bad_layout", reply
+            assert "auto" in reply.message
+
+    run(body())
