@@ -161,8 +161,9 @@ class Acquiring:
         behind ``agent``: then the publish happened before the Pull was sent, and a READ
         from it may go out before the Acquire's reply whatever its size."""
         receipt = self.job.msg.publish_receipt
-        return bool(receipt) and all(receipt.startswith(d.instance + "/")
-                                     for d in self.remote.daemons.values() if d.agent == agent)
+        behind = [d for d in self.remote.daemons.values() if d.agent == agent]
+        return bool(receipt and behind) and all(receipt.startswith(d.instance + "/")
+                                                for d in behind)
 
     def may_predate_publish(self, agent: str, posted_s: float) -> bool:
         """Whether a READ from ``agent`` posted at ``posted_s`` (before its daemon's reply

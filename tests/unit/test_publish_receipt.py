@@ -180,3 +180,4 @@ def test_receipted_needs_the_cached_incarnation_of_the_daemon() -> None:
     assert _acquiring("inst-a/7", "inst-a", 7, 0.0).receipted("agent-p")
     assert not _acquiring("inst-b/7", "inst-a", 7, 0.0).receipted("agent-p")
     assert not _acquiring("", "inst-a", 7, 0.0).receipted("agent-p")
+    assert not _acquiring("inst-a/7", "inst-a", 7, 0.0).receipted("agent-q")  # no daemon
