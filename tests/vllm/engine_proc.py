@@ -4,7 +4,7 @@ Why a child process: a disaggregated test needs a prefill engine and a decode
 engine alive at the same time, each with its own KV connector instance, and a
 vLLM ``LLM`` owns process-global state (its EngineCore and worker processes,
 the torch thread settings, signal handlers). One ``EngineProc`` = one
-``python engine_proc.py --child`` process that builds one ``LLM`` and then
+``python engine_child.py`` process that builds one ``LLM`` and then
 serves JSON-line commands until it is told to close.
 
 Wire: the parent writes one JSON object per line to the child's stdin; the
@@ -21,8 +21,8 @@ engine runs ``vllm_sched_probe.RecordingScheduler`` (vLLM's own scheduler plus
 a per-step record) and ``generate`` sums, per request, the prompt tokens that
 were scheduled through the model. See ``vllm_sched_probe`` for the record.
 
-Only the standard library is imported at module level, so the parent side
-works in any venv; the child needs vLLM.
+This module is the parent side (standard library only, so it works in any venv);
+the child side, which needs vLLM, is engine_child.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
 from pathlib import Path
 from typing import Any
@@ -183,8 +182,7 @@ class EngineProc:
                 [
                     sys.executable,
                     "-u",
-                    str(Path(__file__).resolve()),
-                    "--child",
+                    str(HERE / "engine_child.py"),
                     "--reply-fd",
                     str(reply_w),
                 ],
@@ -373,196 +371,3 @@ class EngineProc:
 
 
 # ====================================================================== child
-
-
-class _Child:
-    """The child side: one ``LLM`` and a command loop. Runs under vLLM's venv."""
-
-    def __init__(self, reply_fd: int) -> None:
-        os.set_inheritable(reply_fd, False)
-        self.reply = os.fdopen(reply_fd, "w", buffering=1)
-        self.llm: Any = None
-        self.counter = 0
-        self.sched_log = os.environ.get("KVD_TEST_SCHED_LOG")
-        self.sched_offset = 0
-        # internal request id -> accumulated scheduler records
-        self.sched: dict[str, dict[str, Any]] = {}
-
-    def send(self, obj: dict[str, Any]) -> None:
-        self.reply.write(json.dumps(obj) + "\n")
-        self.reply.flush()
-
-    def serve(self) -> int:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            msg = json.loads(line)
-            op = msg.get("op")
-            try:
-                handler = getattr(self, f"op_{op}")
-                result = handler(msg)
-                self.send({"ok": True, **result})
-            except Exception:
-                self.send({"ok": False, "error": traceback.format_exc()})
-                if op == "start":
-                    return 1
-            if op == "close":
-                # The engine is down; the interpreter's own exit (atexit hooks,
-                # multiprocessing bookkeeping) took another ~6 s for nothing.
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
-        # Parent went away: shut down anyway so no EngineCore is left behind.
-        self.op_close({})
-        return 0
-
-    def op_start(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from vllm import LLM
-
-        kwargs = dict(msg["llm_kwargs"])
-        self.llm = LLM(**kwargs)
-        cfg = self.llm.llm_engine.vllm_config
-        info = {
-            "block_size": cfg.cache_config.block_size,
-            "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
-            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
-            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-            "scheduler_cls": str(cfg.scheduler_config.scheduler_cls),
-            "vllm_pid": os.getpid(),
-        }
-        warmup_s = 0.0
-        if msg.get("warmup", True):
-            t0 = time.monotonic()
-            self._generate([[3, 4, 5, 6, 7, 8, 9, 10]], 2, None, ["warmup"])
-            warmup_s = time.monotonic() - t0
-        return {"info": info, "warmup_s": warmup_s}
-
-    def op_generate(self, msg: dict[str, Any]) -> dict[str, Any]:
-        t0 = time.monotonic()
-        results = self._generate(
-            msg["prompts"],
-            msg["max_tokens"],
-            msg.get("kv_transfer_params"),
-            msg.get("request_ids"),
-        )
-        return {"results": results, "elapsed_s": time.monotonic() - t0}
-
-    def op_reset_prefix_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"reset": bool(self.llm.reset_prefix_cache())}
-
-    def op_close(self, msg: dict[str, Any]) -> dict[str, Any]:
-        if self.llm is not None:
-            engine_core = self.llm.llm_engine.engine_core
-            self.llm = None
-            engine_core.shutdown(timeout=msg.get("timeout"))
-        return {}
-
-    def _generate(
-        self,
-        prompts: list[list[int]],
-        max_tokens: int,
-        kv_params: list[dict[str, Any] | None] | None,
-        request_ids: list[str] | None,
-    ) -> list[dict[str, Any]]:
-        from vllm import SamplingParams
-
-        engine = self.llm.llm_engine
-        if request_ids is None:
-            request_ids = []
-            for _ in prompts:
-                request_ids.append(f"r{self.counter}")
-                self.counter += 1
-        order = {rid: i for i, rid in enumerate(request_ids)}
-        if len(order) != len(request_ids):
-            raise ValueError(f"duplicate request ids: {request_ids}")
-        for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)):
-            params = kv_params[i] if kv_params else None
-            sp = SamplingParams(
-                temperature=0.0,
-                max_tokens=max_tokens,
-                logprobs=1,
-                ignore_eos=True,
-                detokenize=False,
-                extra_args={"kv_transfer_params": params} if params is not None else None,
-            )
-            engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
-
-        finished: dict[str, Any] = {}
-        while len(finished) < len(request_ids):
-            for out in engine.step():
-                if out.finished and out.request_id in order:
-                    finished[out.request_id] = out
-        self._read_sched()
-        return [self._result(rid, finished[rid]) for rid in request_ids]
-
-    def _read_sched(self) -> None:
-        """Fold the scheduler records written since the last call into ``self.sched``."""
-        if not self.sched_log:
-            return
-        with open(self.sched_log) as f:
-            f.seek(self.sched_offset)
-            data = f.read()
-        # Only whole lines; a partial last line is read next time.
-        end = data.rfind("\n") + 1
-        self.sched_offset += len(data[:end].encode())
-        for line in data[:end].splitlines():
-            rec = json.loads(line)
-            acc = self.sched.setdefault(
-                rec["req"],
-                {
-                    "prompt_tokens_computed": 0,
-                    "first_start": None,
-                    "steps": [],
-                    "local_cached": None,
-                    "external_cached": None,
-                },
-            )
-            acc["prompt_tokens_computed"] += rec["prompt_part"]
-            if rec["prompt_part"] and acc["first_start"] is None:
-                acc["first_start"] = rec["start"]
-            acc["steps"].append([rec["start"], rec["n"]])
-            if "local_cached" in rec:
-                acc["local_cached"] = rec["local_cached"]
-                acc["external_cached"] = rec["external_cached"]
-
-    def _sched_for(self, rid: str) -> dict[str, Any] | None:
-        # vLLM's internal id is "<caller id>-<8 random characters>".
-        matches = [k for k in self.sched if k.rsplit("-", 1)[0] == rid and len(k) == len(rid) + 9]
-        if len(matches) != 1:
-            return None
-        return self.sched.pop(matches[0])
-
-    def _result(self, rid: str, out: Any) -> dict[str, Any]:
-        comp = out.outputs[0]
-        token_ids = [int(t) for t in comp.token_ids]
-        logprobs: list[float | None] = []
-        for tok, lp in zip(token_ids, comp.logprobs or [None] * len(token_ids), strict=True):
-            entry = lp.get(tok) if lp else None
-            logprobs.append(float(entry.logprob) if entry is not None else None)
-        sched = self._sched_for(rid) if self.sched_log else None
-        kvp = out.kv_transfer_params
-        return {
-            "request_id": rid,
-            "token_ids": token_ids,
-            "logprobs": logprobs,
-            "finish_reason": comp.finish_reason,
-            "kv_transfer_params": json.loads(json.dumps(kvp)) if kvp is not None else None,
-            "num_cached_tokens": out.num_cached_tokens,
-            "prompt_len": len(out.prompt_token_ids or []),
-            "prompt_tokens_computed": sched["prompt_tokens_computed"] if sched else None,
-            "first_start": sched["first_start"] if sched else None,
-            "local_cached": sched["local_cached"] if sched else None,
-            "external_cached": sched["external_cached"] if sched else None,
-            "sched_steps": sched["steps"] if sched else None,
-        }
-
-
-def _child_main(argv: list[str]) -> int:
-    reply_fd = int(argv[argv.index("--reply-fd") + 1])
-    return _Child(reply_fd).serve()
-
-
-if __name__ == "__main__":
-    if "--child" in sys.argv:
-        sys.exit(_child_main(sys.argv))
-    print(__doc__)

@@ -13,13 +13,9 @@ request or a block left behind.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,128 +27,37 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
     pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
                 "(README: 'Run the vLLM suite')", allow_module_level=True)
 
-from engine_build import make_engine  # noqa: E402
+import pd_support  # noqa: E402
+from pd_support import (  # noqa: E402
+    BLOCK,
+    DAEMON_ARGS,
+    PROMPT,
+    PROMPT_TOKENS,
+    Daemons,
+    MakeEngine,
+    block_nbytes,
+    check_pulled,
+    generated,
+    held,
+    n_blocks,
+    pull_to_decode,
+)
 from scheduler_support import (  # noqa: E402
-    HEAD_DIM,
-    NUM_KV_HEADS,
-    NUM_LAYERS,
     SAMPLED_TOKEN,
-    SimEngine,
     drain,
     kill_daemon,
     prefill,
     prompt_tokens,
     run_until,
     start_daemon,
-    stop_daemon,
-    write_model_dir,
 )
 
 import kvd.integrations.vllm.scheduler as kvd_vllm_scheduler  # noqa: E402
-from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
-# A dead peer's handshake fails after this (the killed-prefill cases stay short).
-DAEMON_ARGS = ["--set", "handshake_timeout_s=2"]
-PROMPT = 100  # tokens: 3 full blocks of 32 and a partial one
-BLOCK = 32  # CPU attention takes block sizes that are multiples of 32
-
-
-@dataclass
-class Daemons:
-    prefill: DaemonProcess
-    decode: DaemonProcess
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
-    """One prefill and one decode daemon for the module (each start costs ~1 s)."""
-    logs = tmp_path_factory.mktemp("kvd-logs")
-    p = start_daemon(logs, "p", DAEMON_ARGS)
-    try:
-        d = start_daemon(logs, "d", DAEMON_ARGS)
-    except BaseException:
-        kill_daemon(p)
-        raise
-    try:
-        yield Daemons(p, d)
-    finally:
-        try:
-            stop_daemon(p)
-        finally:
-            stop_daemon(d)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model"))
-
-
-MakeEngine = Callable[..., SimEngine]
-
-
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[MakeEngine]:
-    """``engines(name, daemon, **make_engine kwargs)``; all closed at the end, and every
-    live daemon must then drop their ranks and free their pools (workers deregistered)."""
-    made: list[tuple[SimEngine, DaemonProcess]] = []
-
-    def make(name: str, daemon: DaemonProcess, **kwargs: Any) -> SimEngine:
-        engine = make_engine(name, model_dir, daemon.engine_address, **kwargs)
-        made.append((engine, daemon))
-        return engine
-
-    yield make
-    for engine, _ in made:
-        engine.close()
-    for engine, daemon in made:
-        if daemon.proc.poll() is None:
-            with daemon.client(ping_interval_s=0) as c:
-                deadline = time.monotonic() + 10
-                while left := [e for e in c.status().engines
-                               if e.engine_id == engine.engine_id]:
-                    assert time.monotonic() < deadline, \
-                        f"{engine.engine_id}'s ranks and pools not freed after close: {left}"
-                    time.sleep(0.05)
-
-
-def block_nbytes(e: SimEngine) -> int:
-    """Bytes of one block of the whole engine (every layer, every rank, K and V)."""
-    return NUM_LAYERS * NUM_KV_HEADS * e.block_size * 2 * HEAD_DIM * 4
-
-
-def n_blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-def held(d: DaemonProcess, engine: SimEngine) -> list[Any]:
-    """What a prefill daemon holds for one engine (published, not yet released)."""
-    with d.client(ping_interval_s=0) as c:
-        return [h for h in c.status().held if h.engine_id == engine.engine_id]
-
-
-def generated(e: SimEngine, request_id: str) -> list[int]:
-    return [t for out in e.outputs.get(request_id, []) for t in out.new_token_ids]
-
-
-def check_pulled(d: SimEngine, request_id: str, p: SimEngine, start: int, end: int) -> None:
-    """Tokens [start, end) of the decode request hold the prefill engine's bytes, as they
-    were the step kvd reported the pull done, on every rank (each its own heads)."""
-    got = d.received[request_id]
-    assert not got.failed, f"{request_id}: pull reported failed"
-    bad = d.kv_mismatches(got.block_ids, start, end, p.tag, got.caches)
-    assert bad == 0, f"{request_id}: {bad} elements of tokens [{start}, {end}) differ from P's"
-
-
-def pull_to_decode(p: SimEngine, d: SimEngine, params: dict[str, Any], request_id: str,
-                   max_tokens: int = 3) -> None:
-    """Add the decode request with the prefill's params and step until kvd delivered it."""
-    d.add(request_id, PROMPT_TOKENS, max_tokens=max_tokens, kv_transfer_params=params)
-    run_until([p, d], lambda: request_id in d.received, what=f"{request_id} received")
-
-
-PROMPT_TOKENS = prompt_tokens(1, PROMPT)
+# The shared fixtures (module-scoped daemons: each module gets its own pair).
+daemons, model_dir, engines = pd_support.daemons, pd_support.model_dir, pd_support.engines
 
 
 # ------------------------------------------------------------------ the basic hand-off
@@ -413,121 +318,3 @@ def test_same_request_id_on_two_prefill_engines(daemons: Daemons, engines: MakeE
 
 
 # ------------------------------------------------------------------ heterogeneous engines
-
-
-@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
-def test_block_size_ratio(p_block: int, d_block: int, daemons: Daemons,
-                          engines: MakeEngine) -> None:
-    """Prefill and decode engines with different block sizes: kvd places each token."""
-    p = engines("prefill", daemons.prefill, block_size=p_block)
-    d = engines("decode", daemons.decode, block_size=d_block)
-    params = prefill(p, "req-9", PROMPT_TOKENS)
-    assert len(params["remote_block_ids"]) == n_blocks(PROMPT, p_block)
-    pull_to_decode(p, d, params, "dec-9")
-    check_pulled(d, "dec-9", p, 0, PROMPT)
-    got = d.received["dec-9"]
-    assert d.nonzero_outside(got.block_ids[:n_blocks(PROMPT, d_block)], got.caches) == 0
-    run_until([p, d], lambda: d.finished("dec-9"), what="decode to finish")
-    drain([p, d])
-
-
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_tensor_parallel_sizes_differ(p_tp: int, d_tp: int, daemons: Daemons,
-                                      engines: MakeEngine) -> None:
-    """TP1 -> TP2 (and back): every registered rank of the reading engine gets exactly its
-    own heads of every token (checked per rank)."""
-    p = engines("prefill", daemons.prefill, tp_size=p_tp)
-    d = engines("decode", daemons.decode, tp_size=d_tp)
-    assert len(p.workers) == p_tp and len(d.workers) == d_tp
-    with daemons.decode.client(ping_interval_s=0) as c:
-        ranks = [e for e in c.status().engines if e.engine_id == d.engine_id]
-    assert len(ranks) == d_tp, ranks
-    params = prefill(p, "req-10", PROMPT_TOKENS)
-    pull_to_decode(p, d, params, "dec-10")
-    check_pulled(d, "dec-10", p, 0, PROMPT)
-    run_until([p, d], lambda: d.finished("dec-10"), what="decode to finish")
-    drain([p, d])
-
-
-@pytest.mark.parametrize(("p_block", "d_block", "hit"), [(32, 64, 64), (64, 32, 64)])
-def test_block_size_ratio_with_prefix_hit(p_block: int, d_block: int, hit: int,
-                                          daemons: Daemons, engines: MakeEngine) -> None:
-    """Different block sizes and a local prefix hit on D: only the tail is read, into the
-    right slots, and D's cached prefix keeps its own bytes."""
-    p = engines("prefill", daemons.prefill, block_size=p_block)
-    d = engines("decode", daemons.decode, block_size=d_block)
-    d.add("warm", PROMPT_TOKENS[:hit + 1], max_tokens=1)  # caches tokens [0, hit)
-    run_until([d], lambda: d.finished("warm"), what="warm-up")
-    drain([d])
-    params = prefill(p, "req-11", PROMPT_TOKENS)
-    pull_to_decode(p, d, params, "dec-11")
-    got = d.received["dec-11"]
-    assert not got.failed
-    assert d.kv_mismatches(got.block_ids, 0, hit, d.tag, got.caches) == 0
-    check_pulled(d, "dec-11", p, hit, PROMPT)
-    assert d.stat("nbytes") == (n_blocks(PROMPT, d_block) - hit // d_block) * block_nbytes(d)
-    run_until([p, d], lambda: d.finished("dec-11"), what="decode to finish")
-    assert d.computed["dec-11"][0] == (PROMPT - 1, PROMPT)
-    drain([p, d])
-
-
-def test_prefix_hit_inside_a_larger_prefill_block_computes_the_tail(
-        daemons: Daemons, engines: MakeEngine) -> None:
-    """P blocks of 64, D blocks of 32, D caches 32 tokens: kvd cannot continue a hit
-    from the middle of a prefill block, so D computes the tail itself (no failed
-    request, whatever the failure policy) and a notify-only pull releases P at once."""
-    p = engines("prefill", daemons.prefill, block_size=64, lease_s=30.0)
-    d = engines("decode", daemons.decode, block_size=32)
-    d.add("warm", PROMPT_TOKENS[:33], max_tokens=1)  # caches tokens [0, 32)
-    run_until([d], lambda: d.finished("warm"), what="warm-up")
-    drain([d])
-    params = prefill(p, "req-12", PROMPT_TOKENS)
-    assert params["kvd_block_size"] == 64
-    d.add("dec-12", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
-    run_until([p, d], lambda: d.finished("dec-12") and not p.has_work(), timeout_s=10,
-              what="decode to finish and P to be released")
-    out = d.finished("dec-12")
-    assert out is not None and out.finish_reason is not None
-    assert out.finish_reason.name == "LENGTH", out
-    assert "dec-12" not in d.received and d.stat("nbytes") == 0
-    assert d.computed["dec-12"][0] == (32, PROMPT)
-    drain([p, d])
-    assert p.stat("sends_ok") == 1
-
-
-# ------------------------------------------------------------------ sleep mode
-
-
-def test_sleep_mode_refused(daemons: Daemons, engines: MakeEngine) -> None:
-    """kvd owns the KV pool, so vLLM's sleep mode is refused. With enable_sleep_mode the
-    connector refuses to start (and vLLM 0.33 refuses the config itself, having asked
-    ``supports_sleep_mode``). vLLM 0.33's sleep and KV discard call
-    ``unregister_kv_caches`` first, even without enable_sleep_mode: it raises before any
-    memory is touched, and the engine then still hands off as before."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvd.integrations.vllm import VLLM_VERSION, KvdConnector
-
-    p = engines("prefill", daemons.prefill)
-    d = engines("decode", daemons.decode)
-    assert KvdConnector.supports_sleep_mode(p.vllm_config.kv_transfer_config) is False
-
-    sleepy = copy.copy(p.vllm_config)
-    sleepy.model_config = copy.copy(p.vllm_config.model_config)
-    sleepy.model_config.enable_sleep_mode = True
-    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(ValueError, match="does not support vLLM sleep mode"):
-            KvdConnector(sleepy, role, p.kv_cache_config)
-    if not VLLM_VERSION.startswith("0.32."):
-        with pytest.raises(ValueError, match="KvdConnector does not support sleep mode"):
-            sleepy._verify_kv_transfer_compat()  # what VllmConfig runs when it is built
-
-    for w in p.workers + d.workers:
-        with pytest.raises(RuntimeError, match="does not support vLLM sleep mode"):
-            w.unregister_kv_caches()
-        w.restore_kv_caches()  # wake-up: nothing to redo
-    params = prefill(p, "req-13", PROMPT_TOKENS)
-    pull_to_decode(p, d, params, "dec-13")
-    check_pulled(d, "dec-13", p, 0, PROMPT)
-    run_until([p, d], lambda: d.finished("dec-13"), what="decode to finish")
-    drain([p, d])
