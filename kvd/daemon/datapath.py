@@ -83,6 +83,10 @@ class DataPath:
         self._gates: dict[str, asyncio.Event] = {}  # closed while a peer is reloaded
         self._inflight: dict[str, int] = {}  # peer agent -> transfer handles not released
         self._xfer_peer: dict[int, str] = {}
+        # Peers a READ has been posted to: only those get inline posts. A first READ may
+        # wait on the connection to the peer inside transfer(): on the NIXL thread that
+        # wait cannot freeze the event loop (polls, other pulls' Acquires, housekeeping).
+        self._posted_to: set[str] = set()
         # READs go through prepared lists per (peer, pools) when a post names its pools:
         # validated once, adjacent blocks merged by NIXL (issue 12.1).
         self._poster = PreppedPoster(transport)
@@ -143,6 +147,7 @@ class DataPath:
         if known is None:
             name = await self.call(self.transport.add_peer, metadata)
             self._metadata[name] = metadata
+            self._posted_to.discard(name)
             return name
         gate = self._gates.setdefault(agent_name, asyncio.Event())
         gate.clear()
@@ -155,6 +160,7 @@ class DataPath:
 
             name = await self.call(reload)
             self._metadata[name] = metadata
+            self._posted_to.discard(name)
             return name
         finally:
             gate.set()
@@ -168,6 +174,7 @@ class DataPath:
         gate.clear()
         try:
             await self._drained(agent_name)
+            self._posted_to.discard(agent_name)
             if self._metadata.pop(agent_name, None) is not None:
 
                 def forget() -> None:
@@ -189,7 +196,9 @@ class DataPath:
         Without a coroutine the caller needs no task to keep a post it must not lose
         (issue 12.4: a task and its shield cost two loop turns per small pull)."""
         if not self._small(posts) or any(
-                (g := self._gates.get(p.peer)) is not None and not g.is_set() for p in posts):
+                p.peer not in self._posted_to
+                or ((g := self._gates.get(p.peer)) is not None and not g.is_set())
+                for p in posts):
             return None
         if not self._nixl.acquire(blocking=False):
             return None
@@ -207,13 +216,15 @@ class DataPath:
             gate = self._gates.get(post.peer)
             if gate is not None:
                 await gate.wait()
-        call = self.call_short if self._small(posts) else self.call
-        results = await call(self._post_reads, posts)
+        inline = self._small(posts) and all(p.peer in self._posted_to for p in posts)
+        results = await (self.call_short if inline else self.call)(self._post_reads, posts)
         self._track(posts, results)
         return results
 
     def _track(self, posts: list[ReadPost], results: list[PostResult]) -> None:
         for post, res in zip(posts, results, strict=True):
+            if res.error is None:
+                self._posted_to.add(post.peer)
             if res.xfer_id is not None:
                 self._xfer_peer[res.xfer_id] = post.peer
                 self._inflight[post.peer] = self._inflight.get(post.peer, 0) + 1

@@ -111,6 +111,15 @@ class NixlTransport:
             name = self._agent.add_remote_agent(metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         self._peers.add(name)
+        # Connect now, at the handshake (on the NIXL thread), not inside the first READ:
+        # that one pays the connection set-up otherwise (10-15 ms, and it must not sit
+        # on a pull's path). Optional for NIXL: a backend that cannot still connects on
+        # first use.
+        try:
+            with _nixl_call(f"make_connection({name})"):
+                self._agent.make_connection(name)
+        except TransferError as exc:
+            log.debug("no early connection to %s: %s", name, exc)
         return name
 
     def remove_peer(self, agent_name: str) -> None:

@@ -43,3 +43,34 @@ def test_posts_through_prepared_lists_and_releases_done_reads() -> None:
         b.close()
 
     asyncio.run(run())
+
+
+def test_a_first_read_to_a_peer_is_posted_off_the_event_loop() -> None:
+    """A first READ may wait on the connection to its peer inside transfer(): it goes to
+    the NIXL thread (a hybrid whole-engine pull once froze a daemon's loop for 30 s);
+    later small READs to that peer run inline, and a reloaded peer starts over."""
+    async def run() -> None:
+        a, b = LoopbackTransport(), LoopbackTransport()
+        src = np.arange(16 * KiB, dtype=np.uint8)
+        dst = np.zeros(16 * KiB, dtype=np.uint8)
+        dp = DataPath(a)
+        await dp.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
+        b.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
+        peer = await dp.load_peer(b.metadata(), "b")
+        post = ReadPost(peer=peer, local_addrs=np.array([int(dst.ctypes.data)], np.int64),
+                        remote_addrs=np.array([int(src.ctypes.data)], np.int64),
+                        nbytes=np.array([4 * KiB], np.int64), mem_type="DRAM", notif=b"")
+        assert dp.post_reads_now([post]) is None, "a first READ must not run on the loop"
+        threads = dp.thread_calls
+        [first] = await dp.post_reads([post])
+        assert first.done and dp.thread_calls == threads + 1
+        [again] = dp.post_reads_now([post]) or [None]
+        assert again is not None and again.done, "later small READs run inline"
+        assert (dst[:4 * KiB] == src[:4 * KiB]).all()
+        await dp.forget_peer(peer)
+        peer = await dp.load_peer(b.metadata(), "b")
+        assert dp.post_reads_now([post]) is None, "a reloaded peer connects anew"
+        await dp.close()
+        b.close()
+
+    asyncio.run(run())
