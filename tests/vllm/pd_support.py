@@ -69,14 +69,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 MakeEngine = Callable[..., SimEngine]
 
 
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[MakeEngine]:
-    """``engines(name, daemon, **make_engine kwargs)``; all closed at the end, and every
-    live daemon must then drop their ranks and free their pools (workers deregistered)."""
-    made: list[tuple[SimEngine, DaemonProcess]] = []
+def closing_engines(build: Callable[..., Any], model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """The body of an ``engines`` fixture: ``make(name, daemon, **kwargs)`` builds with
+    ``build(name, model_dir, engine_address, **kwargs)``; at the end every engine is
+    closed and every live daemon must drop its ranks and free its pools."""
+    made: list[tuple[Any, DaemonProcess]] = []
 
-    def make(name: str, daemon: DaemonProcess, **kwargs: Any) -> SimEngine:
-        engine = make_engine(name, model_dir, daemon.engine_address, **kwargs)
+    def make(name: str, daemon: DaemonProcess, **kwargs: Any) -> Any:
+        engine = build(name, model_dir, daemon.engine_address, **kwargs)
         made.append((engine, daemon))
         return engine
 
@@ -92,6 +92,12 @@ def engines(model_dir: Path) -> Iterator[MakeEngine]:
                     assert time.monotonic() < deadline, \
                         f"{engine.engine_id}'s ranks and pools not freed after close: {left}"
                     time.sleep(0.05)
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[MakeEngine]:
+    """``engines(name, daemon, **make_engine kwargs)`` (see closing_engines)."""
+    yield from closing_engines(make_engine, model_dir)
 
 
 def block_nbytes(e: SimEngine) -> int:

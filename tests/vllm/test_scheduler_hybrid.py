@@ -17,10 +17,8 @@ Mamba slots) against kvd's hybrid layout at startup, unrelaxed.
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -34,6 +32,7 @@ from hybrid_support import (  # noqa: E402
     make_hybrid_engine,
     write_model_dir,
 )
+from pd_support import closing_engines  # noqa: E402
 from scheduler_support import (  # noqa: E402
     drain,
     kill_daemon,
@@ -78,22 +77,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
-    made: list[tuple[HybridEngine, DaemonProcess]] = []
-
-    def make(name: str, daemon: DaemonProcess, **kw: Any) -> HybridEngine:
-        e = make_hybrid_engine(name, model_dir, daemon.engine_address, **kw)
-        made.append((e, daemon))
-        return e
-
-    yield make
-    for e, _ in made:
-        e.close()
-    for e, daemon in made:
-        with daemon.client(ping_interval_s=0) as c:
-            deadline = time.monotonic() + 10
-            while [x for x in c.status().engines if x.engine_id == e.engine_id]:
-                assert time.monotonic() < deadline, f"{e.engine_id} not freed after close"
-                time.sleep(0.05)
+    yield from closing_engines(make_hybrid_engine, model_dir)
 
 
 def test_connector_supports_hma() -> None:
