@@ -27,6 +27,7 @@ from kvd.errors import KvdTimeoutError, PeerLostError, ProtocolError, error_from
 log = logging.getLogger("kvd.peers")
 
 RECONNECT_INTERVAL_MS = 100
+MAX_TAKE_READY = 64  # replies `take_ready` handles in one call: the loop gets the rest
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class PeerConnection:
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED
                                                      | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
+        # The same socket without the asyncio wrapper, for `take_ready` (never waits).
+        self._now = zmq.Socket.shadow(self.sock.underlying)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Reply]] = {}
         loop = asyncio.get_running_loop()
@@ -66,20 +69,39 @@ class PeerConnection:
                 frames = await self.sock.recv_multipart()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self._on_reply(frames)
+
+    def take_ready(self) -> int:
+        """Take the replies already queued on the socket now, without a loop turn.
+
+        A caller that kept the event loop busy (an inline READ) finds its Acquire's reply
+        here at once, instead of one to two loop turns later through the reader task
+        (~50-100 us of a sub-millisecond pull, issue 12.4). Safe beside the reader: pyzmq
+        checks the socket's events before it receives, and both run on the loop thread."""
+        taken = 0
+        while taken < MAX_TAKE_READY:
             try:
-                header, body = P.decode(frames, P.REPLIES)
-            except ProtocolError as exc:
-                log.warning("undecodable reply from %s: %s", self.address, exc)
-                continue
-            self._saw_instance(header.instance)
-            fut = self._waiting.pop(header.id, None)
-            if fut is None or fut.done():
-                continue
-            if isinstance(body, P.Error):
-                fut.set_exception(error_from_code(body.code,
-                                                  f"peer {self.address}: {body.message}"))
-            else:
-                fut.set_result(Reply(body, header.instance, self.clock.now()))
+                frames = self._now.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # nothing queued (EAGAIN), or the socket is closed
+                return taken
+            self._on_reply(frames)
+            taken += 1
+        return taken
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        try:
+            header, body = P.decode(frames, P.REPLIES)
+        except ProtocolError as exc:
+            log.warning("undecodable reply from %s: %s", self.address, exc)
+            return
+        self._saw_instance(header.instance)
+        fut = self._waiting.pop(header.id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(body, P.Error):
+            fut.set_exception(error_from_code(body.code, f"peer {self.address}: {body.message}"))
+        else:
+            fut.set_result(Reply(body, header.instance, self.clock.now()))
 
     def _saw_instance(self, instance: str) -> None:
         if not instance or instance == self.remote_instance:

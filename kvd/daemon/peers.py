@@ -23,6 +23,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,13 @@ class PeerTable:
 
         fut.add_done_callback(answered)
         return fut
+
+    def take_ready(self, addresses: Iterable[str]) -> None:
+        """Handle the replies queued on these daemons' connections (`PeerConnection.take_ready`)."""
+        for address in addresses:
+            conn = self.conns.get(address)
+            if conn is not None:
+                conn.take_ready()
 
     def drop_address(self, address: str, why: str) -> None:
         """Forget every cached handshake involving that daemon, and its NIXL metadata."""

@@ -17,7 +17,7 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvd import protocol as P
@@ -97,10 +97,12 @@ class Acquiring:
     """
 
     def __init__(self, job: PullJob, remote: RemoteEngine,
-                 replies: dict[str, asyncio.Future[Reply]]) -> None:
+                 replies: dict[str, asyncio.Future[Reply]],
+                 take_ready: Callable[[Iterable[str]], None] = lambda _: None) -> None:
         self.job = job
         self.remote = remote
         self._futures = replies  # by producer daemon address
+        self._take_ready = take_ready  # handles replies already queued, without a loop turn
         self._replies: dict[str, Reply] | None = None
         self._error: BaseException | None = None
 
@@ -116,7 +118,8 @@ class Acquiring:
                             consumer_pp_size=engine.par.pp_size,
                             consumer_layer_partition=(list(engine.par.layer_partition)
                                                       if engine.par.layer_partition else None))
-        return cls(job, remote, {a: svc.peers.send(a, acquire) for a in remote.daemons})
+        return cls(job, remote, {a: svc.peers.send(a, acquire) for a in remote.daemons},
+                   svc.peers.take_ready)
 
     async def forget(self) -> None:
         """An Acquire superseded by another one of the same pull: only its replies are
@@ -139,6 +142,8 @@ class Acquiring:
             raise self._error
         if self._replies is None:
             addrs = list(self._futures)
+            if not all(f.done() for f in self._futures.values()):
+                self._take_ready(addrs)  # a reply that came while we posted: no loop turn
             got: list[Reply | BaseException] = []
             for fut in self._futures.values():  # no gather: no extra loop turn
                 try:
