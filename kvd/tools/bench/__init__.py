@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvd.tools.bench.e2e import bench_kvd
+from kvd.tools.bench.floor import bench_floor
 from kvd.tools.bench.geometry import (
     DEFAULT_KV_LAYOUT,
     DEFAULT_SHM_DIR,
@@ -124,6 +125,9 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
     logs = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     kvd = bench_kvd(geom, scenarios, blocks, pool_blocks, p_ids, d_ids, repeats, latency_pulls,
                     logs, shm_dir=shm_dir)
+    if latency_pulls > 0 and "latency" in kvd:
+        # the same pulls' messages and READ without kvd's work: what the machine gives
+        kvd["latency"].update(bench_floor(geom.block_nbytes, latency_pulls, shm_dir))
     return build_result(geom, scenarios, nbytes, repeats, memcpy, nixl, kvd, ndesc,
                         desc_nbytes, machine, logs, started)
 

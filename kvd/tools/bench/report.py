@@ -149,6 +149,15 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
         "pull_1block_daemon_p99_ms": lat.get("pull_1block_daemon_p99_ms"),
         "pull_1block_nbytes": lat.get("pull_1block_nbytes"),
         "pull_1block_samples": lat.get("pull_1block_samples"),
+        # kvd.tools.bench.floor: the same messages and READ without kvd's work. The
+        # ratio is what kvd's control path costs; a target below the floor is out of
+        # reach on this machine for any design with those two round trips.
+        "floor_1block_p50_ms": lat.get("floor_1block_p50_ms"),
+        "floor_1block_p99_ms": lat.get("floor_1block_p99_ms"),
+        "floor_verified": lat.get("floor_verified"),
+        "ratio_pull_1block_floor": (
+            round(lat["pull_1block_p50_ms"] / lat["floor_1block_p50_ms"], 2)
+            if lat.get("floor_1block_p50_ms") else None),
         "geometry": geom.to_json(),
         "repeats": repeats,
         "targets": {"ratio_kvd_memcpy_min": TARGET_RATIO_KVD_MEMCPY,
@@ -209,7 +218,10 @@ def render(result: dict[str, Any]) -> str:
         "(consec.: consecutive ids, kvd's best case)",
         f"1-block pull ({(result['pull_1block_nbytes'] or 0) / MiB:.1f} MiB): "
         f"p50 {result['pull_1block_p50_ms']} ms, p99 {result['pull_1block_p99_ms']} ms "
-        f"over {result['pull_1block_samples']} pulls",
+        f"over {result['pull_1block_samples']} pulls; the floor (the same messages and "
+        f"READ, no kvd: benchmarks/README.md) p50 {result.get('floor_1block_p50_ms')} ms, "
+        f"p99 {result.get('floor_1block_p99_ms')} ms; kvd/floor "
+        f"{result.get('ratio_pull_1block_floor')}",
         f"geometry: {g['layers']} layers, {g['kv_heads']} KV heads, head_dim {g['head_dim']}, "
         f"{g['dtype']}, {g['block_size_tokens']}-token blocks ({g['token_nbytes'] // 1024} "
         f"KiB/token), kv_layout {g['kv_layout']} {g['head_layout']}",

@@ -1,0 +1,190 @@
+"""The floor of a 1-block pull on this machine: kvd's messages and READ, none of its work.
+
+Three processes, as in a kvd pull: this one (the engine), "decode" (uvloop and
+zmq.asyncio, like ``kvd serve``) and "prefill" (the same, owning the block's memory).
+Per pull the engine sends one request to decode, which sends one request to prefill
+(the Acquire), posts a raw NIXL READ of one block meanwhile, waits for the READ and
+the reply, and answers. The engine's publish before and its done_sending wait after
+are one request to prefill each, paced as in kvd's own latency loop. Nothing else:
+no decoding, validation, planning, bookkeeping or metrics.
+
+So ``kvd p50 / floor p50`` is what kvd's own control path costs, in one run, and a
+target below the floor is out of reach of any design that keeps a round trip to the
+engine and one to the producer on the pull's path (issue 12.4).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kvd.tools.bench.geometry import DEFAULT_SHM_DIR, fmt_ms, fmt_pct
+from kvd.tools.bench.raw import (
+    _alloc,
+    _new_agent,
+    check_test_pattern,
+    end_children,
+    fill_test_pattern,
+)
+
+POOL_BLOCKS = 64  # read in turn, so that every READ comes from memory, not a cache
+START_TIMEOUT_S = 60.0
+PROGRESS_POLL_MS = 1  # kvd's producer polls NIXL every 1 ms while pulls come in
+
+
+def _serve_prefill(conn: Any, stop: Any, nbytes: int, shm_dir: str, address: str) -> None:
+    """Spawned: owns the blocks (a pool like kvd's), answers every request at once."""
+    import asyncio
+
+    import uvloop
+    import zmq
+    import zmq.asyncio
+
+    agent = _new_agent(f"floor-prefill-{os.getpid()}")
+    buf, owner = _alloc("shm", nbytes, shm_dir)
+    fill_test_pattern(buf)
+    agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+    conn.send((bytes(agent.get_agent_metadata()), int(buf.ctypes.data)))
+
+    async def serve() -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        while not stop.is_set():
+            # UCX progress, as kvd's producer makes it (its notification polls): peers
+            # connect through it
+            agent.get_new_notifs()
+            if not await sock.poll(PROGRESS_POLL_MS):
+                continue
+            frames = await sock.recv_multipart(copy=False)
+            sock.send_multipart([frames[0].bytes, b"answer" * 8], flags=zmq.NOBLOCK)
+        sock.close(0)
+        ctx.term()
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve())
+    del owner
+
+
+def _serve_decode(conn: Any, stop: Any, meta: bytes, remote_base: int, nbytes: int,
+                  block_nbytes: int, shm_dir: str, address: str, prefill_address: str) -> None:
+    """Spawned: per request, the Acquire stand-in to prefill and a raw NIXL READ of one
+    block (built and posted inline, as kvd posts a small READ), then the answer."""
+    import asyncio
+
+    import uvloop
+    import zmq
+    import zmq.asyncio
+
+    agent = _new_agent(f"floor-decode-{os.getpid()}")
+    buf, owner = _alloc("shm", nbytes, shm_dir)
+    buf.fill(0xFF)  # pre-fault
+    base = int(buf.ctypes.data)
+    agent.register_memory([(base, nbytes, 0, "")], "DRAM")
+    peer = agent.add_remote_agent(meta)
+    agent.make_connection(peer.decode() if isinstance(peer, bytes) else peer)
+    blocks = nbytes // block_nbytes
+
+    def read(block: int) -> None:
+        local = np.array([[base + block * block_nbytes, block_nbytes, 0]], dtype=np.uint64)
+        remote = np.array([[remote_base + block * block_nbytes, block_nbytes, 0]],
+                          dtype=np.uint64)
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote, "DRAM"), peer, b"")
+        state = agent.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("floor: NIXL READ failed")
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+
+    async def serve() -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        prefill = ctx.socket(zmq.DEALER)
+        prefill.setsockopt(zmq.LINGER, 0)
+        prefill.connect(prefill_address)
+        pulls = 0
+        conn.send("ready")
+        while not stop.is_set():
+            if not await sock.poll(100):
+                continue
+            frames = await sock.recv_multipart(copy=False)
+            prefill.send_multipart([b"acquire" * 8])
+            read(pulls % blocks)
+            pulls += 1
+            await prefill.recv_multipart()
+            sock.send_multipart([frames[0].bytes, b"event" * 32], flags=zmq.NOBLOCK)
+        conn.send(check_test_pattern(buf) if pulls >= blocks else None)
+        sock.close(0)
+        prefill.close(0)
+        ctx.term()
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve())
+    del owner
+
+
+def bench_floor(block_nbytes: int, pulls: int, shm_dir: str = DEFAULT_SHM_DIR,
+                warmup: int = 50) -> dict[str, Any]:
+    """p50/p99 of the floor pipeline's pulls (engine side, like kvd's latency figures),
+    and whether the blocks read arrived intact."""
+    import zmq
+
+    from kvd.tools.localcluster import free_port
+
+    nbytes = block_nbytes * POOL_BLOCKS
+    ctx = mp.get_context("spawn")
+    p_parent, p_child = ctx.Pipe()
+    d_parent, d_child = ctx.Pipe()
+    stop = ctx.Event()
+    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    prefill = ctx.Process(target=_serve_prefill, daemon=True,
+                          args=(p_child, stop, nbytes, shm_dir, p_addr))
+    prefill.start()
+    decode = None
+    zctx = zmq.Context()
+    try:
+        if not p_parent.poll(START_TIMEOUT_S):
+            raise RuntimeError("floor: the prefill process did not start")
+        meta, remote_base = p_parent.recv()
+        decode = ctx.Process(target=_serve_decode, daemon=True,
+                             args=(d_child, stop, meta, remote_base, nbytes, block_nbytes,
+                                   shm_dir, d_addr, p_addr))
+        decode.start()
+        if not d_parent.poll(START_TIMEOUT_S):
+            raise RuntimeError("floor: the decode process did not start")
+        d_parent.recv()
+        to_decode, to_prefill = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+        for sock, addr in ((to_decode, d_addr), (to_prefill, p_addr)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, int(START_TIMEOUT_S * 1000))
+            sock.connect(addr)
+        times = []
+        for i in range(warmup + max(pulls, POOL_BLOCKS)):
+            to_prefill.send(b"publish" * 16)
+            to_prefill.recv()
+            t0 = time.perf_counter()
+            to_decode.send(b"pull" * 64)
+            to_decode.recv()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            to_prefill.send(b"wait" * 8)
+            to_prefill.recv()
+        to_decode.close(0)
+        to_prefill.close(0)
+        stop.set()
+        verified = d_parent.recv() if d_parent.poll(START_TIMEOUT_S) else None
+    finally:
+        end_children(stop, decode, prefill)
+        zctx.term()
+    return {"floor_1block_p50_ms": fmt_ms(fmt_pct(times, 50)),
+            "floor_1block_p99_ms": fmt_ms(fmt_pct(times, 99)),
+            "floor_1block_samples": len(times), "floor_verified": bool(verified)}
