@@ -29,6 +29,8 @@ from kvd.tools.bench.raw import (
     check_test_pattern,
     end_children,
     fill_test_pattern,
+    hear,
+    spawn,
 )
 
 POOL_BLOCKS = 64  # read in turn, so that every READ comes from memory, not a cache
@@ -146,22 +148,14 @@ def bench_floor(block_nbytes: int, pulls: int, shm_dir: str = DEFAULT_SHM_DIR,
     d_parent, d_child = ctx.Pipe()
     stop = ctx.Event()
     p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    prefill = ctx.Process(target=_serve_prefill, daemon=True,
-                          args=(p_child, stop, nbytes, shm_dir, p_addr))
-    prefill.start()
+    prefill = spawn(ctx, _serve_prefill, p_child, stop, nbytes, shm_dir, p_addr)
     decode = None
     zctx = zmq.Context()
     try:
-        if not p_parent.poll(START_TIMEOUT_S):
-            raise RuntimeError("floor: the prefill process did not start")
-        meta, remote_base = p_parent.recv()
-        decode = ctx.Process(target=_serve_decode, daemon=True,
-                             args=(d_child, stop, meta, remote_base, nbytes, block_nbytes,
-                                   shm_dir, d_addr, p_addr))
-        decode.start()
-        if not d_parent.poll(START_TIMEOUT_S):
-            raise RuntimeError("floor: the decode process did not start")
-        d_parent.recv()
+        meta, remote_base = hear(p_parent, START_TIMEOUT_S, "floor: the prefill process")
+        decode = spawn(ctx, _serve_decode, d_child, stop, meta, remote_base, nbytes,
+                       block_nbytes, shm_dir, d_addr, p_addr)
+        hear(d_parent, START_TIMEOUT_S, "floor: the decode process")
         to_decode, to_prefill = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
         for sock, addr in ((to_decode, d_addr), (to_prefill, p_addr)):
             sock.setsockopt(zmq.LINGER, 0)

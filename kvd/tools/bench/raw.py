@@ -184,26 +184,32 @@ def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repea
     t_parent, t_child = ctx.Pipe()
     i_parent, i_child = ctx.Pipe()
     stop = ctx.Event()
-    target = ctx.Process(target=_nixl_target,
-                         args=(t_child, stop, remote_nbytes, shm_dir, kinds), daemon=True)
-    target.start()
+    target = spawn(ctx, _nixl_target, t_child, stop, remote_nbytes, shm_dir, kinds)
     initiator = None
     try:
-        if not t_parent.poll(timeout_s):
-            raise RuntimeError("NIXL target process did not start")
-        meta, remote_bases = t_parent.recv()
-        initiator = ctx.Process(target=_nixl_initiator, daemon=True,
-                                args=(i_child, meta, remote_bases, local_nbytes, sets, repeats,
-                                      check_set, shm_dir, kinds))
-        initiator.start()
-        if not i_parent.poll(timeout_s):
-            raise RuntimeError("NIXL initiator did not report")
-        res = i_parent.recv()
+        meta, remote_bases = hear(t_parent, timeout_s, "NIXL target process")
+        initiator = spawn(ctx, _nixl_initiator, i_child, meta, remote_bases, local_nbytes,
+                          sets, repeats, check_set, shm_dir, kinds)
+        res = hear(i_parent, timeout_s, "NIXL initiator")
         stop.set()
         res["target_notifs"] = t_parent.recv() if t_parent.poll(10) else None
         return res
     finally:
         end_children(stop, initiator, target)
+
+
+def spawn(ctx: Any, target: Any, *args: Any) -> Any:
+    """A benchmark's child process, started (always reaped by `end_children`)."""
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def hear(conn: Any, timeout_s: float, who: str) -> Any:
+    """A child's next message, or an error naming the child that did not report."""
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"{who} did not report within {timeout_s} s")
+    return conn.recv()
 
 
 def end_children(stop: Any, *procs: Any) -> None:
