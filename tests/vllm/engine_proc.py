@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,33 @@ BASE_ENV = {
     # closed queues and SIGTERM and is SIGKILLed after a 4 s grace), so vLLM's
     # default 5 s wait for it is pure delay.
     "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+    # vLLM's CPU backend pins each engine's worker to the cores it picks for local
+    # rank 0 ("auto"): the same cores for every engine of a host, core 0 for the
+    # worker's main thread and every thread it starts (kvd's event poller, ZMQ I/O).
+    # Several engines then share one pinned core: while the prefill engine steps
+    # continuously (it waits for kvd's done_sending), the decode engine's worker got
+    # no turn for ~30 s, its engine core waited on it, and the prefill leases of its
+    # other requests ran out (whole-engine P/D tests failed 1 run in 2). Unpinned,
+    # the kernel moves threads to whichever core is free.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
 }
 
 PROBE_SCHEDULER = "vllm_sched_probe.RecordingScheduler"
+
+
+def engine_environment(parent: Mapping[str, str], env: Mapping[str, str] | None = None,
+                       sched_log: Path | None = None) -> dict[str, str]:
+    """The environment of an engine child: ``parent``'s, then BASE_ENV, this directory
+    first on PYTHONPATH, the scheduler record's path, and ``env`` last (it wins)."""
+    child_env = dict(parent)
+    child_env.update(BASE_ENV)
+    pythonpath = [str(HERE)] + [p for p in child_env.get("PYTHONPATH", "").split(":") if p]
+    child_env["PYTHONPATH"] = ":".join(pythonpath)
+    if sched_log is not None:
+        child_env["KVD_TEST_SCHED_LOG"] = str(sched_log)
+    child_env.update(env or {})
+    return child_env
 
 
 class EngineProcError(RuntimeError):
@@ -149,13 +174,7 @@ class EngineProc:
         if sched_log is not None:
             sched_log.write_text("")
 
-        child_env = dict(os.environ)
-        child_env.update(BASE_ENV)
-        pythonpath = [str(HERE)] + [p for p in child_env.get("PYTHONPATH", "").split(":") if p]
-        child_env["PYTHONPATH"] = ":".join(pythonpath)
-        if sched_log is not None:
-            child_env["KVD_TEST_SCHED_LOG"] = str(sched_log)
-        child_env.update(env or {})
+        child_env = engine_environment(os.environ, env, sched_log)
 
         kwargs: dict[str, Any] = {
             "model": str(model_dir),
@@ -302,6 +321,30 @@ class EngineProc:
         self.close()
 
     # --------------------------------------------------------------- plumbing
+
+    def worker_pids(self) -> list[int]:
+        """The engine's vLLM worker processes (``VLLM::Worker``), found under the child."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            for pid in children.get(todo.pop(), []):
+                todo.append(pid)
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        if f.read().startswith("VLLM::Worker"):
+                            found.append(pid)
+                except OSError:
+                    continue
+        return found
 
     def log_tail(self, lines: int = 60) -> str:
         """Last lines of the engine log (child, EngineCore and worker output)."""

@@ -10,6 +10,7 @@ decode engine attended over the pulled KV, not over zeros or stale blocks.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import uuid
@@ -74,6 +75,25 @@ def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
     finally:
         decode.close()
         prefill.close()
+
+
+def test_engine_workers_are_not_pinned_to_one_core(engines: tuple[EngineProc, ...]) -> None:
+    """vLLM's CPU backend pins every engine's worker (and each thread it starts) to the
+    cores of local rank 0, the same for every engine of a host. Pinned together, a
+    prefill worker stepping without a pause starved the decode worker for ~30 s, past
+    the prefill leases (engine_proc.BASE_ENV). Every thread may use every core here."""
+    cpus = os.sched_getaffinity(0)
+    for engine in engines:
+        workers = engine.worker_pids()
+        assert workers, f"{engine.name}: no VLLM::Worker process found"
+        for pid in workers:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    allowed = os.sched_getaffinity(int(tid))
+                except OSError:  # the thread ended meanwhile
+                    continue
+                assert allowed == cpus, (f"{engine.name}: worker {pid} thread {tid} is pinned "
+                                         f"to CPUs {sorted(allowed)} of {sorted(cpus)}")
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
