@@ -100,11 +100,16 @@ class KvdClient(_ClientSettings):
 
     def _poll(self, deadline: float) -> bool:
         """Wait for a reply until ``deadline``, in slices, so close() never waits for a call
-        to a dead daemon (the pinger's) to time out: closing aborts it."""
+        to a dead daemon (the pinger's) to time out: closing aborts it.
+
+        Past the deadline the socket is still looked at once: this thread may not have
+        run for a while (a starved engine worker: 30 s seen), and a reply that came
+        meanwhile must be taken, not thrown away with the socket (a Poll's reply carries
+        events the daemon will not send again)."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
+                return bool(self._sock.poll(0))
             if self._sock.poll(max(1, int(min(left, 0.1) * 1000))):
                 return True
             if self._stop.is_set():
