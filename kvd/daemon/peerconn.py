@@ -27,7 +27,6 @@ from kvd.errors import KvdTimeoutError, PeerLostError, ProtocolError, error_from
 log = logging.getLogger("kvd.peers")
 
 RECONNECT_INTERVAL_MS = 100
-MAX_TAKE_READY = 64  # replies `take_ready` handles in one call: the loop gets the rest
 
 
 @dataclass(frozen=True)
@@ -77,16 +76,18 @@ class PeerConnection:
         A caller that kept the event loop busy (an inline READ) finds its Acquire's reply
         here at once, instead of one to two loop turns later through the reader task
         (~50-100 us of a sub-millisecond pull, issue 12.4). Safe beside the reader: pyzmq
-        checks the socket's events before it receives, and both run on the loop thread."""
+        checks the socket's events before it receives, and both run on the loop thread.
+        It takes everything queued, never stopping early: ZMQ's descriptor is
+        edge-triggered, and a reply left behind here might not wake the reader. (Bounded:
+        replies answer our own requests in flight, within the socket's receive HWM.)"""
         taken = 0
-        while taken < MAX_TAKE_READY:
+        while True:
             try:
                 frames = self._now.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # nothing queued (EAGAIN), or the socket is closed
                 return taken
             self._on_reply(frames)
             taken += 1
-        return taken
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:

@@ -89,6 +89,16 @@ def test_a_reply_queued_while_the_loop_was_busy_is_taken_at_once() -> None:
                     # descriptor: the receive outside pyzmq must not hide it)
                     reply = await asyncio.wait_for(conn.request(BEAT, timeout_s=5.0), 5.0)
                     assert isinstance(reply.body, P.HeartbeatAck)
+                # several replies queued at once are all taken, still without a loop turn
+                futs = [conn.send(BEAT, timeout_s=5.0) for _ in range(3)]
+                deadline = time.monotonic() + 5.0
+                taken = 0
+                while taken < 3 and time.monotonic() < deadline:
+                    queued(conn)
+                    taken += conn.take_ready()
+                assert taken == 3 and all(f.done() for f in futs)
+                reply = await asyncio.wait_for(conn.request(BEAT, timeout_s=5.0), 5.0)
+                assert isinstance(reply.body, P.HeartbeatAck)
             finally:
                 conn.close()
         ctx.term()
