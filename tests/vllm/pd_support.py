@@ -20,11 +20,9 @@ from scheduler_support import (
     NUM_KV_HEADS,
     NUM_LAYERS,
     SimEngine,
-    kill_daemon,
+    daemon_pair,
     prompt_tokens,
     run_until,
-    start_daemon,
-    stop_daemon,
     write_model_dir,
 )
 
@@ -46,19 +44,8 @@ class Daemons:
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
     """One prefill and one decode daemon for the module (each start costs ~1 s)."""
     logs = tmp_path_factory.mktemp("kvd-logs")
-    p = start_daemon(logs, "p", DAEMON_ARGS)
-    try:
-        d = start_daemon(logs, "d", DAEMON_ARGS)
-    except BaseException:
-        kill_daemon(p)
-        raise
-    try:
+    with daemon_pair(logs, ("p", "d"), DAEMON_ARGS) as (p, d):
         yield Daemons(p, d)
-    finally:
-        try:
-            stop_daemon(p)
-        finally:
-            stop_daemon(d)
 
 
 @pytest.fixture(scope="module")

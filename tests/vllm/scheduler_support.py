@@ -26,7 +26,8 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,26 @@ def stop_daemon(d: DaemonProcess) -> None:
     leftovers = _unlink_segments(d)
     assert rc == 0, f"{d.name} exited with {rc}:\n{d.log_path.read_text()[-3000:]}"
     assert not leftovers, f"{d.name} left shm segments {leftovers}"
+
+
+@contextmanager
+def daemon_pair(log_dir: Path, roles: tuple[str, str], extra_args: list[str] | None = None
+                ) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """A prefill and a decode daemon: the first killed if the second cannot start, both
+    stopped (and checked clean) at the end, the second even when the first fails."""
+    p = start_daemon(log_dir, roles[0], extra_args)
+    try:
+        d = start_daemon(log_dir, roles[1], extra_args)
+    except BaseException:
+        kill_daemon(p)
+        raise
+    try:
+        yield p, d
+    finally:
+        try:
+            stop_daemon(p)
+        finally:
+            stop_daemon(d)
 
 
 def kill_daemon(d: DaemonProcess) -> None:

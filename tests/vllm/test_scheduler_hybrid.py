@@ -34,13 +34,11 @@ from hybrid_support import (  # noqa: E402
 )
 from pd_support import closing_engines  # noqa: E402
 from scheduler_support import (  # noqa: E402
+    daemon_pair,
     drain,
-    kill_daemon,
     prefill,
     prompt_tokens,
     run_until,
-    start_daemon,
-    stop_daemon,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: E402
 
@@ -55,19 +53,8 @@ PROMPT = 100  # tokens: 3 full attention blocks of 32 and a partial one
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
     logs = tmp_path_factory.mktemp("kvd-logs")
-    p = start_daemon(logs, "hp")
-    try:
-        d = start_daemon(logs, "hd")
-    except BaseException:
-        kill_daemon(p)
-        raise
-    try:
-        yield p, d
-    finally:
-        try:
-            stop_daemon(p)
-        finally:
-            stop_daemon(d)
+    with daemon_pair(logs, ("hp", "hd")) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

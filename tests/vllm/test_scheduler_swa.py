@@ -111,19 +111,8 @@ def make_swa_engine(name: str, model_dir: Path, kvd_address: str, *, tp_size: in
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
     logs = tmp_path_factory.mktemp("swa-logs")
-    p = ss.start_daemon(logs, "sp")
-    try:
-        d = ss.start_daemon(logs, "sd")
-    except BaseException:
-        ss.kill_daemon(p)
-        raise
-    try:
-        yield p, d
-    finally:
-        try:
-            ss.stop_daemon(p)
-        finally:
-            ss.stop_daemon(d)
+    with ss.daemon_pair(logs, ("sp", "sd")) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1)])
