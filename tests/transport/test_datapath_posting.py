@@ -14,15 +14,22 @@ from kvd.transport.loopback import LoopbackTransport
 KiB = 1024
 
 
+async def loopback_peer(nbytes: int) -> tuple[DataPath, LoopbackTransport, np.ndarray,
+                                              np.ndarray, str]:
+    """A DataPath over loopback with a registered destination, and a peer's source
+    buffer loaded: (data path, peer transport, source, destination, peer name)."""
+    a, b = LoopbackTransport(), LoopbackTransport()
+    src = np.arange(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    dp = DataPath(a)
+    await dp.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
+    b.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
+    return dp, b, src, dst, await dp.load_peer(b.metadata(), "b")
+
+
 def test_posts_through_prepared_lists_and_releases_done_reads() -> None:
     async def run() -> None:
-        a, b = LoopbackTransport(), LoopbackTransport()
-        src = np.arange(64 * KiB, dtype=np.uint8)
-        dst = np.zeros(64 * KiB, dtype=np.uint8)
-        dp = DataPath(a)
-        await dp.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
-        b.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
-        peer = await dp.load_peer(b.metadata(), "b")
+        dp, b, src, dst, peer = await loopback_peer(64 * KiB)
         offs = np.array([0, 8 * KiB, 16 * KiB], dtype=np.int64)  # adjacent: they merge
         post = ReadPost(peer=peer, local_addrs=int(dst.ctypes.data) + offs,
                         remote_addrs=int(src.ctypes.data) + offs,
@@ -39,7 +46,7 @@ def test_posts_through_prepared_lists_and_releases_done_reads() -> None:
         [again] = await dp.post_reads([post])  # the same lists, no new preparation
         assert again.done and (await dp.counts()).prepared_lists == 2
         await dp.close()
-        assert a.counts().prepared_lists == 0
+        assert dp.transport.counts().prepared_lists == 0
         b.close()
 
     asyncio.run(run())
@@ -50,13 +57,7 @@ def test_a_first_read_to_a_peer_is_posted_off_the_event_loop() -> None:
     the NIXL thread (a hybrid whole-engine pull once froze a daemon's loop for 30 s);
     later small READs to that peer run inline, and a reloaded peer starts over."""
     async def run() -> None:
-        a, b = LoopbackTransport(), LoopbackTransport()
-        src = np.arange(16 * KiB, dtype=np.uint8)
-        dst = np.zeros(16 * KiB, dtype=np.uint8)
-        dp = DataPath(a)
-        await dp.register(int(dst.ctypes.data), dst.nbytes, "DRAM", 0)
-        b.register(int(src.ctypes.data), src.nbytes, "DRAM", 0)
-        peer = await dp.load_peer(b.metadata(), "b")
+        dp, b, src, dst, peer = await loopback_peer(16 * KiB)
         post = ReadPost(peer=peer, local_addrs=np.array([int(dst.ctypes.data)], np.int64),
                         remote_addrs=np.array([int(src.ctypes.data)], np.int64),
                         nbytes=np.array([4 * KiB], np.int64), mem_type="DRAM", notif=b"")
