@@ -9,7 +9,7 @@ computes ratios from its own clocks. This script shares none of that code path:
 - kvd's throughput is also read from the **decode daemon's Prometheus counters**
   (``kvd_transferred_bytes_total`` over ``kvd_transfer_duration_seconds_sum``), i.e. the
   daemon's own accounting, not a client clock;
-- memcpy is timed here with ``ctypes.memmove`` on pools allocated by ``kvd.pool``
+- memcpy is timed here with ``ctypes.memmove`` on pools allocated by ``kvd.pool.shm``
   (``pool_backing`` auto, the same memory kind kvd uses), and raw NIXL with the bench's
   one-descriptor READ (the ceiling it compares against);
 - the pulled bytes are checked against an independent pattern (a seeded hash per
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvd.client import AsyncKvdClient
-from kvd.pool import PoolBacking, ShmPool
+from kvd.pool.shm import PoolBacking, ShmPool
 from kvd.tools.bench.geometry import Geometry
 from kvd.tools.bench.raw import bench_nixl
 from kvd.tools.localcluster import DaemonProcess

@@ -145,7 +145,7 @@ def serve(**options: object) -> None:
     try:
         cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
         from kvd.daemon.run import load_token
-        from kvd.logsetup import configure_logging
+        from kvd.ops.logsetup import configure_logging
 
         load_token(cfg)
         configure_logging(cfg.log_format, cfg.log_level)
@@ -169,7 +169,7 @@ def status(
 ) -> None:
     """Ask a running daemon for its engines, pools, peers, held requests and pulls."""
     from kvd.errors import KvdError
-    from kvd.status import render_status
+    from kvd.ops.status import render_status
 
     try:
         typer.echo(render_status(address, as_json, timeout_s))
@@ -205,52 +205,13 @@ def demo(
         _fail(str(exc))
 
 
-@app.command()
-def bench(
-    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Request size in MiB."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
-    skip_hetero: bool = typer.Option(False, "--skip-hetero",
-                                     help="Skip the hetero TP scenarios (TP1 -> TP2, TP4 -> TP2)."),
-    kv_layout: str = typer.Option("head_major", "--kv-layout",
-                                  help="Pool layout of both engines: head_major (default: the "
-                                       "fewest descriptors), cross_layer, kv_split or "
-                                       "blocks_first."),
-    shm_dir: str = typer.Option("/dev/shm", "--shm-dir",
-                                help="Directory of the shm buffers and of both daemons' pools "
-                                     "(e.g. a huge-page mount)."),
-    curves: bool = typer.Option(False, "--curves",
-                                help="Throughput vs request size (1 block .. --max-mib) and vs "
-                                     "concurrent pulls (1..64)."),
-    plot: str = typer.Option("", "--plot", metavar="FILE",
-                             help="With --curves: draw both curves to a PNG "
-                                  "(pip install 'kvd[plot]')."),
-    max_mib: int = typer.Option(1024, "--max-mib",
-                                help="With --curves: the largest request size in MiB."),
-) -> None:
-    """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency."""
-    from kvd.errors import KvdError
-    from kvd.planner.layout import KV_LAYOUTS
-    from kvd.tools.bench import main as bench_main
+def _bench_app() -> typer.Typer:
+    from kvd.tools.bench_cli import bench_app
 
-    if nbytes_mib < 1 or repeats < 1 or max_mib < 1:
-        _fail("--nbytes-mib, --repeats and --max-mib must be >= 1")
-    if kv_layout not in KV_LAYOUTS:
-        _fail(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    if plot and not curves:
-        _fail("--plot needs --curves")
-    try:
-        if curves:
-            from kvd.tools.bench.curves import main as curves_main
+    return bench_app
 
-            raise typer.Exit(curves_main(as_json=as_json, max_mib=max_mib, repeats=repeats,
-                                         kv_layout=kv_layout, shm_dir=shm_dir,
-                                         plot_path=plot or None))
-        raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
-                                    skip_hetero=skip_hetero, kv_layout=kv_layout,
-                                    shm_dir=shm_dir))
-    except KvdError as exc:
-        _fail(str(exc))
+
+app.add_typer(_bench_app(), name="bench")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -53,7 +53,7 @@ def test_configuration_example_file_loads(tmp_path: Path) -> None:
 
 
 def test_metrics_reference_lists_every_metric() -> None:
-    from kvd.metric_docs import METRIC_DOCS
+    from kvd.ops.metric_docs import METRIC_DOCS
 
     text = (ROOT / "docs/metrics.md").read_text()
     for doc in METRIC_DOCS:

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.httpserver import HttpServerHandle, start_http_server
-from kvd.metrics import Metrics
+from kvd.ops.httpserver import HttpServerHandle, start_http_server
+from kvd.ops.metrics import Metrics
 
 
 def get(url: str) -> tuple[int, str, str]:

@@ -1,6 +1,6 @@
 """Metrics: names, labels and values as Prometheus sees them (parsed exposition).
 
-Also the logging setup (kvd.logsetup), the other operator-facing output.
+Also the logging setup (kvd.ops.logsetup), the other operator-facing output.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvd
-from kvd.logsetup import RateLimitFilter, configure_logging
-from kvd.metric_docs import METRIC_DOCS, metric_names
-from kvd.metrics import Metrics
+from kvd.ops.logsetup import RateLimitFilter, configure_logging
+from kvd.ops.metric_docs import METRIC_DOCS, metric_names
+from kvd.ops.metrics import Metrics
 
 
 def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -125,7 +125,7 @@ def test_metric_names_include_histogram_series() -> None:
     assert scraped - {n for n in scraped if n.endswith("_created")} <= names
 
 
-# --- logging (kvd.logsetup): lives here until it gets its own test module -----------------
+# --- logging (kvd.ops.logsetup): lives here until it gets its own test module -----------------
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""proto/ stays in step with kvd/protocol.py: the committed JSON Schema is exactly what
+"""proto/ stays in step with kvd/wire/protocol.py: the committed JSON Schema is exactly what
 tools/gen_proto.py generates, and proto/README.md names every message and error code."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from types import ModuleType
 
 import msgspec
 
-from kvd import protocol as P
 from kvd.errors import ERRORS_BY_CODE
+from kvd.wire import protocol as P
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "proto/README.md"
@@ -43,7 +43,7 @@ def test_committed_schema_matches_code() -> None:
     path = ROOT / GEN.SCHEMA_PATH
     assert path.is_file(), f"{GEN.SCHEMA_PATH} missing: run python tools/gen_proto.py"
     assert path.read_text() == GEN.schema_json(), (
-        f"{GEN.SCHEMA_PATH} is stale (kvd/protocol.py changed): run python tools/gen_proto.py"
+        f"{GEN.SCHEMA_PATH} is stale (kvd/wire/protocol.py changed): run python tools/gen_proto.py"
     )
 
 

@@ -5,7 +5,7 @@
 
 Generated:
 - docs/configuration.md from kvd.config (Config defaults, FIELD_HELP, env names);
-- docs/metrics.md from kvd.metric_docs.METRIC_DOCS;
+- docs/metrics.md from kvd.ops.metric_docs.METRIC_DOCS;
 - deploy/k8s/monitoring/grafana-dashboard.yaml and deploy/helm/kvd/files/kvd-dashboard.json
   from deploy/grafana/kvd-dashboard.json (the one hand-edited copy of the dashboard).
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvd import config as kvd_config  # noqa: E402
-from kvd import metric_docs  # noqa: E402
+from kvd.ops import metric_docs  # noqa: E402
 
 DASHBOARD_JSON = ROOT / "deploy/grafana/kvd-dashboard.json"
 
@@ -94,7 +94,7 @@ def configuration_md() -> str:
 def metrics_md() -> str:
     """The metrics reference, straight from the table the daemon builds its metrics from."""
     out = [
-        HEADER.format(src="kvd/metric_docs.py"),
+        HEADER.format(src="kvd/ops/metric_docs.py"),
         "# Metrics reference\n",
         "kvd serves Prometheus metrics at `http://<metrics_host>:<metrics_port>/metrics` "
         "(default `127.0.0.1:7102`; the Kubernetes manifests bind the pod IP). The same "

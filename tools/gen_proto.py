@@ -1,9 +1,9 @@
-"""Regenerate proto/kvd.schema.json, the language-neutral wire schema, from kvd.protocol.
+"""Regenerate proto/kvd.schema.json, the language-neutral wire schema, from kvd.wire.protocol.
 
     python tools/gen_proto.py          # rewrite it
     python tools/gen_proto.py --check  # exit 1 if the committed file is stale (CI)
 
-The schema is produced by ``kvd.protocol.schema()`` (msgspec's JSON Schema of every
+The schema is produced by ``kvd.wire.protocol.schema()`` (msgspec's JSON Schema of every
 message struct plus the framing summary); proto/README.md describes the framing and
 the request/reply pairs in prose. tests/test_proto_sync.py keeps both in step with
 the code.
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvd import protocol as kvd_protocol  # noqa: E402
+from kvd.wire import protocol as kvd_protocol  # noqa: E402
 
 SCHEMA_PATH = "proto/kvd.schema.json"
 

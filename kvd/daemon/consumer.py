@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvd import protocol as P
 from kvd.daemon import hybrid
 from kvd.daemon.engines import (
     Engine,
@@ -43,6 +42,7 @@ from kvd.errors import (
 )
 from kvd.planner import Parallelism, RankId
 from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
 

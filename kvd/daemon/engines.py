@@ -23,7 +23,6 @@ from typing import Any
 
 import msgspec
 
-from kvd.daemon.hybrid import HybridPool, hybrid_compat, hybrid_rank_pool
 from kvd.errors import (
     BlockIdError,
     IncompatibleError,
@@ -44,7 +43,8 @@ from kvd.planner import (
     stage_layers,
 )
 from kvd.planner.layout import HEAD_LAYOUTS
-from kvd.protocol import (
+from kvd.pool.hybrid import HybridPool, hybrid_compat, hybrid_rank_pool
+from kvd.wire.protocol import (
     AUTO_KV_LAYOUT,
     DTYPE_NBYTES,
     EngineDesc,
@@ -192,7 +192,7 @@ class EngineRank:
     engine_id: str
     rank: RankId
     msg: RegisterEngine
-    cache: CacheLayout | HybridPool  # hybrid engines: every group's layout (kvd.daemon.hybrid)
+    cache: CacheLayout | HybridPool  # hybrid engines: every group's layout (kvd.pool.hybrid)
     first_layer: int
     pool: Any  # ShmPool or CudaPool: addr, nbytes, name, handle(), close()
     reg_id: int

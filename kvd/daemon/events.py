@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvd import protocol as P
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.events")
 

@@ -1,6 +1,6 @@
 """A face: one ZMQ ROUTER socket, its receive bound, and the loop that answers it.
 
-Per message: decode the header alone (kvd.codec), check the token in constant time,
+Per message: decode the header alone (kvd.wire.codec), check the token in constant time,
 decode the body only then, call the handler for its type, and send exactly one
 reply, an ``Error`` carrying the request id (read even from a header that does not
 decode) when anything fails. Nothing a sender does stops the loop: a handler bug is
@@ -18,9 +18,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvd import protocol as P
 from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolError
-from kvd.metrics import Metrics
+from kvd.ops.metrics import Metrics
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.daemon")
 

@@ -20,9 +20,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvd import protocol as P
 from kvd.daemon.clock import Clock
 from kvd.errors import KvdTimeoutError, PeerLostError, ProtocolError, error_from_code
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.peers")
 

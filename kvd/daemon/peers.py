@@ -30,7 +30,6 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvd import protocol as P
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
@@ -43,8 +42,9 @@ from kvd.errors import (
     PeerLostError,
     ProtocolError,
 )
-from kvd.metrics import Metrics
+from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.peers")
 

@@ -17,7 +17,6 @@ import asyncio
 import functools
 import logging
 
-from kvd import protocol as P
 from kvd.daemon import hybrid
 from kvd.daemon.engines import Engine, PlanCache, check_block_ids, geometry, parallelism
 from kvd.daemon.held import HeldRequest, HeldState, HeldTable
@@ -30,6 +29,7 @@ from kvd.errors import (
     TooLargeError,
 )
 from kvd.planner import Parallelism, check_parallelism
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")
 

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvd import protocol as P
 from kvd.daemon.datapath import PostResult, XferState
 from kvd.daemon.engines import Engine, EngineRank
 from kvd.daemon.peerconn import Reply
@@ -29,6 +28,7 @@ from kvd.daemon.services import Services
 from kvd.errors import KvdError, PeerLostError, ProtocolError, TransferError
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, ReadPost
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
 

@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvd import protocol as P
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
@@ -28,10 +27,11 @@ from kvd.daemon.engines import (
     validate_registration,
 )
 from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
-from kvd.metrics import Metrics
+from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
-from kvd.pool import ShmPool
-from kvd.pool_owner import PoolOwner, reap_dead_pools
+from kvd.pool.owner import PoolOwner, reap_dead_pools
+from kvd.pool.shm import ShmPool
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.registry")
 
@@ -142,7 +142,7 @@ class EngineRegistry:
         """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU."""
         try:
             if self.cfg.device == "cuda":
-                from kvd.cuda_pool import CudaPool
+                from kvd.pool.cuda import CudaPool
 
                 return (CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM",
                         msg.device_index)

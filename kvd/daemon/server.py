@@ -26,7 +26,6 @@ import zmq
 import zmq.asyncio
 
 from kvd import __version__
-from kvd import protocol as P
 from kvd.config import Config
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.daemon.consumer import Consumer
@@ -38,9 +37,10 @@ from kvd.daemon.producer import Producer
 from kvd.daemon.registry import EngineRegistry
 from kvd.daemon.services import Services
 from kvd.errors import DrainingError, NotFoundError
-from kvd.metrics import Metrics
+from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.daemon")
 
@@ -70,7 +70,7 @@ class Daemon:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        from kvd.httpserver import start_http_server
+        from kvd.ops.httpserver import start_http_server
 
         self.ctx = zmq.asyncio.Context()
         factory = self._transport_factory or self._nixl_factory

@@ -18,7 +18,7 @@ from kvd.daemon.datapath import DataPath
 from kvd.daemon.events import EventHub
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.registry import EngineRegistry
-from kvd.metrics import Metrics
+from kvd.ops.metrics import Metrics
 
 
 @dataclass

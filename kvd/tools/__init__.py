@@ -1,11 +1,11 @@
 """Tooling around kvd, kept apart from the product.
 
 The product is what a deployment runs: the daemon (``kvd.daemon``), the engine API
-(``kvd.client``, ``kvd.pool``), the planner, the protocol, configuration and metrics.
+(``kvd.client``, ``kvd.pool.shm``), the planner, the protocol, configuration and metrics.
 This package holds what is used to exercise, measure and demonstrate it:
 
 - ``demo``: ``kvd demo``, two daemons and simulated engines on one machine, byte-exact;
-- ``bench``: ``kvd bench`` and the scripts in ``benchmarks/`` (memcpy vs raw NIXL vs kvd);
+- ``bench``, ``bench_cli``: ``kvd bench`` and its subcommands (memcpy vs raw NIXL vs kvd);
 - ``sim``: simulated engines that write and check the global KV pattern in any layout;
 - ``localcluster``: start and stop ``kvd serve`` processes locally (tests, demo, bench).
 

@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 
 def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decode_pp: int = 1,

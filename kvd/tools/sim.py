@@ -15,7 +15,7 @@ import numpy as np
 
 from kvd.planner import ModelGeometry, Parallelism, heads_per_rank, rank_heads, stage_layers
 from kvd.planner.layout import VLLM_LAYOUTS, vllm_head_layout
-from kvd.protocol import LayoutSpec, ModelSpec
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 
 @dataclass(frozen=True)

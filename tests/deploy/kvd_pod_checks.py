@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from kvd.config import Config, load
-from kvd.metric_docs import metric_names
+from kvd.ops.metric_docs import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

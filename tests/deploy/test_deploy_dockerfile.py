@@ -14,8 +14,8 @@ import tomllib
 from kvd_pod_checks import DEPLOY, ROOT, port_of
 
 from kvd.config import Config
-from kvd.httpserver import start_http_server
-from kvd.metrics import Metrics
+from kvd.ops.httpserver import start_http_server
+from kvd.ops.metrics import Metrics
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 

@@ -9,9 +9,9 @@ import pytest
 
 from kvd.client import KvdClient
 from kvd.errors import AuthError
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess, free_port
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -10,9 +10,9 @@ import zmq
 import zmq.asyncio
 from support.inprocess import daemon_pair, run
 
-from kvd import protocol as P
 from kvd.daemon.engines import compat_hash
 from kvd.tools.sim import EngineShape, layout_spec
+from kvd.wire import protocol as P
 
 MODEL = P.ModelSpec(name="bounded", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, block_size_tokens=4, num_blocks=8)

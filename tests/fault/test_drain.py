@@ -8,9 +8,9 @@ import time
 import pytest
 
 from kvd.errors import DrainingError
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

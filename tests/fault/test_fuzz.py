@@ -15,10 +15,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvd import protocol as P
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire import protocol as P
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

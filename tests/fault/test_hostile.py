@@ -16,12 +16,12 @@ import pytest
 import zmq
 from support.cluster import metric, unique, wait_until
 
-from kvd import protocol as P
 from kvd.errors import ERRORS_BY_CODE, BlockIdError, TooLargeError
-from kvd.pool import kvd_segments
-from kvd.protocol import LayoutSpec, ModelSpec
+from kvd.pool.shm import kvd_segments
 from kvd.tools.localcluster import DaemonProcess, free_port
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire import protocol as P
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvd.errors import BusyError
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ import multiprocessing as mp
 import pytest
 
 from kvd.errors import KvdError
-from kvd.protocol import LayoutSpec, ModelSpec
 from kvd.tools.localcluster import DaemonProcess
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 MODEL = ModelSpec(name="cuda", num_kv_heads=2, num_layers=2, head_dim=16)
 LAYOUT = LayoutSpec(num_blocks=8, block_size_tokens=16)
@@ -39,7 +39,7 @@ def test_cuda_daemon_without_gpu_refuses_registration_clearly(tmp_path):
 
 
 def _open_and_check(handle, q) -> None:
-    from kvd.cuda_pool import open_cuda_pool
+    from kvd.pool.cuda import open_cuda_pool
 
     pool = open_cuda_pool(handle)
     q.put(int(pool.tensor().view(-1)[:4].float().sum().item()))
@@ -49,7 +49,7 @@ def _open_and_check(handle, q) -> None:
 def test_cuda_pool_is_shared_with_another_process():
     import torch
 
-    from kvd.cuda_pool import CudaPool
+    from kvd.pool.cuda import CudaPool
 
     pool = CudaPool.create("kvd-test", 1 << 20, 0)
     pool.tensor[:8] = 1

@@ -29,12 +29,12 @@ from support.cluster import (
     wait_until,
 )
 
-from kvd import protocol as P
 from kvd.errors import IncompatibleError, KvdError
-from kvd.pool import SHM_DIR, kvd_segments
-from kvd.protocol import ModelSpec
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess, free_port
 from kvd.tools.sim import EngineShape, layout_spec
+from kvd.wire import protocol as P
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvd.errors import KvdTimeoutError
-from kvd.protocol import ModelSpec
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -19,7 +19,7 @@ from support.cluster import Engine, deregister_and_check_freed, unique
 from support.hybrid_sim import HybridShape, Side, global_state, hybrid_spec, token_start
 
 from kvd.client import KvdClient
-from kvd.protocol import Event, MambaSpecMsg, ModelSpec
+from kvd.wire.protocol import Event, MambaSpecMsg, ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.protocol import LayoutSpec, ModelSpec
 from kvd.tools.localcluster import DaemonProcess
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 pytestmark = pytest.mark.nixl
 

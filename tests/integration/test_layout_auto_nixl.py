@@ -19,8 +19,8 @@ from support.cluster import (
 )
 
 from kvd.client import KvdClient
-from kvd.protocol import LayoutSpec, ModelSpec
 from kvd.tools.sim import EngineShape, check_shard, global_kv, write_shard
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 pytestmark = pytest.mark.nixl
 

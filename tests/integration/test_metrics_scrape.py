@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvd
 from kvd.client import KvdClient, RankHandle
 from kvd.errors import DrainingError
-from kvd.pool import SHM_DIR, kvd_segments
-from kvd.protocol import DTYPE_NBYTES, ModelSpec
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import DTYPE_NBYTES, ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from kvd.pool import kvd_segments
-from kvd.protocol import ModelSpec
+from kvd.pool.shm import kvd_segments
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

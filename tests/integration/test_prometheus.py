@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 
-from kvd.pool import SHM_DIR, kvd_segments
-from kvd.protocol import ModelSpec
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess, free_port
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -14,10 +14,10 @@ import pytest
 
 import kvd
 from kvd.client import KvdClient
-from kvd.pool import SHM_DIR, kvd_segments
-from kvd.protocol import ModelSpec
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess, free_port
 from kvd.tools.sim import EngineShape, layout_spec
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from kvd_itest import run_transfer
 
-from kvd.protocol import ModelSpec
 from kvd.tools.sim import EngineShape
+from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
 

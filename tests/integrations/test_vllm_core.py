@@ -22,7 +22,7 @@ from kvd.integrations.vllm_core.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from kvd.protocol import Event
+from kvd.wire.protocol import Event
 
 # ---------------------------------------------------------------- params
 

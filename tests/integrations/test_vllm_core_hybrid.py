@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.hybrid import hybrid_model
 from kvd.errors import LayoutError
 from kvd.integrations.vllm_core.hybrid import (
     VllmCacheGroup,
@@ -13,7 +12,8 @@ from kvd.integrations.vllm_core.hybrid import (
     layer_index,
 )
 from kvd.planner.hybrid import vllm_groups
-from kvd.protocol import LayerSpec, ModelSpec
+from kvd.pool.hybrid import hybrid_model
+from kvd.wire.protocol import LayerSpec, ModelSpec
 
 PATTERN = "M*S-M*MS"  # Mamba 0 4 6, attention 1 5, sliding 2 7, MLP 3
 MAMBA = VllmMambaConfig(num_heads=24, head_dim=2, n_groups=2, d_state=4, conv_kernel=4)

@@ -35,8 +35,8 @@ from kvd.planner import (
 )
 from kvd.planner.blocks import match_blocks
 from kvd.planner.layout import VLLM_LAYOUTS
-from kvd.protocol import ModelSpec
 from kvd.tools import sim
+from kvd.wire.protocol import ModelSpec
 
 # vllm/v1/kv_cache_layout.py (vLLM 0.32): KVCacheLayout values, the physical order of the
 # logical axes [L, B, H, N, C] outermost first.

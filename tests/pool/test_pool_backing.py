@@ -19,9 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvd.pool as pool_mod
+import kvd.pool.shm as pool_mod
 from kvd.errors import KvdError
-from kvd.pool import (
+from kvd.pool.owner import PoolOwner, reap_dead_pools
+from kvd.pool.shm import (
     HUGE_PAGE_NBYTES,
     MountInfo,
     PoolBacking,
@@ -30,7 +31,6 @@ from kvd.pool import (
     mount_of,
     page_stats,
 )
-from kvd.pool_owner import PoolOwner, reap_dead_pools
 
 PREFIX = "kvd-backingtest"
 NBYTES = 4 << 20
@@ -57,8 +57,8 @@ def _engine_reads(handle_json: bytes) -> bytes:
     after writing a reply after them."""
     code = (
         "import sys, msgspec\n"
-        "from kvd.pool_map import map_pool\n"
-        "from kvd.protocol import PoolHandle\n"
+        "from kvd.pool.mapping import map_pool\n"
+        "from kvd.wire.protocol import PoolHandle\n"
         "h = msgspec.json.decode(sys.stdin.buffer.read(), type=PoolHandle)\n"
         "m = map_pool(h)\n"
         "sys.stdout.buffer.write(bytes(m.array[:4]))\n"
@@ -154,7 +154,7 @@ def _no_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_falls_back_to_4k_shm_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     _no_huge_pages(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="kvd.pool"):
+    with caplog.at_level(logging.WARNING, logger="kvd.pool.shm"):
         pool = ShmPool.create(PREFIX, NBYTES, "/dev/shm", backing="auto")
     try:
         if mount_of("/dev/shm").is_huge_tmpfs:  # type: ignore[union-attr]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvd.errors import KvdError
-from kvd.pool import PoolBacking, PoolSizeError, ShmPool, kvd_segments
-from kvd.pool_map import map_pool
+from kvd.pool.mapping import map_pool
+from kvd.pool.shm import PoolBacking, PoolSizeError, ShmPool, kvd_segments
 
 PREFIX = "kvd-createtest"
 BLOCK_NBYTES = 2 * 1024 * 1024  # a Llama-3-8B-like block

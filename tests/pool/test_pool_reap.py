@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from kvd.pool import ShmPool, kvd_segments
-from kvd.pool_map import map_pool
-from kvd.pool_owner import PoolOwner, reap_dead_pools
+from kvd.pool.mapping import map_pool
+from kvd.pool.owner import PoolOwner, reap_dead_pools
+from kvd.pool.shm import ShmPool, kvd_segments
 
 PREFIX = "kvd-reaptest"
 
 # A stand-in daemon: takes its owner lock, makes two pools, says their names, waits.
 _DAEMON = textwrap.dedent("""
     import sys, time
-    from kvd.pool import ShmPool
-    from kvd.pool_owner import PoolOwner
+    from kvd.pool.shm import ShmPool
+    from kvd.pool.owner import PoolOwner
     directory, prefix = sys.argv[1], sys.argv[2]
     owner = PoolOwner.acquire(directory, prefix)
     pools = [ShmPool.create(prefix, 1 << 20, directory, owner=owner) for _ in range(2)]
@@ -100,7 +100,7 @@ def test_sigkilled_daemons_pools_are_reaped_live_ones_kept(shm_dir: Path) -> Non
 def test_an_engine_mapping_survives_the_reap(shm_dir: Path) -> None:
     dead, _, pools = _start(shm_dir)
     try:
-        from kvd.protocol import PoolHandle
+        from kvd.wire.protocol import PoolHandle
 
         mapped = map_pool(PoolHandle(kind="shm", name=pools[0], nbytes=1 << 20, shape=[1 << 20],
                                      dtype="uint8", directory=str(shm_dir)))

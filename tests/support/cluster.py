@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from kvd.client import KvdClient, RankHandle
-from kvd.pool import SHM_DIR, kvd_segments
-from kvd.protocol import Event, ModelSpec
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, blocks_view, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import Event, ModelSpec
 
 
 def unique(prefix: str) -> str:

@@ -28,7 +28,7 @@ from kvd.planner.hybrid_layout import (
 from kvd.planner.mamba import MambaSpec
 from kvd.planner.mamba_layout import MambaStateLayout
 from kvd.planner.topology import Parallelism
-from kvd.protocol import HybridSpec, LayerSpec, LayoutSpec, MambaSpecMsg, ModelSpec
+from kvd.wire.protocol import HybridSpec, LayerSpec, LayoutSpec, MambaSpecMsg, ModelSpec
 
 PATTERN_KINDS = {"M": "mamba", "*": "attention", "S": "sliding", "-": "none"}
 
@@ -94,7 +94,7 @@ class Side:
     """One engine's geometry: layouts per PP stage, its ratio, its shards."""
 
     def __init__(self, spec: ModelSpec, shape: HybridShape) -> None:
-        from kvd.daemon.hybrid import hybrid_model
+        from kvd.pool.hybrid import hybrid_model
 
         self.spec, self.shape = spec, shape
         self.model = hybrid_model(spec)

@@ -15,14 +15,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.config import Config
 from kvd.daemon.server import Daemon
-from kvd.pool import kvd_segments
+from kvd.pool.shm import kvd_segments
 from kvd.tools.localcluster import free_port
 from kvd.transport.base import Transport
 from kvd.transport.loopback import LoopbackTransport
+from kvd.wire import protocol as P
 from support.clock import FakeClock
 
 

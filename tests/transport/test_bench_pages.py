@@ -1,4 +1,4 @@
-"""`benchmarks/bench_pages.py` end to end on small buffers: every kind it can run here
+"""`kvd bench pages` (kvd.tools.bench.pages) end to end on small buffers: every kind it can run here
 reports memcpy and raw NIXL figures, verified (a renamed key once broke it unnoticed)."""
 
 from __future__ import annotations

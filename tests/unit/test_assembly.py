@@ -20,8 +20,8 @@ from kvd.planner import RankId, plan_transfer
 from kvd.planner.assembly import RankPool, assemble_pull, match_tail, read_descriptors
 from kvd.planner.descriptors import build_read_descriptors
 from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS
-from kvd.protocol import ModelSpec
 from kvd.tools.sim import EngineShape, global_kv, layout_spec, write_shard
+from kvd.wire.protocol import ModelSpec
 
 try:
     from kvd.planner.layout import ALL_KV_LAYOUTS

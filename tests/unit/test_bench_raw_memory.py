@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.pool import HUGE_PAGE_NBYTES, PoolBacking, ShmPool, hugepages_free_nbytes
-from kvd.tools.bench.raw import _alloc, bench_memcpy
+from kvd.pool.shm import HUGE_PAGE_NBYTES, PoolBacking, ShmPool, hugepages_free_nbytes
+from kvd.tools.bench.raw import alloc_buffer, bench_memcpy
 
 
 def test_shm_buffers_take_the_backing_a_daemon_would(tmp_path: Path) -> None:
@@ -16,7 +16,7 @@ def test_shm_buffers_take_the_backing_a_daemon_would(tmp_path: Path) -> None:
     daemon_like = ShmPool.create("probe", nbytes, tmp_path, backing=PoolBacking.AUTO)
     want = daemon_like.backing
     daemon_like.close()
-    buf, pool = _alloc("shm", nbytes, str(tmp_path))
+    buf, pool = alloc_buffer("shm", nbytes, str(tmp_path))
     try:
         assert pool.backing is want
         if hugepages_free_nbytes() >= 2 * nbytes:  # hosts with reserved 2 MiB pages

@@ -13,9 +13,9 @@ import time
 
 import zmq
 
-import kvd.client as client_mod
-from kvd import protocol as P
+import kvd.client.api as client_mod
 from kvd.client import KvdClient
+from kvd.wire import protocol as P
 
 
 def _answer_one_poll(router: zmq.Socket, event: P.Event) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from support.clock import FakeClock
 
-from kvd import protocol as P
 from kvd.daemon import events as E
 from kvd.daemon.events import EventHub
+from kvd.wire import protocol as P
 
 
 def hub(**kw) -> tuple[EventHub, FakeClock, list[tuple[bytes, int, list[P.Event]]]]:

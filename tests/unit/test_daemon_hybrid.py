@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from support.hybrid_sim import HybridShape, hybrid_spec
 
-from kvd import protocol as P
-from kvd.client_core import Messages, split_block_ids
+from kvd.client.core import Messages, split_block_ids
 from kvd.daemon import hybrid
 from kvd.daemon.engines import compat_hash, validate_registration
 from kvd.errors import BlockIdError, LayoutError, PlanError
@@ -23,6 +22,8 @@ from kvd.planner.hybrid_assembly import HybridRankPool, assemble_hybrid_pull
 from kvd.planner.hybrid_layout import build_hybrid_descriptors
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
+from kvd.pool import hybrid as hybrid_geometry
+from kvd.wire import protocol as P
 
 MAMBA = P.MambaSpecMsg(num_heads=24, head_dim=2, n_groups=2, d_state=4, conv_kernel=4)
 GROUPS = [[0, 4], [1, 5], [2, 7], [6]]
@@ -90,10 +91,10 @@ def test_compat_key_covers_the_hybrid_description_not_tp_or_blocks() -> None:
 def test_registration_sizes_the_pool_by_the_hybrid_layout() -> None:
     for tp in (1, 2, 4, 6, 8):
         par, pool, first = validate_registration(register(tp))
-        assert isinstance(pool, hybrid.HybridPool) and first == 0
-        lay = hybrid.rank_layout(spec(), HybridShape(tp).layout, par, 0)
+        assert isinstance(pool, hybrid_geometry.HybridPool) and first == 0
+        lay = hybrid_geometry.rank_layout(spec(), HybridShape(tp).layout, par, 0)
         assert pool.layout == lay
-        assert lay.end_nbytes <= pool.total_nbytes < lay.end_nbytes + hybrid.POOL_ALIGN
+        assert lay.end_nbytes <= pool.total_nbytes < lay.end_nbytes + hybrid_geometry.POOL_ALIGN
         assert pool.shape == (pool.total_nbytes // 4,)  # float32 elements
 
 
@@ -133,11 +134,11 @@ def test_block_id_lists_must_match_the_groups() -> None:
 def test_notices_add_up_to_the_plans_consumer_counts(p_tp: int, d_tp: int) -> None:
     """One count per (decode rank, prefill rank) pair, to the daemon hosting the prefill
     rank, whatever the groups; each pair's descriptors are the planner's, at the bases."""
-    m = hybrid.hybrid_model(spec())
+    m = hybrid_geometry.hybrid_model(spec())
     p_par, d_par = Parallelism(p_tp), Parallelism(d_tp)
     plan = plan_hybrid(m, p_par, d_par)
-    p_lay = hybrid.rank_layout(spec(), HybridShape(p_tp).layout, p_par, 0)
-    d_lay = hybrid.rank_layout(spec(), HybridShape(d_tp).layout, d_par, 0)
+    p_lay = hybrid_geometry.rank_layout(spec(), HybridShape(p_tp).layout, p_par, 0)
+    d_lay = hybrid_geometry.rank_layout(spec(), HybridShape(d_tp).layout, d_par, 0)
     owner = {t: f"agent{t % 2}" for t in range(p_tp)}  # two producer daemons
     remote = {RankId(t): HybridRankPool(RankId(t), p_lay, 1 << 40 | t << 32, owner=owner[t])
               for t in range(p_tp)}

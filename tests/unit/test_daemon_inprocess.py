@@ -17,13 +17,13 @@ import pytest
 from support.clock import FakeClock
 from support.inprocess import config, daemon_pair, run, sample, wait_event
 
-from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.daemon.server import Daemon
 from kvd.planner import RankId
-from kvd.pool import kvd_segments
+from kvd.pool.shm import kvd_segments
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.transport.loopback import LoopbackTransport
+from kvd.wire import protocol as P
 
 MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)
 SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)

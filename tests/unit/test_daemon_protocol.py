@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd import protocol as P
 from kvd.errors import ProtocolError
+from kvd.wire import protocol as P
 
 ENC = msgspec.msgpack.Encoder()
 V = P.PROTOCOL_VERSION

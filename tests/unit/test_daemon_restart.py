@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from support.inprocess import daemon_pair, run, sample, start_daemon, wait_event
 
-from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.daemon.peers import RemoteDaemon
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire import protocol as P
 
 MODEL = P.ModelSpec(name="restart", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, block_size_tokens=4, num_blocks=16)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from support.hybrid_sim import HybridShape, Side, global_state, hybrid_spec
 
-from kvd.hybrid_views import MambaViews, group_views
-from kvd.protocol import MambaSpecMsg
+from kvd.pool.hybrid_views import MambaViews, group_views
+from kvd.wire.protocol import MambaSpecMsg
 
 MAMBA = MambaSpecMsg(num_heads=24, head_dim=2, n_groups=2, d_state=4, conv_kernel=4,
                      conv_dtype="float32", ssm_dtype="float32")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from support.hybrid_sim import HybridShape, hybrid_spec
 
-from kvd import protocol as P
 from kvd.daemon.engines import (
     AUTO_LAYOUTS,
     EngineTable,
@@ -25,7 +24,6 @@ from kvd.daemon.engines import (
     resolve_registration,
     validate_registration,
 )
-from kvd.daemon.hybrid import HybridPool
 from kvd.errors import LayoutError
 from kvd.planner import (
     ModelGeometry,
@@ -38,6 +36,8 @@ from kvd.planner import (
 from kvd.planner.descriptors import build_read_descriptors
 from kvd.planner.hybrid_layout import HYBRID_KV_LAYOUTS, hybrid_head_layout
 from kvd.planner.layout import ALL_KV_LAYOUTS, VLLM_LAYOUTS, CacheLayout, vllm_head_layout
+from kvd.pool.hybrid import HybridPool
+from kvd.wire import protocol as P
 
 PLAIN = P.ModelSpec(name="auto-plain", num_kv_heads=8, num_layers=4, head_dim=64)
 MLA = P.ModelSpec(name="auto-mla", num_kv_heads=1, num_layers=4, head_dim=96, mla=True)

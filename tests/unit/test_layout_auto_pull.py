@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
-from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.daemon.engines import compat_hash
 from kvd.tools.sim import EngineShape, check_shard, global_kv, write_shard
+from kvd.wire import protocol as P
 
 PLAIN = P.ModelSpec(name="auto-pull", num_kv_heads=4, num_layers=3, head_dim=32)
 MLA = P.ModelSpec(name="auto-pull-mla", num_kv_heads=1, num_layers=3, head_dim=48, mla=True)
@@ -127,7 +127,7 @@ def test_a_reply_without_layout_means_the_requested_one(monkeypatch: pytest.Monk
     ignore the new reply field."""
     import msgspec
 
-    from kvd import client_core
+    from kvd.client import core as client_core
 
     class RegisteredV2(msgspec.Struct, frozen=True):  # Registered before this change
         pool: P.PoolHandle

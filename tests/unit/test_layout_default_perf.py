@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 from typer.testing import CliRunner
 
-from kvd import protocol as P
 from kvd.cli import app
 from kvd.planner.layout import KV_LAYOUTS
 from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT, Geometry
+from kvd.wire import protocol as P
 
 
 def test_layout_spec_defaults_to_auto_which_is_head_major_for_hnd() -> None:

@@ -19,12 +19,12 @@ import zmq
 import zmq.asyncio
 from support.inprocess import run
 
-from kvd import protocol as P
 from kvd.daemon import pull_reads
 from kvd.daemon.clock import MonotonicClock
 from kvd.daemon.peerconn import PeerConnection, Reply
 from kvd.daemon.peers import RemoteDaemon, RemoteEngine
 from kvd.tools.localcluster import free_port
+from kvd.wire import protocol as P
 
 BEAT = P.Heartbeat(producer_engine_id="pre", request_ids=[])
 

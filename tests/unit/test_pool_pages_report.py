@@ -6,10 +6,10 @@ from prometheus_client import generate_latest
 
 from kvd.config import Config, validate
 from kvd.errors import ConfigError
-from kvd.metrics import Metrics
-from kvd.protocol import RankStatus, Status
-from kvd.status import format_status
+from kvd.ops.metrics import Metrics
+from kvd.ops.status import format_status
 from kvd.transport.base import PostTiming
+from kvd.wire.protocol import RankStatus, Status
 
 
 def _rank(page_bytes: int, backing: str) -> RankStatus:

@@ -13,13 +13,13 @@ import asyncio
 import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
-from kvd import protocol as P
 from kvd.client import AsyncKvdClient
 from kvd.daemon import pull_reads
 from kvd.daemon.peerconn import Reply
 from kvd.daemon.peers import RemoteDaemon, RemoteEngine
 from kvd.errors import BlockIdError
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.wire import protocol as P
 
 MODEL = P.ModelSpec(name="receipt", num_kv_heads=4, num_layers=2, head_dim=32)
 SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16, kv_layout="head_major")

@@ -15,7 +15,7 @@ from kvd.daemon.engines import MISSING_RANKS_SHOWN, Engine
 from kvd.errors import PlanError
 from kvd.planner import ModelGeometry, Parallelism, RankId, check_parallelism
 from kvd.planner.topology import MAX_PARALLEL_SIZE
-from kvd.protocol import LayoutSpec, ModelSpec
+from kvd.wire.protocol import LayoutSpec, ModelSpec
 
 
 @pytest.mark.parametrize("par", [Parallelism(tp_size=2**40), Parallelism(1, pp_size=2**33),

@@ -48,7 +48,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from kvd.integrations.vllm import KvdConnector
-from kvd.pool import SHM_DIR, kvd_segments
+from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.localcluster import DaemonProcess
 
 # ------------------------------------------------------------------ the model

@@ -24,7 +24,7 @@ from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
 from kvd.integrations.vllm_core.hybrid import VllmHybridGeometry, check_hybrid_views
-from kvd.protocol import Event
+from kvd.wire.protocol import Event
 
 log = logging.getLogger("kvd.vllm")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvd.protocol import Event
+from kvd.wire.protocol import Event
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvd.errors import LayoutError
 from kvd.planner.layout import CacheLayout, vllm_head_layout
-from kvd.protocol import DTYPE_NBYTES, LayoutSpec, ModelSpec
+from kvd.wire.protocol import DTYPE_NBYTES, LayoutSpec, ModelSpec
 
 # kvd's dtype names are torch's, without the "torch." prefix.
 SUPPORTED_DTYPES = tuple(DTYPE_NBYTES)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.errors import LayoutError
-from kvd.protocol import HybridSpec, LayerSpec, MambaSpecMsg
+from kvd.wire.protocol import HybridSpec, LayerSpec, MambaSpecMsg
 
 # vLLM KVCacheSpec class name -> kvd layer kind
 SPEC_KINDS = {
@@ -210,12 +210,12 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
     [block, 1, 1, bytes] int8 pages holding [conv | ssm]. Raises LayoutError naming
     the first layer and the axis that differ.
     """
-    from kvd.daemon.hybrid import hybrid_model
     from kvd.planner.hybrid import stage_ranges
     from kvd.planner.hybrid_layout import AttentionGroupLayout, vllm_rank_layout
     from kvd.planner.layout import VLLM_LAYOUTS
     from kvd.planner.mamba_layout import MambaStateLayout
     from kvd.planner.topology import Parallelism
+    from kvd.pool.hybrid import hybrid_model
 
     if layout.kv_layout not in VLLM_LAYOUTS:
         raise LayoutError(f"vLLM's attention pages are one of vLLM's layouts, not "
@@ -309,7 +309,7 @@ class VllmHybridGeometry:
         return tuple(SPEC_KINDS.get(g.spec_type, "?") for g in self.groups)
 
     def model_spec(self) -> Any:
-        from kvd.protocol import ModelSpec
+        from kvd.wire.protocol import ModelSpec
 
         hybrid = hybrid_spec(self.groups, self.num_layers, self.tp_size, self.mamba,
                              self.conv_layout)
@@ -319,7 +319,7 @@ class VllmHybridGeometry:
 
     def layout_spec(self) -> Any:
         from kvd.planner.hybrid_layout import hybrid_head_layout
-        from kvd.protocol import LayoutSpec
+        from kvd.wire.protocol import LayoutSpec
 
         return LayoutSpec(num_blocks=self.num_blocks, block_size_tokens=self.kernel_block_tokens,
                           kv_layout=self.kv_layout,
@@ -327,8 +327,8 @@ class VllmHybridGeometry:
 
     def check_allocation(self) -> None:
         """vLLM's one allocation must be exactly kvd's hybrid pool for this rank."""
-        from kvd.daemon.hybrid import hybrid_rank_pool
         from kvd.planner.topology import Parallelism
+        from kvd.pool.hybrid import hybrid_rank_pool
 
         par = Parallelism(self.tp_size, self.pp_size, self.layer_partition)
         pool, _ = hybrid_rank_pool(self.model_spec(), self.layout_spec(), par, self.pp_rank)

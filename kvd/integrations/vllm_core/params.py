@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.protocol import MAX_RECEIPT_CHARS
+from kvd.wire.protocol import MAX_RECEIPT_CHARS
 
 # Bumped if the meaning of a key changes; decoders refuse other formats.
 PARAMS_FORMAT = 1

@@ -24,12 +24,12 @@ import numpy as np
 
 from kvd.tools.bench.geometry import DEFAULT_SHM_DIR, fmt_ms, fmt_pct
 from kvd.tools.bench.raw import (
-    _alloc,
-    _new_agent,
+    alloc_buffer,
     check_test_pattern,
     end_children,
     fill_test_pattern,
     hear,
+    new_agent,
     spawn,
 )
 
@@ -46,8 +46,8 @@ def _serve_prefill(conn: Any, stop: Any, nbytes: int, shm_dir: str, address: str
     import zmq
     import zmq.asyncio
 
-    agent = _new_agent(f"floor-prefill-{os.getpid()}")
-    buf, owner = _alloc("shm", nbytes, shm_dir)
+    agent = new_agent(f"floor-prefill-{os.getpid()}")
+    buf, owner = alloc_buffer("shm", nbytes, shm_dir)
     fill_test_pattern(buf)
     agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
     conn.send((bytes(agent.get_agent_metadata()), int(buf.ctypes.data)))
@@ -83,8 +83,8 @@ def _serve_decode(conn: Any, stop: Any, meta: bytes, remote_base: int, nbytes: i
     import zmq
     import zmq.asyncio
 
-    agent = _new_agent(f"floor-decode-{os.getpid()}")
-    buf, owner = _alloc("shm", nbytes, shm_dir)
+    agent = new_agent(f"floor-decode-{os.getpid()}")
+    buf, owner = alloc_buffer("shm", nbytes, shm_dir)
     buf.fill(0xFF)  # pre-fault
     base = int(buf.ctypes.data)
     agent.register_memory([(base, nbytes, 0, "")], "DRAM")

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.protocol import ModelSpec
 from kvd.tools.sim import EngineShape, layout_spec
+from kvd.wire.protocol import ModelSpec
 
 MiB = 1 << 20
 # Issue 12's targets: homogeneous >= 0.85x memcpy and hetero >= 0.7x (on huge-page

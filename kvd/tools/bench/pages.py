@@ -43,7 +43,7 @@ def _alloc(kind: str, nbytes: int, dirs: dict[str, str]) -> tuple[np.ndarray, An
     """(uint8 buffer, owner to close): anon or a kvd pool of that backing, unlinked at once."""
     if kind == "anon":
         return np.empty(nbytes, dtype=np.uint8), None
-    from kvd.pool import PoolBacking, ShmPool
+    from kvd.pool.shm import PoolBacking, ShmPool
 
     backing = {"shm": PoolBacking.SHM, "tmpfs_huge": PoolBacking.TMPFS_HUGE,
                "hugetlbfs": PoolBacking.HUGETLBFS,
@@ -55,7 +55,7 @@ def _alloc(kind: str, nbytes: int, dirs: dict[str, str]) -> tuple[np.ndarray, An
 
 
 def _huge_kb(buf: np.ndarray) -> dict[str, int]:
-    from kvd.pool import page_stats
+    from kvd.pool.shm import page_stats
 
     s = page_stats(int(buf.ctypes.data), buf.nbytes)
     huge = (s["AnonHugePages"] + s["ShmemPmdMapped"] + s["FilePmdMapped"]
@@ -146,7 +146,7 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, kind: str, nbytes: int,
 
 def _available(kind: str, nbytes: int, dirs: dict[str, str]) -> str | None:
     """None when the kind can be measured here, else why not."""
-    from kvd.pool import hugepages_free_nbytes, mount_of
+    from kvd.pool.shm import hugepages_free_nbytes, mount_of
 
     if kind in ("tmpfs_huge", "hugetlbfs"):
         d = dirs.get(kind)

@@ -22,7 +22,7 @@ MEMORY_KINDS = ("anon", "shm")
 DescSet = tuple[str, str, np.ndarray, np.ndarray, np.ndarray]
 
 
-def _alloc(kind: str, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> tuple[np.ndarray, Any]:
+def alloc_buffer(kind: str, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> tuple[np.ndarray, Any]:
     """anon: numpy heap memory (numpy asks for transparent huge pages on big arrays);
     shm: a pool exactly like the ones kvd's daemons allocate by default (``pool_backing``
     auto: reserved 2 MiB pages where the host has them free, a huge-page mount in
@@ -30,7 +30,7 @@ def _alloc(kind: str, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR) -> tuple[np.n
     kind of memory as kvd. Unlinked at once: nothing can leak."""
     if kind == "anon":
         return np.empty(nbytes, dtype=np.uint8), None
-    from kvd.pool import PoolBacking, ShmPool
+    from kvd.pool.shm import PoolBacking, ShmPool
 
     pool = ShmPool.create("kvd-bench", nbytes, shm_dir, backing=PoolBacking.AUTO)
     if pool.fd is None:  # a file; memfd pools have none
@@ -57,8 +57,8 @@ def bench_memcpy(nbytes: int, repeats: int, shm_dir: str = DEFAULT_SHM_DIR) -> d
     """Heap-to-heap (numpy asks for huge pages) and shm-to-shm (the pools kvd uses)."""
     times = _copy_times(np.empty(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8),
                         repeats)
-    src, src_pool = _alloc("shm", nbytes, shm_dir)
-    dst, dst_pool = _alloc("shm", nbytes, shm_dir)
+    src, src_pool = alloc_buffer("shm", nbytes, shm_dir)
+    dst, dst_pool = alloc_buffer("shm", nbytes, shm_dir)
     shm_times = _copy_times(src, dst, repeats)
     del src, dst
     page_nbytes, backing = src_pool.page_nbytes, src_pool.backing.value
@@ -93,7 +93,7 @@ def check_test_pattern(buf: np.ndarray) -> bool:
     return True
 
 
-def _new_agent(name: str) -> Any:
+def new_agent(name: str) -> Any:
     import logging
 
     from kvd.transport.nixl import import_nixl
@@ -107,10 +107,10 @@ def _new_agent(name: str) -> Any:
 def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
                  kinds: tuple[str, ...] = MEMORY_KINDS) -> None:
     """Spawned: owns the source buffers and polls notifications until told to stop."""
-    agent = _new_agent(f"bench-target-{os.getpid()}")
+    agent = new_agent(f"bench-target-{os.getpid()}")
     bases, keep = {}, []
     for kind in kinds:
-        buf, owner = _alloc(kind, nbytes, shm_dir)
+        buf, owner = alloc_buffer(kind, nbytes, shm_dir)
         fill_test_pattern(buf)  # also pre-faults
         agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
         bases[kind] = int(buf.ctypes.data)
@@ -132,10 +132,10 @@ def _nixl_initiator(conn: Any, meta: bytes, remote_bases: dict[str, int], nbytes
     A set is (name, memory kind, local offsets, remote offsets, sizes); timed from
     building the transfer (descriptors, initialize_xfer) to DONE, like kvd's post.
     """
-    agent = _new_agent(f"bench-initiator-{os.getpid()}")
+    agent = new_agent(f"bench-initiator-{os.getpid()}")
     bufs, keep = {}, []
     for kind in kinds:
-        buf, owner = _alloc(kind, nbytes, shm_dir)
+        buf, owner = alloc_buffer(kind, nbytes, shm_dir)
         buf.fill(0xFF)  # pre-fault
         agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
         bufs[kind] = buf

@@ -70,9 +70,9 @@ def machine_info(shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
     info["ucx_tls"] = os.environ.get("UCX_TLS", "(default)")
     info["shm_dir"] = shm_dir  # where every "shm" buffer and both daemons' pools live
     info["shm_mount"] = _mount_of(shm_dir)
-    # Page size the pools get in shm_dir (kvd.pool: 2 MiB on hugetlbfs / huge tmpfs, else
+    # Page size the pools get in shm_dir (kvd.pool.shm: 2 MiB on hugetlbfs / huge tmpfs, else
     # 4 KiB) and the reserved huge pages free for memfd pools (pool_backing=auto).
-    from kvd.pool import hugepages_free_nbytes, mount_of, page_nbytes_of_dir
+    from kvd.pool.shm import hugepages_free_nbytes, mount_of, page_nbytes_of_dir
 
     info["shm_page_nbytes"] = page_nbytes_of_dir(Path(shm_dir), mount_of(shm_dir))
     info["hugepages_free_mib"] = hugepages_free_nbytes() >> 20

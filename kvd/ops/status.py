@@ -7,8 +7,8 @@ import json
 import msgspec
 
 from kvd.client import KvdClient
-from kvd.pool import HUGE_PAGE_NBYTES
-from kvd.protocol import RankStatus, Status
+from kvd.pool.shm import HUGE_PAGE_NBYTES
+from kvd.wire.protocol import RankStatus, Status
 
 
 def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:

@@ -1,6 +1,6 @@
 """The framing and decode boundary of kvd's protocol, generic over its message set.
 
-``kvd.protocol`` defines the messages and binds one ``Codec`` to them; this module
+``kvd.wire.protocol`` defines the messages and binds one ``Codec`` to them; this module
 knows only the rules: two frames, header first (bounded in size and depth, unknown
 header fields ignored), version checked before the body is touched, the body
 decoded only as a kind the face accepts, every failure a ``ProtocolError`` with a
@@ -15,7 +15,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 
 from kvd.errors import ProtocolError, VersionError
-from kvd.msgpeek import peek_id
+from kvd.wire.peek import peek_id
 
 # msgspec raises ValueError subclasses (DecodeError, ValidationError, UnicodeDecodeError)
 # on bad bytes, and RecursionError on nesting deeper than the interpreter allows.

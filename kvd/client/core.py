@@ -1,6 +1,7 @@
 """The sans-IO core of both engine clients: messages, replies, handles, the event stash.
 
-``KvdClient`` and ``AsyncKvdClient`` (kvd.client) differ only in how they do I/O;
+``KvdClient`` and ``AsyncKvdClient`` (kvd.client.api, re-exported as kvd.client) differ
+only in how they do I/O;
 everything they send and how they read an answer is built here, once, so the two
 cannot drift apart.
 """
@@ -12,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvd import protocol as P
 from kvd.errors import KvdError, error_from_code
-from kvd.pool_map import MappedPool, map_pool
+from kvd.pool.mapping import MappedPool, map_pool
+from kvd.wire import protocol as P
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
 CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at most this

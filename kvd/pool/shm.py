@@ -10,11 +10,11 @@ allocates every engine rank's pool and hands out a handle:
   the kernel pins every page of both sides per READ and 4 KiB pages cost ~20-40%
   of a READ's speed here (benchmarks/README.md).
 * VRAM: a torch allocation on the rank's device, exported as a CUDA IPC handle
-  (kvd.cuda_pool; untested here: no GPU on the development machines).
+  (kvd.pool.cuda; untested here: no GPU on the development machines).
 
 This module is the daemon side (`ShmPool`): it creates and removes. The engine
-side only maps (`kvd.pool_map.map_pool`). Crash leftovers are reaped by owner
-lock (`kvd.pool_owner`: `PoolOwner`, `reap_dead_pools`).
+side only maps (`kvd.pool.mapping.map_pool`). Crash leftovers are reaped by owner
+lock (`kvd.pool.owner`: `PoolOwner`, `reap_dead_pools`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from kvd.errors import KvdError
-from kvd.pool_owner import PoolOwner
-from kvd.protocol import PoolHandle
+from kvd.pool.owner import PoolOwner
+from kvd.wire.protocol import PoolHandle
 
-log = logging.getLogger("kvd.pool")
+log = logging.getLogger("kvd.pool.shm")
 
 SHM_DIR = Path("/dev/shm")
 SMALL_PAGE_NBYTES = 4096

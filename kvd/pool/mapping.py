@@ -1,7 +1,7 @@
 """Engine side of a pool: map what kvd allocated (`map_pool`), never create or remove.
 
-The daemon side (`kvd.pool.ShmPool`) creates and removes the shared-memory files;
-VRAM pools open through CUDA IPC (kvd.cuda_pool).
+The daemon side (`kvd.pool.shm.ShmPool`) creates and removes the shared-memory files;
+VRAM pools open through CUDA IPC (kvd.pool.cuda).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvd.errors import KvdError
-from kvd.protocol import DTYPE_NBYTES, PoolHandle
+from kvd.wire.protocol import DTYPE_NBYTES, PoolHandle
 
 # numpy has no bfloat16/float8: map those to same-width unsigned ints for byte views.
 _NUMPY_DTYPES = {
@@ -65,7 +65,7 @@ class MappedPool:
 def map_pool(handle: PoolHandle) -> MappedPool:
     """Engine side: open the pool kvd allocated (shm here; CUDA IPC on GPU nodes)."""
     if handle.kind == "cuda_ipc":
-        from kvd.cuda_pool import open_cuda_pool
+        from kvd.pool.cuda import open_cuda_pool
 
         return open_cuda_pool(handle)
     if "/" in handle.name or handle.name.startswith("."):

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from kvd.errors import KvdError
-from kvd.protocol import PoolHandle
+from kvd.wire.protocol import PoolHandle
 
 
 def _torch() -> Any:

@@ -2,7 +2,7 @@
 
 After a crash (kill -9) nothing removes a daemon's pool files, so each daemon
 incarnation holds an flock on an owner file for its lifetime (`PoolOwner`) and
-names its pools after it (`kvd.pool.ShmPool.create(owner=...)`); `reap_dead_pools`
+names its pools after it (`kvd.pool.shm.ShmPool.create(owner=...)`); `reap_dead_pools`
 at start removes the files of incarnations whose lock is free (dead), never those
 of a live daemon.
 """
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("kvd.pool_owner")
+log = logging.getLogger("kvd.pool.owner")
 
 _OWNER_RE = r"\d+-[0-9a-f]{8}"
 

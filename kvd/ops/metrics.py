@@ -3,7 +3,7 @@
 Every metric lives on the registry handed to :class:`Metrics` (or a fresh one),
 never on prometheus_client's global default: tests run several daemons in one
 process and each must scrape only its own numbers. The metrics are built from the
-table in :mod:`kvd.metric_docs` (``METRIC_DOCS``), which also renders
+table in :mod:`kvd.ops.metric_docs` (``METRIC_DOCS``), which also renders
 ``docs/metrics.md``.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import kvd
-from kvd.metric_docs import (
+from kvd.ops.metric_docs import (
     FACES,
     HANDSHAKE_OUTCOMES,
     METRIC_DOCS,

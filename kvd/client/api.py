@@ -23,8 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvd import protocol as P
-from kvd.client_core import (  # noqa: F401 - RankHandle and the defaults are public here
+from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     CLOSE_DEREGISTER_TIMEOUT_S,
     DEFAULT_ADDRESS,
     BlockIds,
@@ -35,6 +34,7 @@ from kvd.client_core import (  # noqa: F401 - RankHandle and the defaults are pu
     default_token,
 )
 from kvd.errors import KvdError, KvdTimeoutError
+from kvd.wire import protocol as P
 
 # pull_and_wait's default bound: past the daemon's default transfer_timeout_s (60 s), so
 # the daemon's own verdict (a timeout is an event too) arrives first.

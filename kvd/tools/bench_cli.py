@@ -1,0 +1,177 @@
+"""``kvd bench`` and its subcommands: one front-end for every user-facing measurement.
+
+The default command compares memcpy, raw NIXL and kvd end to end; ``posting``,
+``pages`` and ``vram`` measure the posting cost per descriptor, page size against
+speed, and VRAM -> VRAM through two daemons. Implementations are imported lazily so
+``kvd --help`` never loads NIXL or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=False,
+                        help="Measure kvd on this machine (benchmarks, not tests).")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"kvd: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _report(result: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str],
+            ok: bool) -> None:
+    typer.echo(json.dumps(result, indent=2) if as_json else render(result))
+    raise typer.Exit(0 if ok else 1)
+
+
+def _check_layout(kv_layout: str) -> None:
+    from kvd.planner.layout import KV_LAYOUTS
+
+    if kv_layout not in KV_LAYOUTS:
+        _fail(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Request size in MiB."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per measurement."),
+    skip_hetero: bool = typer.Option(False, "--skip-hetero",
+                                     help="Skip the hetero TP scenarios (TP1 -> TP2, TP4 -> TP2)."),
+    kv_layout: str = typer.Option("head_major", "--kv-layout",
+                                  help="Pool layout of both engines: head_major (default: the "
+                                       "fewest descriptors), cross_layer, kv_split or "
+                                       "blocks_first."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir",
+                                help="Directory of the shm buffers and of both daemons' pools "
+                                     "(e.g. a huge-page mount)."),
+    curves: bool = typer.Option(False, "--curves",
+                                help="Throughput vs request size (1 block .. --max-mib) and vs "
+                                     "concurrent pulls (1..64)."),
+    plot: str = typer.Option("", "--plot", metavar="FILE",
+                             help="With --curves: draw both curves to a PNG "
+                                  "(pip install 'kvd[plot]')."),
+    max_mib: int = typer.Option(1024, "--max-mib",
+                                help="With --curves: the largest request size in MiB."),
+) -> None:
+    """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency.
+
+    Subcommands: posting (cost per descriptor), pages (page size vs speed), vram
+    (VRAM -> VRAM on a GPU).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvd.errors import KvdError
+
+    if nbytes_mib < 1 or repeats < 1 or max_mib < 1:
+        _fail("--nbytes-mib, --repeats and --max-mib must be >= 1")
+    _check_layout(kv_layout)
+    if plot and not curves:
+        _fail("--plot needs --curves")
+    try:
+        if curves:
+            from kvd.tools.bench.curves import main as curves_main
+
+            raise typer.Exit(curves_main(as_json=as_json, max_mib=max_mib, repeats=repeats,
+                                         kv_layout=kv_layout, shm_dir=shm_dir,
+                                         plot_path=plot or None))
+        from kvd.tools.bench import main as bench_main
+
+        raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
+                                    skip_hetero=skip_hetero, kv_layout=kv_layout,
+                                    shm_dir=shm_dir))
+    except KvdError as exc:
+        _fail(str(exc))
+
+
+@bench_app.command()
+def posting(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Bytes moved per READ, in MiB."),
+    chunks_kib: str = typer.Option("4,32", "--chunks-kib",
+                                   help="Descriptor sizes in KiB, comma separated."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per case."),
+) -> None:
+    """Posting cost per descriptor: prepared lists vs a fresh list per READ."""
+    try:
+        chunks = tuple(int(c) for c in chunks_kib.split(","))
+    except ValueError:
+        _fail(f"--chunks-kib must be integers separated by commas, got {chunks_kib!r}")
+    if nbytes_mib < 1 or repeats < 1 or min(chunks) < 1:
+        _fail("--nbytes-mib, --repeats and every --chunks-kib must be >= 1")
+    from kvd.tools.bench.posting import bench_posting, render_posting
+
+    res = bench_posting(nbytes_mib=nbytes_mib, chunks_kib=chunks, repeats=repeats)
+    _report(res, as_json, render_posting, all(c["verified"] for c in res["cases"]))
+
+
+@bench_app.command()
+def pages(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Buffer size in MiB."),
+    chunk_kib: int = typer.Option(32, "--chunk-kib", help="Descriptor size in KiB."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions per kind."),
+    kinds: str = typer.Option("anon,shm,tmpfs_huge,hugetlbfs,memfd_hugetlb", "--kinds",
+                              help="Memory kinds, comma separated."),
+    rounds: int = typer.Option(1, "--rounds",
+                               help="Measure every kind N times, rotating the order."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir", help="Where 4 KiB shm files go."),
+    huge_tmpfs_dir: str | None = typer.Option(None, "--huge-tmpfs-dir",
+                                                help="A tmpfs mounted huge=always."),
+    hugetlbfs_dir: str | None = typer.Option(None, "--hugetlbfs-dir",
+                                               help="A hugetlbfs mount."),
+) -> None:
+    """Page size vs speed: memcpy and raw NIXL READ on heap, shm and huge-page memory.
+
+    hugetlbfs and memfd_hugetlb need 2 x nbytes of reserved 2 MiB pages
+    (echo 600 > /proc/sys/vm/nr_hugepages for 512 MiB).
+    """
+    from kvd.tools.bench.pages import KINDS, bench_pages, render_pages
+
+    chosen = tuple(kinds.split(","))
+    unknown = sorted(set(chosen) - set(KINDS))
+    if unknown:
+        _fail(f"--kinds: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}")
+    if nbytes_mib < 1 or repeats < 1 or chunk_kib < 1 or rounds < 1:
+        _fail("--nbytes-mib, --chunk-kib, --repeats and --rounds must be >= 1")
+    res = bench_pages(nbytes_mib=nbytes_mib, chunk_kib=chunk_kib, repeats=repeats,
+                      kinds=chosen, shm_dir=shm_dir, huge_tmpfs_dir=huge_tmpfs_dir,
+                      hugetlbfs_dir=hugetlbfs_dir, rounds=rounds)
+    _report(res, as_json, render_pages, all(r.get("verified", True) for r in res["kinds"]))
+
+
+@bench_app.command()
+def vram(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Request size in MiB."),
+    device: str = typer.Option("cuda", "--device",
+                               help="cuda (VRAM pools), or cpu to run the same code on DRAM."),
+    gpu: int = typer.Option(0, "--gpu", help="GPU index both daemons use."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions."),
+    kv_layout: str = typer.Option("kv_split", "--kv-layout", help="Pool layout of both engines."),
+) -> None:
+    """VRAM -> VRAM: kvd with CUDA IPC pools next to raw NIXL on GPU buffers."""
+    from kvd.errors import KvdError
+
+    if device not in ("cuda", "cpu"):
+        _fail(f"--device must be cuda or cpu, got {device!r}")
+    _check_layout(kv_layout)
+    from kvd.tools.bench.vram import render_vram, run_vram
+
+    try:
+        res = run_vram(nbytes_mib=nbytes_mib, device=device, gpu=gpu, repeats=repeats,
+                       kv_layout=kv_layout)
+    except KvdError as exc:
+        _fail(str(exc))
+    _report(res, as_json, render_vram, bool(res["verified"]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(bench_app())

@@ -1,0 +1,498 @@
+"""Every message kvd sends or receives, and the one place they are decoded.
+
+Wire format (both faces, ZMQ multipart, msgpack via msgspec, never pickle):
+
+    [header, body]     header = Header (msgpack map), body = the struct named by header.kind
+
+The header is decoded first, ignoring unknown fields (a later version may add a
+MAC or a tenant); the version, then the daemon's token, are checked before the
+body is decoded (kvd.wire.codec). Every reply of a daemon carries its ``instance``, a
+random id per incarnation: when it changes, what a peer cached about it is stale.
+A consumer sends a ReadNotice once its READs from a daemon are done and its Acquire
+answered: as a peer request, or as a NIXL notification prefixed by NOTICE_MAGIC.
+
+Version history (in full, with what each addition means for older peers:
+proto/README.md):
+    1  initial protocol: engine face (register, publish, pull, poll, status),
+       peer face (hello, acquire, heartbeat, abandon), ReadNotice notifications.
+    2  restart identity and exact placement (Header.instance, Pull.remote_request_id
+       and num_tokens, Acquire consumer parallelism, bounds, token before body).
+       Additive since: hybrid models; Acquired.held_s and ReadNotice as a peer
+       request; kv_layout "auto" and Registered.layout; publish receipts
+       (Published, Pull.publish_receipt and reply_when_done, Acquired.hold_id).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvd.errors import ProtocolError  # noqa: F401 - re-exported: callers catch P.ProtocolError
+from kvd.wire.codec import Codec
+
+PROTOCOL_VERSION = 2
+NOTICE_MAGIC = b"kvd1"
+
+DTYPE_NBYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+# Bounds at the decode boundary (a header is a few dozen bytes; a peer cannot make the
+# daemon walk a deep or huge one, and every wait a request names is finite).
+MAX_HEADER_BYTES = 4096
+MAX_TIMEOUT_S = 86_400.0
+MAX_LEASE_S = 3600.0
+MAX_CONSUMERS = 1024
+MAX_POLL_EVENTS = 10_000
+MAX_HEARTBEAT_IDS = 4096
+MAX_ID_CHARS = 256
+MAX_RECEIPT_CHARS = 128  # Published.receipt: "<instance id>/<hold id>"
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # engine, request
+TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
+
+
+class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Stable across versions: only fields may be added, never changed or removed."""
+
+    v: int
+    kind: str
+    id: int = 0
+    token: str = ""
+    instance: str = ""  # the sending daemon's incarnation (random per process); clients: ""
+
+
+# ---------------------------------------------------------------- geometry
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One layer of a hybrid model: its cache kind (``none``: MLP/MoE, no cache)."""
+
+    kind: Literal["attention", "sliding", "mamba", "none"]
+    window_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0  # sliding only
+
+
+class MambaSpecMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """State shapes of the Mamba2 mixers (kvd.planner.mamba.MambaSpec on the wire)."""
+
+    num_heads: Annotated[int, msgspec.Meta(ge=1)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1)]
+    n_groups: Annotated[int, msgspec.Meta(ge=0)]
+    d_state: Annotated[int, msgspec.Meta(ge=1)]
+    conv_kernel: Annotated[int, msgspec.Meta(ge=2)]
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "bfloat16"
+
+
+class HybridSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A hybrid model's layers and KV-cache groups; attention geometry stays in ModelSpec.
+
+    One entry per layer (``ModelSpec.num_layers`` of them); ``groups`` lists each
+    KV-cache group's global layer indices, so requests carry one block-id list per
+    group in this order. The engine's pool is vLLM's hybrid layout (one tensor per
+    layer position shared by every group, blocks_first attention pages, Mamba slots
+    of ``ratio`` pages); ``LayoutSpec.num_blocks`` counts logical blocks and
+    ``block_size_tokens`` is the attention kernel block.
+    """
+
+    layers: list[LayerSpec]
+    groups: list[list[int]]
+    mamba: MambaSpecMsg | None = None
+    conv_layout: Literal["DS", "SD"] = "DS"
+
+
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What must match between a producer and a consumer engine (TP/PP may differ)."""
+
+    name: str
+    num_kv_heads: int
+    num_layers: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    mla: bool = False
+    hybrid: HybridSpec | None = None  # attention + sliding + Mamba layers, several groups
+
+
+AUTO_KV_LAYOUT = "auto"  # LayoutSpec.kv_layout: the engine's daemon picks the layout
+
+
+class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A rank's cache layout; block size and block count may differ between engines.
+
+    ``kv_layout`` defaults to ``auto``: the daemon the rank registers with resolves it
+    to the layout with the fewest descriptors that the model and ``head_layout`` allow
+    (kvd.daemon.engines.auto_kv_layout: head_major for plain HND attention, cross_layer
+    for NHD and MLA, LBHNC/LBNHC for hybrid models; table in docs/engine-api.md) and
+    answers with it in ``Registered.layout``. The resolution depends on the model and
+    ``head_layout`` only, never on TP, PP or block size, so two daemons resolve two
+    engines that may pair alike; peers only ever see the resolved name (``EngineDesc``,
+    the compatibility hash). vLLM's engines send their own layout (kv_split, LBHNC, ...).
+    """
+
+    num_blocks: int
+    block_size_tokens: int
+    kv_layout: str = AUTO_KV_LAYOUT
+    head_layout: str = "HND"
+
+
+class PoolHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How an engine maps the pool kvd allocated for it."""
+
+    kind: Literal["shm", "cuda_ipc"]
+    name: str
+    nbytes: int
+    shape: list[int]
+    dtype: str
+    ipc_handle: bytes = b""
+    device_index: int = -1
+    directory: str = "/dev/shm"  # where the shm file lives (Config.shm_dir)
+
+
+class RankDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tp_rank: int
+    pp_rank: int
+    base_addr: int
+    nbytes: int
+    num_blocks: int
+    device_id: int = 0
+
+
+class EngineDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine as one daemon sees it: its geometry and the ranks that daemon hosts."""
+
+    engine_id: str
+    model: ModelSpec
+    layout: LayoutSpec
+    tp_size: int
+    pp_size: int
+    layer_partition: list[int] | None
+    ranks: list[RankDesc]
+    mem_type: str = "DRAM"
+    epoch: int = 0  # bumps whenever this daemon's set of ranks/pools for the engine changes
+
+
+# ---------------------------------------------------------------- engine face
+
+
+class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    engine_id: Id
+    model: ModelSpec
+    layout: LayoutSpec
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_partition: list[int] | None = None
+    # Peer addresses of every daemon hosting ranks of this engine (an engine may
+    # span nodes); empty means "only this daemon".
+    engine_daemons: list[str] = []
+    device_index: int = 0  # GPU of this rank when the daemon runs with device="cuda"
+
+
+class Registered(msgspec.Struct, frozen=True):
+    pool: PoolHandle
+    daemon_id: str
+    peer_address: str
+    instance_id: str = ""  # the daemon's incarnation: a restarted daemon has another one
+    # The rank's layout as the daemon allocated it: ``auto`` resolved to a concrete
+    # kv_layout (the pool's shape follows it). None: a daemon from before "auto".
+    layout: LayoutSpec | None = None
+
+
+class Deregister(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    engine_id: str
+    tp_rank: int
+    pp_rank: int = 0
+
+
+class Ping(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Engine liveness: a rank not heard from for engine_timeout_s is considered gone."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int = 0
+
+
+class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    engine_id: Id
+    request_id: Id
+    block_ids: list[int]
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LEASE_S)] | None = None
+    consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
+    # Hybrid engines: one list per KV-cache group; block_ids is then their concatenation.
+    group_block_ids: list[list[int]] | None = None
+
+
+class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Read a published request into local blocks.
+
+    ``request_id`` names the pull on this engine (its done_recving event carries
+    it); ``remote_request_id`` is the id the producer published under, when it
+    differs (vLLM gives prefill and decode requests different ids; two prefill
+    engines may publish the same id). Empty means "the same as request_id".
+
+    ``num_tokens`` is the prompt's token count (-1: unknown). With prefill blocks
+    larger than decode blocks and a prefix-cache hit, only it tells where the tail
+    starts: without it such a pull is refused rather than placed ambiguously.
+    """
+
+    engine_id: Id
+    request_id: Id
+    remote_engine_id: Id
+    remote_address: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    remote_request_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
+    num_tokens: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # Hybrid engines: one list per KV-cache group (attention: the request's last logical
+    # blocks; Mamba: its state slot); the flat lists are then their concatenations.
+    local_group_block_ids: list[list[int]] | None = None
+    remote_group_block_ids: list[list[int]] | None = None
+    # The producer daemon's ``Published.receipt`` for this request, passed along by the
+    # router (vLLM: kv_transfer_params). It proves the publish happened before this Pull
+    # was sent, so READs may go out before the Acquire's reply at any size and are never
+    # read again for a young hold. Empty: unknown (the held_s rule applies).
+    publish_receipt: Annotated[str, msgspec.Meta(max_length=MAX_RECEIPT_CHARS)] = ""
+    # Answer this Pull only when it has ended, with its done_recving event (one Events
+    # reply; the event is not queued for polls): one round trip for an engine that waits.
+    reply_when_done: bool = False
+
+    @property
+    def producer_request_id(self) -> str:
+        return self.remote_request_id or self.request_id
+
+
+class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Long poll for completion events of an engine; answered as soon as any exist."""
+
+    engine_id: str
+    timeout_s: TimeoutS = 1.0  # the daemon answers after at most 60 s (MAX_POLL_WAIT_S)
+    max_events: Annotated[int, msgspec.Meta(ge=1, le=MAX_POLL_EVENTS)] = 1024
+
+
+class Event(msgspec.Struct, frozen=True):
+    kind: Literal["done_sending", "done_recving"]
+    request_id: str
+    ok: bool
+    invalid_block_ids: list[int] = []
+    error: str = ""
+    nbytes: int = 0
+    duration_s: float = 0.0
+    invalid_group_block_ids: list[list[int]] = []  # hybrid pulls: per group, like the pull
+    descriptors: int = 0  # done_recving: NIXL descriptors the pull posted (engine stats)
+
+
+class Events(msgspec.Struct, frozen=True):
+    events: list[Event]
+
+
+class StatusQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class RankStatus(msgspec.Struct, frozen=True):
+    """One engine rank and its pool (built by the engine registry)."""
+
+    engine_id: str
+    rank: str
+    tp_size: int
+    pp_size: int
+    pool: str
+    pool_bytes: int
+    gone: bool
+    pins: int
+    page_bytes: int = 0  # page size backing a DRAM pool (4096: the slow 4 KiB fallback)
+    backing: str = ""  # kvd.pool.shm.PoolBacking value chosen for it, or "cuda_ipc"
+
+
+class PeerStatus(msgspec.Struct, frozen=True):
+    """A cached handshake: a remote engine as seen through one of its daemons."""
+
+    address: str
+    local_engine: str
+    remote_engine: str
+    agent: str
+    instance: str = ""
+
+
+class HeldStatus(msgspec.Struct, frozen=True):
+    """A published request this daemon holds (built by the producer)."""
+
+    engine_id: str
+    request_id: str
+    state: str
+    blocks: int
+    lease_remaining_s: float
+    consumers_done: int
+    consumers: int
+
+
+class PullStatus(msgspec.Struct, frozen=True):
+    """A pull in flight (built by the consumer)."""
+
+    engine_id: str
+    request_id: str
+    state: str
+    age_s: float
+    remote_engine_id: str
+    nbytes: int
+
+
+class Status(msgspec.Struct, frozen=True):
+    daemon_id: str
+    version: str
+    draining: bool
+    engines: list[RankStatus]
+    peers: list[PeerStatus]
+    held: list[HeldStatus]
+    pulls: list[PullStatus]
+    instance_id: str = ""
+
+
+# ---------------------------------------------------------------- peer face
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Consumer daemon -> producer daemon, once per (local engine, remote engine)."""
+
+    daemon_id: str
+    remote_engine_id: str
+    consumer: EngineDesc
+    agent_metadata: bytes
+    compat_hash: str
+
+
+class HelloReply(msgspec.Struct, frozen=True):
+    daemon_id: str
+    agent_name: str
+    agent_metadata: bytes
+    engine: EngineDesc
+    engine_daemons: list[str]
+
+
+class Acquire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Before posting READs: is the request still held, with these blocks? Renews its lease.
+
+    The consumer engine's parallelism tells the producer how many planner reads to
+    expect from it, so the producer keeps no per-consumer table between requests.
+    """
+
+    request_id: str
+    producer_engine_id: str
+    consumer_engine_id: str
+    block_ids: list[int]
+    consumer_tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    consumer_pp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    consumer_layer_partition: list[int] | None = None
+
+
+class Acquired(msgspec.Struct, frozen=True):
+    """The request is held; ``epoch`` lets the consumer detect a stale cached handshake.
+
+    ``held_s``: how long the request had been held (since its publish) when this Acquire
+    arrived, on the producer's clock (a duration: no clock is compared across nodes). A
+    consumer that posted its READs before this reply came back trusts their bytes only
+    if the hold is older than the round trip it saw (the READ cannot predate the
+    publish); otherwise it reads again.
+    """
+
+    epoch: int
+    held_s: float = 0.0
+    # The hold's id on this daemon incarnation; a Pull whose publish_receipt names it
+    # (``receipt(instance, hold_id)``) read after that publish, whatever held_s says.
+    hold_id: int = 0
+
+
+class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The consumer gave up after Acquire and its READs are released: stop holding for it."""
+
+    request_id: str
+    producer_engine_id: str
+    consumer_engine_id: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    producer_engine_id: str
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+
+
+class HeartbeatAck(msgspec.Struct, frozen=True):
+    unknown: list[str]
+
+
+# ---------------------------------------------------------------- replies
+
+
+class Ok(msgspec.Struct, frozen=True):
+    pass
+
+
+class Published(msgspec.Struct, frozen=True):
+    """A publish is held. ``receipt`` names this hold on this daemon incarnation: the
+    decode engine passes it in its Pull (see ``Pull.publish_receipt``)."""
+
+    receipt: str = ""
+
+
+def receipt(instance_id: str, hold_id: int) -> str:
+    """The opaque publish receipt: a daemon incarnation and one hold of it."""
+    return f"{instance_id}/{hold_id}"
+
+
+class Error(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """'These plan reads of the request are done', sent once a pull's READs from a daemon
+    are done and its Acquire answered: a peer request (answered Ok), or, to a daemon that
+    refuses it (an earlier v2), a NIXL notification prefixed by NOTICE_MAGIC."""
+
+    request_id: str
+    producer_engine_id: str
+    consumer_engine_id: str
+    reads: int
+    nbytes: int = 0  # bytes those reads copied out of this daemon's pools (for metrics)
+
+
+ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)
+PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice)
+REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Published,
+           Error)
+ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
+
+# The one decode boundary (kvd.wire.codec holds the rules), bound to this message set.
+_codec: Codec[Header, ReadNotice] = Codec(PROTOCOL_VERSION, Header, ALL_MESSAGES, ReadNotice,
+                                          NOTICE_MAGIC, MAX_HEADER_BYTES)
+encode = _codec.encode
+decode_header = _codec.decode_header
+decode_body = _codec.decode_body
+decode = _codec.decode
+peek_id = _codec.peek_id
+encode_notice = _codec.encode_notice
+decode_notice = _codec.decode_notice
+
+
+def schema() -> dict[str, Any]:
+    """JSON Schema of every message, the language-neutral form kept in proto/."""
+    _, components = msgspec.json.schema_components(
+        (Header, ReadNotice, *ALL_MESSAGES), ref_template="#/$defs/{name}"
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kvd wire protocol",
+        "protocol_version": PROTOCOL_VERSION,
+        "frames": ["Header", "body named by Header.kind"],
+        "engine_requests": [c.__name__ for c in ENGINE_REQUESTS],
+        "peer_requests": [c.__name__ for c in PEER_REQUESTS],
+        "replies": [c.__name__ for c in REPLIES],
+        "notification": {"prefix": NOTICE_MAGIC.decode(), "body": "ReadNotice"},
+        "$defs": components,
+    }

@@ -1,0 +1,173 @@
+"""kvd's package layout is its architecture: imports run one way, down the layers.
+
+Read with ``ast`` over every module of ``kvd/`` (TYPE_CHECKING blocks and
+function-local imports included, since a deferred import is still a dependency).
+docs/architecture.md draws the same order; change both together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "kvd"
+
+# Lowest first. A module may import its own layer and any layer below it, never above.
+LAYERS: list[tuple[str, ...]] = [
+    ("kvd", "kvd.errors", "kvd.config"),
+    ("kvd.planner",),
+    ("kvd.transport",),
+    ("kvd.wire",),
+    ("kvd.pool",),
+    ("kvd.client",),
+    ("kvd.ops",),
+    ("kvd.daemon",),
+    ("kvd.integrations",),
+    ("kvd.tools",),
+    ("kvd.cli", "kvd.__main__", "kvd.protocol"),  # kvd.protocol: one-release alias
+]
+ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__", "kvd.protocol"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    best, best_len = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            exact_only = prefix in ROOT_MODULES
+            hit = module == prefix or (not exact_only and module.startswith(prefix + "."))
+            if hit and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS (and the docs)")
+    return best
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every kvd import in ``path``."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "kvd"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "kvd":
+                continue
+            names = [a.name for a in node.names]
+            # `from kvd.pkg import sub` names a submodule: that is the real dependency.
+            subs = [n for n in names if (ROOT / Path(*mod.split(".")[1:], n)).with_suffix(".py")
+                    .exists() or (ROOT / Path(*mod.split(".")[1:], n) / "__init__.py").exists()]
+            out += [(f"{mod}.{n}", [], node.lineno) for n in subs]
+            rest = [n for n in names if n not in subs]
+            if rest or not subs:
+                out.append((mod, rest, node.lineno))
+    return out
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+def graph() -> dict[str, set[str]]:
+    known = {module_name(p) for p in MODULES}
+    edges: dict[str, set[str]] = {}
+    for p in MODULES:
+        me = module_name(p)
+        edges[me] = {m for m, _, _ in imports_of(p) if m in known and m != me}
+    return edges
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_anywhere_in_kvd():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    bad = []
+    for p in MODULES:
+        me = module_name(p)
+        for mod, _, line in imports_of(p):
+            if layer_of(mod) > layer_of(me):
+                bad.append(f"{p.relative_to(ROOT.parent)}:{line}: {me} (layer "
+                           f"{layer_of(me)}) imports {mod} (layer {layer_of(mod)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = []
+    for p in MODULES:
+        for mod, names, line in imports_of(p):
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    bad.append(f"{p.relative_to(ROOT.parent)}:{line}: {name} from {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_cli_config_and_errors_stay_at_the_root():
+    top = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert top == ["__init__", "__main__", "cli", "config", "errors", "protocol"], top
+
+
+# The checks must catch what they claim to: run them on made-up graphs and sources.
+def test_cycle_finder_sees_a_cycle_through_three_modules():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize(("module", "layer"), [
+    ("kvd.planner.plan", 1), ("kvd.wire.protocol", 3), ("kvd.pool.shm", 4),
+    ("kvd.daemon.engines", 7), ("kvd.cli", 10), ("kvd.errors", 0),
+])
+def test_layer_of_known_modules(module, layer):
+    assert layer_of(module) == layer
+
+
+def test_imports_of_sees_type_checking_and_private_names(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvd" / "planner"
+    pkg.mkdir(parents=True)
+    (tmp_path / "kvd" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (tmp_path / "kvd" / "daemon").mkdir()
+    (tmp_path / "kvd" / "daemon" / "__init__.py").write_text("")
+    (tmp_path / "kvd" / "daemon" / "server.py").write_text("")
+    src = pkg / "x.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from kvd.daemon import server\nfrom kvd.planner.y import _hidden\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path / "kvd")
+    found = imports_of(src)
+    assert ("kvd.daemon.server", [], 3) in found
+    assert ("kvd.planner.y", ["_hidden"], 4) in found

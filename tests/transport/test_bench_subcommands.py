@@ -1,0 +1,51 @@
+"""`kvd bench posting|pages|vram`: the subcommands that replaced benchmarks/ scripts run
+end to end through the CLI on small buffers, check their bytes, and refuse bad input
+with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KVD = [sys.executable, "-m", "kvd", "bench"]
+
+
+def _run(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_bench_posting_measures_and_verifies():
+    r = _run("posting", "--nbytes-mib", "4", "--chunks-kib", "32", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["nbytes"] == 4 << 20
+    assert res["cases"] and all(c["verified"] for c in res["cases"])
+
+
+def test_bench_pages_measures_the_kinds_asked_for():
+    r = _run("pages", "--nbytes-mib", "4", "--kinds", "anon,shm", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    kinds = {k["kind"] for k in json.loads(r.stdout)["kinds"]}
+    assert kinds == {"anon", "shm"}
+
+
+def test_bench_vram_on_dram_runs_the_same_code_byte_exact():
+    r = _run("vram", "--device", "cpu", "--nbytes-mib", "4", "--repeats", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["verified"] is True
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("pages", "--kinds", "bogus"), "--kinds: unknown bogus"),
+    (("posting", "--chunks-kib", "4,x"), "--chunks-kib must be integers"),
+    (("vram", "--device", "tpu"), "--device must be cuda or cpu"),
+    (("--plot", "x.png"), "--plot needs --curves"),
+])
+def test_bench_refuses_bad_input_in_one_line(args, needle):
+    r = _run(*args, timeout_s=30)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvd: error: ") and needle in lines[0]
