@@ -7,6 +7,7 @@ a plain VllmKvGeometry, checked by vLLM-free code.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -21,7 +22,13 @@ from kvd.integrations.vllm_core.hybrid import (
 
 
 def is_multi_group(kv_cache_config: Any) -> bool:
-    return kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+    """Whether the connector takes vLLM's per-group path (kvd's hybrid geometry): several
+    KV-cache groups, or one group of Mamba state (an attention-free Mamba2 model)."""
+    if kv_cache_config is None:
+        return False
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or any(type(g.kv_cache_spec).__name__ == "MambaSpec"
+                                  for g in groups)
 
 
 def _ranks(parallel_config: Any) -> tuple[int, int, int, int]:
@@ -50,18 +57,39 @@ def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
     return sorted(starts, key=lambda n: starts[n]), sizes.pop()
 
 
+def _tensor_order(kv_cache_config: Any) -> dict[str, int]:
+    """Each layer's position in its KVCacheTensor (layers[l] starts at l * layer_stride)."""
+    return {name: i for tensor in kv_cache_config.kv_cache_tensors
+            for i, name in enumerate(getattr(tensor, "layers", None)
+                                     or getattr(tensor, "shared_by", ()))}
+
+
+def _layer_id(name: str) -> int | None:
+    """vLLM's own layer index of a layer name (the one its bind_kv_cache orders by)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return int(extract_layer_index(name))
+    except (AssertionError, ValueError):
+        return None
+
+
 def cache_groups(kv_cache_config: Any) -> list[VllmCacheGroup]:
-    """vLLM's KV-cache groups as plain values (kvd.integrations.vllm_core.hybrid)."""
+    """vLLM's KV-cache groups as plain values (kvd.integrations.vllm_core.hybrid), each
+    group's layers in their tensor order."""
+    order = _tensor_order(kv_cache_config)
     out = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         kind = type(spec).__name__
+        names = sorted(group.layer_names, key=lambda n: order.get(n, 0))
         out.append(VllmCacheGroup(
-            spec_type=kind, layer_names=tuple(group.layer_names),
+            spec_type=kind, layer_names=tuple(names),
             sliding_window=int(getattr(spec, "sliding_window", 0) or 0)
             if kind == "SlidingWindowSpec" else 0,
             mamba_shapes=tuple(tuple(int(x) for x in s) for s in getattr(spec, "shapes", ())),
-            mamba_dtypes=tuple(str(d) for d in getattr(spec, "dtypes", ()))))
+            mamba_dtypes=tuple(str(d) for d in getattr(spec, "dtypes", ())),
+            layer_ids=tuple(_layer_id(n) for n in names)))
     return out
 
 
@@ -71,24 +99,72 @@ def group_layout(kv_cache_config: Any) -> list[tuple[str, int]]:
             for g in kv_cache_config.kv_cache_groups]
 
 
-def _mamba_config(hf_config: Any) -> VllmMambaConfig | None:
-    """Mamba2 geometry from the model config (Nemotron-H / Mamba2 / Zamba2 field names)."""
-    get = lambda *names: next((getattr(hf_config, n) for n in names  # noqa: E731
-                               if getattr(hf_config, n, None) is not None), None)
-    heads = get("mamba_num_heads", "n_mamba_heads", "num_heads")
-    head_dim = get("mamba_head_dim", "mamba_headdim", "head_dim")
-    d_state = get("ssm_state_size", "mamba_d_state", "state_size")
-    kernel = get("conv_kernel", "mamba_d_conv", "mamba_conv_kernel")
-    groups = get("n_groups", "mamba_ngroups", "mamba_n_groups")
-    if None in (heads, head_dim, d_state, kernel, groups):
-        return None
-    return VllmMambaConfig(num_heads=int(heads), head_dim=int(head_dim), n_groups=int(groups),
-                           d_state=int(d_state), conv_kernel=int(kernel))
+def model_class(vllm_config: Any) -> type:
+    """The model class vLLM runs (what its own hybrid config asks for shapes)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_config = vllm_config.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
+                                             model_config=model_config)
+    return cls
+
+
+def _at_tp1(vllm_config: Any) -> Any:
+    """A shallow copy of ``vllm_config`` whose parallel config says TP 1."""
+    one = copy.copy(vllm_config)
+    par = copy.copy(vllm_config.parallel_config)
+    object.__setattr__(par, "tensor_parallel_size", 1)
+    object.__setattr__(one, "parallel_config", par)
+    return one
+
+
+def mamba_config(vllm_config: Any, mamba_specs: list[Any]) -> VllmMambaConfig:
+    """The model's global Mamba2 geometry, from vLLM's own objects.
+
+    vLLM's MambaSpec has only this rank's shapes, and x, B and C are sharded
+    separately: how the conv channels split is not in it. vLLM's shape calculator
+    for the model class (``get_mamba_state_shape_from_config``, what vLLM's hybrid
+    config sizes pages with) at TP 1 gives the global conv (conv_dim, kernel - 1)
+    and SSM (heads, head_dim, d_state) shapes; Mamba2 has x = heads * head_dim, so
+    B and C are (conv_dim - x) / 2 = n_groups * d_state each. Anything else is
+    refused naming the fact and the class; hybrid_spec then checks the rank's own
+    MambaSpec shapes against these at the engine's TP.
+    """
+    cls = model_class(vllm_config)
+    name = cls.__name__
+    types = sorted({getattr(s.mamba_type, "name", str(s.mamba_type)) for s in mamba_specs})
+    if types != ["MAMBA2"]:
+        raise LayoutError(f"{name}: vLLM's Mamba state is {'/'.join(types)}; kvd moves "
+                          "Mamba2 (MambaMixer2) states only")
+    if any(len(s.shapes) != 2 for s in mamba_specs):
+        raise LayoutError(f"{name}: vLLM's MambaSpec has {len(mamba_specs[0].shapes)} state "
+                          "tensors; kvd moves Mamba2's (conv, ssm) pair only")
+    calc = getattr(cls, "get_mamba_state_shape_from_config", None)
+    if calc is None:
+        raise LayoutError(f"{name} has no get_mamba_state_shape_from_config: kvd cannot "
+                          "learn the global Mamba2 state shape")
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    conv, ssm = (tuple(int(x) for x in s) for s in calc(_at_tp1(vllm_config))[:2])
+    if len(conv) != 2 or len(ssm) != 3:
+        raise LayoutError(f"{name}: vLLM's Mamba2 state shapes at TP 1 are conv {conv} and "
+                          "ssm {ssm}, not (conv_dim, steps) and (heads, head_dim, d_state)")
+    conv_dim, steps = conv if is_conv_state_dim_first() else conv[::-1]
+    heads, head_dim, d_state = ssm
+    bc = conv_dim - heads * head_dim
+    if bc < 0 or bc % (2 * d_state):
+        raise LayoutError(
+            f"{name}: cannot split vLLM's conv state of {conv_dim} channels into x = "
+            f"{heads} heads x {head_dim} and B, C of n_groups x {d_state}: the x/B/C split "
+            "kvd needs for TP slices is unknown")
+    return VllmMambaConfig(num_heads=heads, head_dim=head_dim, n_groups=bc // (2 * d_state),
+                           d_state=d_state, conv_kernel=steps + 1)
 
 
 def hybrid_geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
                               model_name: str | None = None) -> VllmHybridGeometry:
-    """A multi-group (hybrid) worker: its groups and the one allocation kvd must serve."""
+    """A hybrid (or attention-free Mamba) worker: its groups and the one allocation kvd
+    must serve."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
     groups = cache_groups(kv_cache_config)
@@ -113,10 +189,11 @@ def hybrid_geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
     mamba_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups
                    if type(g.kv_cache_spec).__name__ == "MambaSpec"]
     conv_layout = "DS"
-    mamba = _mamba_config(model_config.hf_config) if mamba_specs else None
+    mamba = mamba_config(vllm_config, mamba_specs) if mamba_specs else None
     if mamba is not None:
-        steps = mamba.conv_kernel - 1
-        conv_layout = "SD" if tuple(mamba_specs[0].shapes[0])[0] == steps else "DS"
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        conv_layout = "DS" if is_conv_state_dim_first() else "SD"
     return VllmHybridGeometry(
         model_name=name, groups=tuple(groups), num_layers=total_layers,
         total_kv_heads=1 if mla or not att else model_config.get_total_num_kv_heads(),
@@ -126,7 +203,8 @@ def hybrid_geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
         num_blocks=kv_cache_config.num_blocks, buf_nbytes=sizes.pop(), mamba=mamba,
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
         layer_partition=partition, conv_layout=conv_layout,
-        kv_layout=vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+        kv_layout=vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+        model_class=model_class(vllm_config).__name__)
 
 
 def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
@@ -136,7 +214,7 @@ def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
     if kv_cache_config is None:
         raise LayoutError("KvdConnector needs vLLM's kv_cache_config (vLLM 0.32 or newer)")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    if is_multi_group(kv_cache_config):
         return hybrid_geometry_from_vllm(vllm_config, kv_cache_config, model_name)
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec) or isinstance(spec, SlidingWindowSpec):

@@ -138,7 +138,7 @@ class KvdWorker:
         if isinstance(g, VllmHybridGeometry):
             check_hybrid_views(g.model_spec(), g.layout_spec(), g.tp_size, g.pp_size,
                                g.pp_rank, views, _pool_addr(handle), pool.nbytes,
-                               g.layer_partition)
+                               g.layer_partition, g.layer_numbers)
             return
         check_views(g, views, _pool_addr(handle), pool.nbytes)
 

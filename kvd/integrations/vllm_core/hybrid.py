@@ -5,15 +5,26 @@ names, each with one KVCacheSpec (FullAttentionSpec, SlidingWindowSpec,
 MambaSpec, ...). A request's ``block_ids`` has one list per group in that
 order, so kvd's HybridSpec keeps the groups in vLLM's order. vLLM's MambaSpec
 gives only this rank's state shapes; the global shapes kvd plans with (SSM
-heads, head_dim, groups, d_state, kernel) come from the model config, and the
+heads, head_dim, groups, d_state, kernel) come from vLLM's own shape calculator
+for the model class at TP 1 (kvd.integrations.vllm.vllm_geometry), and the
 rank's shapes must agree with them at this TP size, or kvd would move other
 bytes than the engine keeps: refused here, at startup, naming the shape.
+
+Layer numbers come from vLLM's allocation, not from a naming convention: each
+group lists its layers in the order of its KVCacheTensor (layer l of every
+group shares tensor position l). Where vLLM's own ``extract_layer_index`` gives
+every cache layer a distinct model layer (Nemotron-H, Granite 4.0-H, Mamba2:
+"model.layers.12.mixer" -> 12), kvd numbers layers by it, so that layers without
+a cache still count for PP stages. Where it does not (Falcon-H1 puts attention
+and Mamba in one layer and names the Mamba "model.3.mixer"; Zamba2's shared
+attention is "model.attn.0"), kvd numbers the cache layers themselves in
+allocation order (position-major, groups in vLLM's order): one number per cache
+layer, stable across TP sizes, and such models run with PP 1 only.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +38,6 @@ SPEC_KINDS = {
     "SlidingWindowSpec": "sliding",
     "MambaSpec": "mamba",
 }
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -35,15 +45,17 @@ class VllmCacheGroup:
     """One of vLLM's KV-cache groups: its spec's class name, layers and the fields kvd uses."""
 
     spec_type: str
-    layer_names: tuple[str, ...]
+    layer_names: tuple[str, ...]  # in the group's KVCacheTensor order (tensor position)
     sliding_window: int = 0  # SlidingWindowSpec.sliding_window (tokens)
     mamba_shapes: tuple[tuple[int, ...], ...] = ()  # MambaSpec.shapes: this rank's (conv, ssm)
     mamba_dtypes: tuple[str, ...] = ()  # MambaSpec.dtypes, e.g. "torch.bfloat16"
+    # vLLM's extract_layer_index of each name (None where it finds no single index)
+    layer_ids: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
 class VllmMambaConfig:
-    """The model config's global Mamba2 geometry (e.g. Nemotron-H's mamba_* fields)."""
+    """The model's global Mamba2 geometry (vLLM's shape calculator for the class at TP 1)."""
 
     num_heads: int
     head_dim: int
@@ -52,12 +64,31 @@ class VllmMambaConfig:
     conv_kernel: int
 
 
-def layer_index(name: str) -> int:
-    """vLLM's layer names carry the global index: "model.layers.12.mixer" -> 12."""
-    match = _LAYER_INDEX.search(name)
-    if match is None:
-        raise LayoutError(f"cannot find a layer index in vLLM layer name {name!r}")
-    return int(match.group(1))
+def layer_numbering(groups: Sequence[VllmCacheGroup], model_layers: int
+                    ) -> tuple[dict[str, int], int, bool]:
+    """(kvd layer number of every cache layer name, kvd's layer count, numbered by model layer).
+
+    Model layer numbers (vLLM's extract_layer_index) where they are distinct, inside
+    the model's ``model_layers`` and ascending in every group's tensor order;
+    otherwise the cache layers in allocation order (see the module docstring).
+    """
+    names = [n for g in groups for n in g.layer_names]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise LayoutError(f"vLLM layer {dup[0]!r} is in two KV-cache groups")
+    ids = [i for g in groups for i in (g.layer_ids or (None,) * len(g.layer_names))]
+    by_model = (None not in ids and len(set(ids)) == len(ids)
+                and all(0 <= int(i) < model_layers for i in ids if i is not None)
+                and all(list(g.layer_ids) == sorted(g.layer_ids) for g in groups))
+    if by_model:
+        return ({n: int(i) for n, i in zip(names, ids, strict=True) if i is not None},
+                model_layers, True)
+    out: dict[str, int] = {}
+    for position in range(max((len(g.layer_names) for g in groups), default=0)):
+        for g in groups:
+            if position < len(g.layer_names):
+                out[g.layer_names[position]] = len(out)
+    return out, len(out), False
 
 
 def _dtype(name: str) -> str:
@@ -95,9 +126,11 @@ def hybrid_spec(groups: Sequence[VllmCacheGroup], num_layers: int, tp_size: int,
                 ) -> HybridSpec:
     """kvd's description of vLLM's groups, in vLLM's group order.
 
-    ``num_layers``: every layer of the model (MLP/MoE layers have no cache and become
-    ``none``; they still count for PP partitions).
+    ``num_layers``: every layer of the model; where vLLM's layer indices number the
+    cache layers (layer_numbering), MLP/MoE layers have no cache and become ``none``
+    and still count for PP partitions; otherwise kvd's layers are the cache layers.
     """
+    numbers, total, _ = layer_numbering(groups, num_layers)
     kinds: dict[int, LayerSpec] = {}
     out_groups: list[list[int]] = []
     conv: tuple[str, str, str] | None = None
@@ -116,12 +149,8 @@ def hybrid_spec(groups: Sequence[VllmCacheGroup], num_layers: int, tp_size: int,
                 raise LayoutError(f"Mamba groups disagree on the state: {conv} vs {found}")
             conv = found
         layer = LayerSpec(kind, group.sliding_window if kind == "sliding" else 0)
-        ids = sorted(layer_index(n) for n in group.layer_names)
+        ids = [numbers[n] for n in group.layer_names]
         for i in ids:
-            if not 0 <= i < num_layers:
-                raise LayoutError(f"vLLM layer {i} outside the model's {num_layers} layers")
-            if i in kinds:
-                raise LayoutError(f"vLLM layer {i} is in two KV-cache groups")
             kinds[i] = layer
         out_groups.append(ids)
     msg = None
@@ -130,7 +159,7 @@ def hybrid_spec(groups: Sequence[VllmCacheGroup], num_layers: int, tp_size: int,
                            n_groups=mamba.n_groups, d_state=mamba.d_state,
                            conv_kernel=mamba.conv_kernel, conv_dtype=conv[1],
                            ssm_dtype=conv[2])
-    return HybridSpec(layers=[kinds.get(i, LayerSpec("none")) for i in range(num_layers)],
+    return HybridSpec(layers=[kinds.get(i, LayerSpec("none")) for i in range(total)],
                       groups=out_groups, mamba=msg,
                       conv_layout="SD" if conv is not None and conv[0] == "SD" else "DS")
 
@@ -200,7 +229,8 @@ def pull_groups(kinds: Sequence[str], new_block_ids: Sequence[Sequence[int]],
 
 def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_rank: int,
                        views: Sequence[Any], pool_addr: int, pool_nbytes: int,
-                       layer_partition: tuple[int, ...] | None = None) -> None:
+                       layer_partition: tuple[int, ...] | None = None,
+                       layer_numbers: Mapping[str, int] | None = None) -> None:
     """Every vLLM view of a hybrid rank lies where kvd's hybrid layout puts it.
 
     ``views``: LayerView (kvd.integrations.vllm_core.geometry) of every cache
@@ -231,8 +261,10 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
         for j, i in enumerate(here):
             where[i] = (lay.groups[g], j)
     seen = set()
+    if layer_numbers is None:
+        raise LayoutError("check_hybrid_views needs kvd's layer number of each vLLM layer")
     for view in views:
-        i = layer_index(view.name)
+        i = layer_numbers.get(view.name, -1)
         if i not in where:
             raise LayoutError(f"vLLM layer {view.name!r} has a cache view but kvd's hybrid "
                               f"description has no cache layer {i} on this rank")
@@ -303,10 +335,26 @@ class VllmHybridGeometry:
     layer_partition: tuple[int, ...] | None = None
     conv_layout: str = "DS"
     kv_layout: str = "LBHNC"  # the attention backend's page order (vLLM's resolved layout)
+    model_class: str = ""  # vLLM's model class, for messages
 
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(SPEC_KINDS.get(g.spec_type, "?") for g in self.groups)
+
+    @property
+    def layer_numbers(self) -> dict[str, int]:
+        """kvd's layer number of every vLLM cache layer name (layer_numbering)."""
+        return layer_numbering(self.groups, self.num_layers)[0]
+
+    def validate(self) -> None:
+        """Refuse PP where vLLM's names give no model layer (kvd cannot place the stages)."""
+        numbers, _, by_model = layer_numbering(self.groups, self.num_layers)
+        if self.pp_size > 1 and not by_model:
+            example = next(iter(numbers), "?")
+            raise LayoutError(
+                f"{self.model_class or self.model_name}: vLLM's cache layer names (e.g. "
+                f"{example!r}) give no model layer index, so kvd cannot tell which PP stage "
+                f"holds each; run it with pipeline_parallel_size 1 (got {self.pp_size})")
 
     def model_spec(self) -> Any:
         from kvd.wire.protocol import ModelSpec
@@ -314,7 +362,7 @@ class VllmHybridGeometry:
         hybrid = hybrid_spec(self.groups, self.num_layers, self.tp_size, self.mamba,
                              self.conv_layout)
         return ModelSpec(name=self.model_name, num_kv_heads=self.total_kv_heads,
-                         num_layers=self.num_layers, head_dim=self.head_size,
+                         num_layers=len(hybrid.layers), head_dim=self.head_size,
                          dtype=self.dtype, mla=self.mla, hybrid=hybrid)
 
     def layout_spec(self) -> Any:
@@ -330,6 +378,7 @@ class VllmHybridGeometry:
         from kvd.planner.topology import Parallelism
         from kvd.pool.hybrid import hybrid_rank_pool
 
+        self.validate()
         par = Parallelism(self.tp_size, self.pp_size, self.layer_partition)
         pool, _ = hybrid_rank_pool(self.model_spec(), self.layout_spec(), par, self.pp_rank)
         if pool.total_nbytes != self.buf_nbytes:
