@@ -36,14 +36,26 @@ PATTERN = "M*S-M*MS"  # groups: Mamba [0,4] [6], attention [1,5], sliding [2,7]
 K, HEAD_DIM = 2, 2
 SPEC = MambaSpec(num_heads=24, head_dim=2, n_groups=2, d_state=2, conv_kernel=3,
                  conv_dtype_nbytes=4, ssm_dtype_nbytes=4)
-TPS = [1, 2, 4, 6, 8]  # what K=2, 24 SSM heads and 2 groups all allow
+# Granite 4.0-H and Falcon-H1 keep one B/C group, replicated on every TP rank
+ONE_GROUP = MambaSpec(num_heads=24, head_dim=2, n_groups=1, d_state=2, conv_kernel=4,
+                      conv_dtype_nbytes=4, ssm_dtype_nbytes=4)
+# The state shapes the vLLM families give kvd (kvd.integrations.vllm_core.hybrid numbers
+# Falcon-H1's cache layers position-major: each model layer is an (attention, Mamba) pair)
+FAMILIES = {
+    "nemotron_h": (PATTERN, SPEC),
+    "granite_4h": ("MMM*MMM*", ONE_GROUP),  # Mamba groups [0,1] [2,4] [5,6], attention [3,7]
+    "falcon_h1": ("*M*M*M", ONE_GROUP),  # attention [0,2,4], Mamba [1,3,5]
+    "mamba2": ("MMM", SPEC),  # no attention
+}
+TPS = [1, 2, 4, 6, 8]  # what K=2, 24 SSM heads and 1 or 2 groups all allow
 MAX_TOKENS = 120
 LOCAL_FILL, REMOTE_FILL = -2, -1
 
 
-def model(window: int):
-    return model_from_pattern(PATTERN, attention=AttentionSpec(K, HEAD_DIM, dtype_nbytes=4),
-                              mamba=SPEC, window_tokens=window)
+def model(window: int, family: str = "nemotron_h"):
+    pattern, spec = FAMILIES[family]
+    return model_from_pattern(pattern, attention=AttentionSpec(K, HEAD_DIM, dtype_nbytes=4),
+                              mamba=spec, window_tokens=window)
 
 
 def stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -61,13 +73,13 @@ def kv_heads(tp: int, rank: int) -> tuple[int, int]:
     return rank * K // tp, rank * K // tp + 1
 
 
-def mamba_shard(tp: int, rank: int, conv: np.ndarray, ssm: np.ndarray):
-    h = SPEC.num_heads
+def mamba_shard(spec: MambaSpec, tp: int, rank: int, conv: np.ndarray, ssm: np.ndarray):
+    h = spec.num_heads
     heads = range(rank * h // tp, (rank + 1) * h // tp)
-    g = SPEC.n_groups
+    g = spec.n_groups
     groups = range(rank * g // tp, (rank + 1) * g // tp) if tp <= g else \
         range(rank * g // tp, rank * g // tp + 1)
-    p, n = SPEC.head_dim, SPEC.d_state
+    p, n = spec.head_dim, spec.d_state
     x_end, b_end = h * p, h * p + g * n
     body = np.concatenate([conv[heads.start * p:heads.stop * p],
                            conv[x_end + groups.start * n:x_end + groups.stop * n],
@@ -99,8 +111,8 @@ class Side:
         self.layouts = {pp_rank: vllm_rank_layout(m, self.par, pp_rank, num_logical, kbs,
                                                   kv_layout=kv_layout)
                         for pp_rank in range(pp)}
-        self.ratio = next(g.blocks_per_logical for lay in self.layouts.values()
-                          for g in lay.groups if isinstance(g, AttentionGroupLayout))
+        self.ratio = next((g.blocks_per_logical for lay in self.layouts.values()
+                           for g in lay.groups if isinstance(g, AttentionGroupLayout)), 1)
 
     def rank_pool(self, pp_rank: int, fill: int) -> np.ndarray:
         return np.full(self.layouts[pp_rank].end_nbytes // 4 + 4, fill, dtype=np.int32)
@@ -122,9 +134,11 @@ class Side:
     kv_layout=st.sampled_from(HYBRID_KV_LAYOUTS),
     data=st.data(),
 )
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_hybrid_pull_moves_exactly_the_needed_bytes(p_tp, d_tp, p_pp, d_pp, p_kbs, d_kbs, window,
-                                                    num_tokens, hit, kv_layout, data):
-    m = model(window)
+                                                    num_tokens, hit, kv_layout, data, family):
+    m = model(window, family)
+    spec = m.mamba
     plan = plan_hybrid(m, Parallelism(p_tp, p_pp), Parallelism(d_tp, d_pp))
     n_groups = len(m.groups)
     # every side's logical block spans >= 8 tokens here (the smallest Mamba state over the
@@ -157,11 +171,11 @@ def test_hybrid_pull_moves_exactly_the_needed_bytes(p_tp, d_tp, p_pp, d_pp, p_kb
     for g, group in enumerate(m.groups):
         if m.group_kind(g) == "mamba":
             n_layers = len(group.layers)
-            conv = np.arange(n_layers * SPEC.conv_channels * SPEC.state_len).reshape(
-                n_layers, SPEC.conv_channels, SPEC.state_len) + offset
+            conv = np.arange(n_layers * spec.conv_channels * spec.state_len).reshape(
+                n_layers, spec.conv_channels, spec.state_len) + offset
             offset += conv.size
-            ssm = np.arange(n_layers * SPEC.num_heads * SPEC.head_dim * SPEC.d_state).reshape(
-                n_layers, SPEC.num_heads, SPEC.head_dim, SPEC.d_state) + offset
+            ssm = np.arange(n_layers * spec.num_heads * spec.head_dim * spec.d_state).reshape(
+                n_layers, spec.num_heads, spec.head_dim, spec.d_state) + offset
             offset += ssm.size
             mamba[g] = (conv, ssm)
         else:
@@ -177,7 +191,7 @@ def test_hybrid_pull_moves_exactly_the_needed_bytes(p_tp, d_tp, p_pp, d_pp, p_kb
         if isinstance(lay, MambaStateLayout):
             conv, ssm = mamba[g]
             for pos in range(a, b):
-                body, heads = mamba_shard(side.tp, rank.tp_rank, conv[pos], ssm[pos])
+                body, heads = mamba_shard(spec, side.tp, rank.tp_rank, conv[pos], ssm[pos])
                 start = (pos - a) * lay.layer_stride_nbytes + block_ids[0] * lay.slot_stride_nbytes
                 put_i32(pool, start, body)  # DS: channel-major
                 put_i32(pool, start + body.size * 4, heads)  # SSM right after the conv state
