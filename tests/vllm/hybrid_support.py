@@ -20,6 +20,7 @@ what it received byte for byte.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,68 @@ MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
-def write_model_dir(path: Path) -> Path:
+@dataclass(frozen=True)
+class Family:
+    """One hybrid family at scheduler level: its config.json, vLLM model class (whose
+    shape calculator gives the Mamba specs) and the cache layer names vLLM 0.32's model
+    registers (as a whole engine showed them), in model order."""
+
+    name: str
+    config: dict[str, Any]
+    model_cls: Any
+    attn_names: tuple[str, ...]
+    mamba_names: tuple[str, ...]
+    num_kv_heads: int
+    head_dim: int
+    mamba_heads: int
+    mamba_head_dim: int
+    n_groups: int
+    d_state: int
+    conv_kernel: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.attn_names + self.mamba_names
+
+
+NEMOTRON_H = Family(
+    "nemotron_h", MODEL_CONFIG, NemotronHForCausalLM,
+    attn_names=(LAYER_NAMES[1], LAYER_NAMES[3]), mamba_names=(LAYER_NAMES[0], LAYER_NAMES[2]),
+    num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, mamba_heads=8, mamba_head_dim=16,
+    n_groups=2, d_state=16, conv_kernel=4)
+
+
+def transformers_family(name: str) -> Family:
+    """A family of tiny_hybrid_models (config from transformers' own class), with vLLM's
+    names for its cache layers."""
+    from tiny_hybrid_models import make_config
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    config = make_config(name).to_dict()
+    arch = {"granitemoehybrid": "GraniteMoeHybridForCausalLM",
+            "falcon_h1": "FalconH1ForCausalLM"}[name]
+    config["architectures"] = [arch]
+    cls = ModelRegistry._try_load_model_cls(arch)
+    n = config["num_hidden_layers"]
+    if name == "granitemoehybrid":
+        kinds = config["layer_types"]
+        attn = tuple(f"model.layers.{i}.self_attn.attn" for i in range(n)
+                     if kinds[i] == "attention")
+        mamba = tuple(f"model.layers.{i}.mixer" for i in range(n) if kinds[i] == "mamba")
+        heads = config["num_key_value_heads"]
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+    else:  # Falcon-H1: attention and Mamba in every layer; vLLM names the Mamba past them
+        attn = tuple(f"model.layers.{i}.attn" for i in range(n))
+        mamba = tuple(f"model.{n + i}.mixer" for i in range(n))
+        heads, head_dim = config["num_key_value_heads"], config["head_dim"]
+    return Family(name, config, cls, attn, mamba, heads, head_dim, config["mamba_n_heads"],
+                  config["mamba_d_head"], config["mamba_n_groups"], config["mamba_d_state"],
+                  config["mamba_d_conv"])
+
+
+def write_model_dir(path: Path, family: Family = NEMOTRON_H) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(family.config, indent=2) + "\n")
     return path
 
 
@@ -82,10 +142,11 @@ class HybridEngine(ss.SimEngine):
     """SimEngine over the hybrid model: block ids per group, attention and Mamba state."""
 
     mamba_shapes: tuple[tuple[int, ...], ...] = ()
+    family: Family = NEMOTRON_H
 
     @property
     def heads_per_rank(self) -> int:
-        return NUM_KV_HEADS // self.tp_size
+        return self.family.num_kv_heads // self.tp_size
 
     def group_ids(self, request_id: str) -> list[list[int]]:
         return [list(g) for g in self.scheduler.kv_cache_manager.get_block_ids(request_id)]
@@ -99,14 +160,14 @@ class HybridEngine(ss.SimEngine):
 
     def attn_view(self, cache: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
         """int32 [block, head, token, K|V, dim]: vLLM's LBHNC page with its channel split."""
-        v = cache[LAYER_NAMES[layer]].view(torch.int32)
+        v = cache[self.family.names[layer]].view(torch.int32)
         b, h, n, c = v.shape
         return v.view(b, h, n, 2, c // 2)
 
     def mamba_views(self, cache: dict[str, torch.Tensor], layer: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) int32 views of every slot, as MambaBase.bind_kv_cache unpacks them."""
-        pages = cache[LAYER_NAMES[layer]].squeeze(1).squeeze(1)
+        pages = cache[self.family.names[layer]].squeeze(1).squeeze(1)
         out, offset = [], 0
         for shape in self.mamba_shapes:
             nbytes = prod(shape) * 4
@@ -117,9 +178,9 @@ class HybridEngine(ss.SimEngine):
     def conv_channels(self, rank: int) -> torch.Tensor:
         """Global conv channels of a rank in its order: its x, B and C slices (each of the
         three sub-projections sharded over TP on its own, as MambaMixer2 shards them)."""
-        cfg, t = MODEL_CONFIG, self.tp_size
-        d_inner = cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
-        g, n = cfg["n_groups"], cfg["ssm_state_size"]
+        f, t = self.family, self.tp_size
+        d_inner = f.mamba_heads * f.mamba_head_dim
+        g, n = f.n_groups, f.d_state
         x = torch.arange(rank * d_inner // t, (rank + 1) * d_inner // t)
         g0, g1 = (rank * g // t, (rank + 1) * g // t) if t <= g else (rank * g // t,
                                                                        rank * g // t + 1)
@@ -137,10 +198,19 @@ class HybridEngine(ss.SimEngine):
             return ss.kv_pattern(tag, 2000 + layer + 100 * end,
                                  torch.arange(rank * h, (rank + 1) * h),
                                  torch.arange(shape[1]), shape[2])
-        steps = MODEL_CONFIG["conv_kernel"] - 1
+        steps = self.family.conv_kernel - 1
         flat = ss.kv_pattern(tag, 1000 + layer, torch.tensor([end]), self.conv_channels(rank),
                              steps)[0]  # [channel, step]
         return flat if tuple(shape) == tuple(flat.shape) else flat.T.contiguous()
+
+    @property
+    def attn_layers(self) -> range:
+        """Pattern numbers of the attention layers (positions in family.names)."""
+        return range(len(self.family.attn_names))
+
+    @property
+    def mamba_layers(self) -> range:
+        return range(len(self.family.attn_names), len(self.family.names))
 
     def mamba_slot(self, groups: list[list[int]]) -> int:
         g = next(i for i in range(len(groups)) if self.group_kind(i) == "mamba")
@@ -157,18 +227,18 @@ class HybridEngine(ss.SimEngine):
         slot = self.mamba_slot(groups)
         for rank, cache in enumerate(self.caches):
             heads = self._heads(rank)
-            for layer in ATTN_LAYERS:
+            for layer in self.attn_layers:
                 view = self.attn_view(cache, layer)
                 for kv in range(2):
                     view[blk, :, off, kv, :] = ss.kv_pattern(self.tag, 2 * layer + kv, pos,
                                                              heads, view.shape[-1])
-            for layer in MAMBA_LAYERS:
+            for layer in self.mamba_layers:
                 for part, state in enumerate(self.mamba_views(cache, layer)):
                     state[slot] = self.state_pattern(self.tag, rank, layer, part, end)
 
     def _zero(self, block_ids: list[int]) -> None:
         for cache in self.caches:
-            for name in LAYER_NAMES.values():
+            for name in self.family.names:
                 cache[name][block_ids] = 0
 
     def attn_mismatches(self, blocks: list[int], start: int, end: int, tag: int,
@@ -176,7 +246,7 @@ class HybridEngine(ss.SimEngine):
         pos, blk, off = ss._slots(blocks, self.block_size, start, end)
         bad = 0
         for rank, cache in enumerate(caches):
-            for layer in ATTN_LAYERS:
+            for layer in self.attn_layers:
                 view = self.attn_view(cache, layer)
                 for kv in range(2):
                     want = ss.kv_pattern(tag, 2 * layer + kv, pos, self._heads(rank),
@@ -188,7 +258,7 @@ class HybridEngine(ss.SimEngine):
                          caches: list[dict[str, torch.Tensor]]) -> int:
         bad = 0
         for rank, cache in enumerate(caches):
-            for layer in MAMBA_LAYERS:
+            for layer in self.mamba_layers:
                 for part, state in enumerate(self.mamba_views(cache, layer)):
                     want = self.state_pattern(tag, rank, layer, part, end)
                     bad += int((state[slot] != want).sum())
@@ -197,25 +267,28 @@ class HybridEngine(ss.SimEngine):
 
 def make_hybrid_engine(name: str, model_dir: Path, kvd_address: str, *,
                        num_blocks: int = 24, tp_size: int = 1, block_size: int = 32,
-                       tag: int | None = None) -> HybridEngine:
+                       tag: int | None = None, family: Family = NEMOTRON_H) -> HybridEngine:
     """A hybrid engine wired as ``vllm serve`` with KvdConnector would wire it: the KV specs
-    NemotronHForCausalLM reports at this TP, the Mamba page padded to the attention page."""
+    the family's vLLM model class reports at this TP, the Mamba page padded to the
+    attention page."""
     shapes: list[tuple[int, ...]] = []
 
     def specs(vllm_config: Any) -> dict[str, Any]:
-        att = FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS // tp_size,
-                                head_size=HEAD_DIM, dtype=torch.float32)
+        att = FullAttentionSpec(block_size=block_size,
+                                num_kv_heads=family.num_kv_heads // tp_size,
+                                head_size=family.head_dim, dtype=torch.float32)
         shapes.extend(tuple(s) for s in
-                      NemotronHForCausalLM.get_mamba_state_shape_from_config(vllm_config))
-        dtypes = NemotronHForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+                      family.model_cls.get_mamba_state_shape_from_config(vllm_config))
+        dtypes = family.model_cls.get_mamba_state_dtype_from_config(vllm_config)
         mamba = MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes),
                           block_size=vllm_config.cache_config.mamba_block_size or 2048,
                           page_size_padded=att.page_size_bytes)
         assert mamba.state_content_size_bytes <= att.page_size_bytes
-        return {LAYER_NAMES[i]: (mamba if c == "M" else att) for i, c in enumerate(PATTERN)}
+        return {**{n: att for n in family.attn_names}, **{n: mamba for n in family.mamba_names}}
 
     engine = make_multi_group_engine(HybridEngine, name, model_dir, kvd_address, specs,
                                         block_size=block_size, num_blocks=num_blocks,
                                         tp_size=tp_size, tag=tag)
     engine.mamba_shapes = tuple(shapes)
+    engine.family = family
     return engine

@@ -30,6 +30,7 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
 from hybrid_support import (  # noqa: E402
     HybridEngine,
     make_hybrid_engine,
+    transformers_family,
     write_model_dir,
 )
 from pd_support import closing_engines  # noqa: E402
@@ -81,15 +82,42 @@ def test_hybrid_prefill_to_decode(daemons, engines, p_tp: int, d_tp: int) -> Non
     assert p.vllm_config.cache_config.get_resolved_kv_cache_layout().name == "LBHNC"
     assert [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups] \
         == ["MambaSpec", "FullAttentionSpec"]
+    _prefill_to_decode(p, d)
 
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "falcon_h1"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_family_prefill_to_decode(daemons, tmp_path: Path, family: str, p_tp: int,
+                                  d_tp: int) -> None:
+    """Granite 4.0-H (Mamba and attention layers) and Falcon-H1 (both in every layer, the
+    Mamba named "model.3.mixer"), with the cache layer names vLLM's models give them and
+    the Mamba specs of their own vLLM classes, hetero TP both ways: 16 SSM heads, 2 B/C
+    groups and 2 KV heads split over 2 ranks."""
+    pd, dd = daemons
+    fam = transformers_family(family)
+    model_dir = write_model_dir(tmp_path / family, fam)
+    gen = closing_engines(make_hybrid_engine, model_dir)
+    engines = next(gen)
+    try:
+        p = engines("fpre", pd, tp_size=p_tp, family=fam, block_size=64)
+        d = engines("fdec", dd, tp_size=d_tp, family=fam, block_size=64)
+        kinds = [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups]
+        assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]
+        _prefill_to_decode(p, d)
+    finally:
+        next(gen, None)
+
+
+def _prefill_to_decode(p: HybridEngine, d: HybridEngine) -> None:
     prompt = prompt_tokens(11, PROMPT)
     params = prefill(p, "r1", prompt)
     loaded = PROMPT - 1  # the prefill engine stopped one token short (Mamba)
     assert params["remote_num_tokens"] == loaded
     groups = params["remote_block_ids"]
-    assert len(groups) == 2 and len(groups[0]) == 1, groups  # Mamba: the running slot
-    assert len(groups[1]) == -(-loaded // p.block_size)
-    p_slot = groups[0][0]
+    m = next(g for g in range(len(groups)) if p.group_kind(g) == "mamba")
+    assert len(groups) == 2 and len(groups[m]) == 1, groups  # Mamba: the running slot
+    assert len(groups[1 - m]) == -(-loaded // p.block_size)
+    p_slot = groups[m][0]
     assert p.computed["r1"][-1][1] == loaded
 
     d.add("r1", prompt, max_tokens=3, kv_transfer_params=params)

@@ -50,8 +50,9 @@ class KvdScheduler:
         self.settings = settings
         self.block_size_tokens = block_size_tokens
         # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
-        # vLLM's order; None for one group (attention-only models, unchanged).
-        self.groups = groups if groups is not None and len(groups) > 1 else None
+        # vLLM's order; None for one attention group (attention-only models, unchanged).
+        self.groups = (groups if groups is not None
+                       and (len(groups) > 1 or groups[0][0] != "attention") else None)
         self.lease_s = settings.lease_s if settings.lease_s is not None else default_lease_s
         self.peer_address: str | None = None
         self._client: KvdClient | None = None
@@ -224,6 +225,8 @@ class KvdScheduler:
 
     def _start(self, request_id: str, pull: _Pull) -> None:
         remote_groups = pull.remote.group_block_ids
+        if remote_groups is None and self.groups is not None and len(self.groups) == 1:
+            remote_groups = (pull.remote.block_ids,)  # one Mamba group's list comes flat
         hybrid = self.groups is not None and remote_groups is not None
         if hybrid:
             local_groups = pull.local_groups or [[] for _ in remote_groups]
