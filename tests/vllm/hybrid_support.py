@@ -91,6 +91,7 @@ class Family:
     n_groups: int
     d_state: int
     conv_kernel: int
+    model_order: tuple[str, ...] = ()  # the names in the model's registration order
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -101,7 +102,7 @@ NEMOTRON_H = Family(
     "nemotron_h", MODEL_CONFIG, NemotronHForCausalLM,
     attn_names=(LAYER_NAMES[1], LAYER_NAMES[3]), mamba_names=(LAYER_NAMES[0], LAYER_NAMES[2]),
     num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, mamba_heads=8, mamba_head_dim=16,
-    n_groups=2, d_state=16, conv_kernel=4)
+    n_groups=2, d_state=16, conv_kernel=4, model_order=tuple(LAYER_NAMES.values()))
 
 
 def transformers_family(name: str) -> Family:
@@ -118,18 +119,22 @@ def transformers_family(name: str) -> Family:
     n = config["num_hidden_layers"]
     if name == "granitemoehybrid":
         kinds = config["layer_types"]
+        # transformers writes "full_attention" / "linear_attention" (the Mamba layers)
         attn = tuple(f"model.layers.{i}.self_attn.attn" for i in range(n)
-                     if kinds[i] == "attention")
-        mamba = tuple(f"model.layers.{i}.mixer" for i in range(n) if kinds[i] == "mamba")
+                     if kinds[i] in ("attention", "full_attention"))
+        mamba = tuple(f"model.layers.{i}.mixer" for i in range(n)
+                      if kinds[i] in ("mamba", "linear_attention"))
+        order = tuple(sorted(attn + mamba, key=lambda x: int(x.split(".")[2])))
         heads = config["num_key_value_heads"]
         head_dim = config["hidden_size"] // config["num_attention_heads"]
     else:  # Falcon-H1: attention and Mamba in every layer; vLLM names the Mamba past them
         attn = tuple(f"model.layers.{i}.attn" for i in range(n))
         mamba = tuple(f"model.{n + i}.mixer" for i in range(n))
+        order = tuple(x for pair in zip(attn, mamba, strict=True) for x in pair)
         heads, head_dim = config["num_key_value_heads"], config["head_dim"]
     return Family(name, config, cls, attn, mamba, heads, head_dim, config["mamba_n_heads"],
                   config["mamba_d_head"], config["mamba_n_groups"], config["mamba_d_state"],
-                  config["mamba_d_conv"])
+                  config["mamba_d_conv"], order)
 
 
 def write_model_dir(path: Path, family: Family = NEMOTRON_H) -> Path:
@@ -284,7 +289,7 @@ def make_hybrid_engine(name: str, model_dir: Path, kvd_address: str, *,
                           block_size=vllm_config.cache_config.mamba_block_size or 2048,
                           page_size_padded=att.page_size_bytes)
         assert mamba.state_content_size_bytes <= att.page_size_bytes
-        return {**{n: att for n in family.attn_names}, **{n: mamba for n in family.mamba_names}}
+        return {n: att if n in family.attn_names else mamba for n in family.model_order}
 
     engine = make_multi_group_engine(HybridEngine, name, model_dir, kvd_address, specs,
                                         block_size=block_size, num_blocks=num_blocks,
