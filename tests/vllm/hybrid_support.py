@@ -113,7 +113,8 @@ def transformers_family(name: str) -> Family:
 
     config = make_config(name).to_dict()
     arch = {"granitemoehybrid": "GraniteMoeHybridForCausalLM",
-            "falcon_h1": "FalconH1ForCausalLM"}[name]
+            "falcon_h1": "FalconH1ForCausalLM", "zamba2": "Zamba2ForCausalLM",
+            "mamba2": "Mamba2ForCausalLM"}[name]
     config["architectures"] = [arch]
     cls = ModelRegistry._try_load_model_cls(arch)
     n = config["num_hidden_layers"]
@@ -127,14 +128,31 @@ def transformers_family(name: str) -> Family:
         order = tuple(sorted(attn + mamba, key=lambda x: int(x.split(".")[2])))
         heads = config["num_key_value_heads"]
         head_dim = config["hidden_size"] // config["num_attention_heads"]
-    else:  # Falcon-H1: attention and Mamba in every layer; vLLM names the Mamba past them
+    elif name == "falcon_h1":  # attention and Mamba in every layer; Mamba named past them
         attn = tuple(f"model.layers.{i}.attn" for i in range(n))
         mamba = tuple(f"model.{n + i}.mixer" for i in range(n))
         order = tuple(x for pair in zip(attn, mamba, strict=True) for x in pair)
         heads, head_dim = config["num_key_value_heads"], config["head_dim"]
-    return Family(name, config, cls, attn, mamba, heads, head_dim, config["mamba_n_heads"],
-                  config["mamba_d_head"], config["mamba_n_groups"], config["mamba_d_state"],
-                  config["mamba_d_conv"], order)
+    elif name == "zamba2":  # Mamba in every layer, one attention cache per hybrid layer
+        hybrid = sum(k == "hybrid" for k in config["layers_block_type"])
+        attn = tuple(f"model.attn.{j}" for j in range(hybrid))
+        mamba = tuple(f"{hybrid + i}.mixer" for i in range(n))
+        order = attn + mamba
+        heads, head_dim = config["num_key_value_heads"], config["attention_head_dim"]
+    else:  # Mamba2: no attention
+        attn, mamba = (), tuple(f"backbone.layers.{i}.mixer" for i in range(n))
+        order, heads, head_dim = mamba, 1, 64
+    m = {k: config[v] for k, v in (
+        ("heads", "n_mamba_heads" if name == "zamba2" else
+         "num_heads" if name == "mamba2" else "mamba_n_heads"),
+        ("head_dim", "mamba_headdim" if name == "zamba2" else
+         "head_dim" if name == "mamba2" else "mamba_d_head"),
+        ("groups", "mamba_ngroups" if name == "zamba2" else
+         "n_groups" if name == "mamba2" else "mamba_n_groups"),
+        ("d_state", "state_size" if name == "mamba2" else "mamba_d_state"),
+        ("conv", "conv_kernel" if name == "mamba2" else "mamba_d_conv"))}
+    return Family(name, config, cls, attn, mamba, heads, head_dim, m["heads"], m["head_dim"],
+                  m["groups"], m["d_state"], m["conv"], order)
 
 
 def write_model_dir(path: Path, family: Family = NEMOTRON_H) -> Path:
@@ -217,8 +235,15 @@ class HybridEngine(ss.SimEngine):
     def mamba_layers(self) -> range:
         return range(len(self.family.attn_names), len(self.family.names))
 
-    def mamba_slot(self, groups: list[list[int]]) -> int:
-        g = next(i for i in range(len(groups)) if self.group_kind(i) == "mamba")
+    def mamba_slot(self, groups: list[list[int]], layer: int | None = None) -> int:
+        """The running-state slot of ``layer``'s group (of the first Mamba group if None):
+        several Mamba groups (Zamba2) keep a slot each."""
+        if layer is None:
+            g = next(i for i in range(len(groups)) if self.group_kind(i) == "mamba")
+        else:
+            name = self.family.names[layer]
+            g = next(i for i, grp in enumerate(self.kv_cache_config.kv_cache_groups)
+                     if name in grp.layer_names)
         return [b for b in groups[g] if b != 0][-1]
 
     def attn_blocks(self, groups: list[list[int]]) -> list[int]:
@@ -228,8 +253,8 @@ class HybridEngine(ss.SimEngine):
     def _forward(self, request_id: str, start: int, end: int) -> None:
         self.computed.setdefault(request_id, []).append((start, end))
         groups = self.blocks_seen[request_id] = self.group_ids(request_id)  # type: ignore
-        pos, blk, off = ss._slots(self.attn_blocks(groups), self.block_size, start, end)
-        slot = self.mamba_slot(groups)
+        if self.attn_layers:
+            pos, blk, off = ss._slots(self.attn_blocks(groups), self.block_size, start, end)
         for rank, cache in enumerate(self.caches):
             heads = self._heads(rank)
             for layer in self.attn_layers:
@@ -238,6 +263,7 @@ class HybridEngine(ss.SimEngine):
                     view[blk, :, off, kv, :] = ss.kv_pattern(self.tag, 2 * layer + kv, pos,
                                                              heads, view.shape[-1])
             for layer in self.mamba_layers:
+                slot = self.mamba_slot(groups, layer)
                 for part, state in enumerate(self.mamba_views(cache, layer)):
                     state[slot] = self.state_pattern(self.tag, rank, layer, part, end)
 
@@ -259,11 +285,13 @@ class HybridEngine(ss.SimEngine):
                     bad += int((view[blk, :, off, kv, :] != want).sum())
         return bad
 
-    def mamba_mismatches(self, slot: int, tag: int, end: int,
+    def mamba_mismatches(self, groups: list[list[int]], tag: int, end: int,
                          caches: list[dict[str, torch.Tensor]]) -> int:
+        """Wrong elements in every Mamba layer's slot named by ``groups`` (per group)."""
         bad = 0
         for rank, cache in enumerate(caches):
             for layer in self.mamba_layers:
+                slot = self.mamba_slot(groups, layer)
                 for part, state in enumerate(self.mamba_views(cache, layer)):
                     want = self.state_pattern(tag, rank, layer, part, end)
                     bad += int((state[slot] != want).sum())
@@ -285,10 +313,11 @@ def make_hybrid_engine(name: str, model_dir: Path, kvd_address: str, *,
         shapes.extend(tuple(s) for s in
                       family.model_cls.get_mamba_state_shape_from_config(vllm_config))
         dtypes = family.model_cls.get_mamba_state_dtype_from_config(vllm_config)
+        padded = att.page_size_bytes if family.attn_names else None  # attention-free: none
         mamba = MambaSpec(shapes=tuple(shapes), dtypes=tuple(dtypes),
                           block_size=vllm_config.cache_config.mamba_block_size or 2048,
-                          page_size_padded=att.page_size_bytes)
-        assert mamba.state_content_size_bytes <= att.page_size_bytes
+                          page_size_padded=padded)
+        assert padded is None or mamba.state_content_size_bytes <= padded
         return {n: att if n in family.attn_names else mamba for n in family.model_order}
 
     engine = make_multi_group_engine(HybridEngine, name, model_dir, kvd_address, specs,

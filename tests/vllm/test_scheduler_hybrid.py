@@ -85,24 +85,28 @@ def test_hybrid_prefill_to_decode(daemons, engines, p_tp: int, d_tp: int) -> Non
     _prefill_to_decode(p, d)
 
 
-@pytest.mark.parametrize("family", ["granitemoehybrid", "falcon_h1"])
+@pytest.mark.parametrize("family", ["granitemoehybrid", "falcon_h1", "zamba2", "mamba2"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
 def test_family_prefill_to_decode(daemons, tmp_path: Path, family: str, p_tp: int,
                                   d_tp: int) -> None:
-    """Granite 4.0-H (Mamba and attention layers) and Falcon-H1 (both in every layer, the
-    Mamba named "model.3.mixer"), with the cache layer names vLLM's models give them and
-    the Mamba specs of their own vLLM classes, hetero TP both ways: 16 SSM heads, 2 B/C
-    groups and 2 KV heads split over 2 ranks."""
+    """Granite 4.0-H (Mamba and attention layers), Falcon-H1 (both in every layer, the
+    Mamba named "model.3.mixer"), Zamba2 (shared attention "model.attn.0", two Mamba
+    groups with a slot each) and attention-free Mamba2, with the cache layer names
+    vLLM's models give them and the Mamba specs of their own vLLM classes, hetero TP both
+    ways: 16 SSM heads, 2 B/C groups and 2 or 4 KV heads split over 2 ranks."""
     pd, dd = daemons
     fam = transformers_family(family)
     model_dir = write_model_dir(tmp_path / family, fam)
     gen = closing_engines(make_hybrid_engine, model_dir)
     engines = next(gen)
     try:
-        p = engines("fpre", pd, tp_size=p_tp, family=fam, block_size=64)
-        d = engines("fdec", dd, tp_size=d_tp, family=fam, block_size=64)
-        kinds = [g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups]
-        assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]
+        # attention-free: vLLM schedules in the Mamba block (a whole state per block)
+        block = 2048 if family == "mamba2" else 64
+        p = engines("fpre", pd, tp_size=p_tp, family=fam, block_size=block)
+        d = engines("fdec", dd, tp_size=d_tp, family=fam, block_size=block)
+        kinds = {g.kv_cache_spec.__class__.__name__ for g in p.kv_cache_config.kv_cache_groups}
+        assert kinds == ({"MambaSpec"} if family == "mamba2"
+                         else {"FullAttentionSpec", "MambaSpec"})
         _prefill_to_decode(p, d)
     finally:
         next(gen, None)
@@ -114,10 +118,11 @@ def _prefill_to_decode(p: HybridEngine, d: HybridEngine) -> None:
     loaded = PROMPT - 1  # the prefill engine stopped one token short (Mamba)
     assert params["remote_num_tokens"] == loaded
     groups = params["remote_block_ids"]
-    m = next(g for g in range(len(groups)) if p.group_kind(g) == "mamba")
-    assert len(groups) == 2 and len(groups[m]) == 1, groups  # Mamba: the running slot
-    assert len(groups[1 - m]) == -(-loaded // p.block_size)
-    p_slot = groups[m][0]
+    if not isinstance(groups[0], list):  # one group (attention-free Mamba2) comes flat
+        groups = [groups]
+    for g, ids in enumerate(groups):  # Mamba: the running slot; attention: the blocks
+        assert len(ids) == (1 if p.group_kind(g) == "mamba"
+                            else -(-loaded // p.block_size)), groups
     assert p.computed["r1"][-1][1] == loaded
 
     d.add("r1", prompt, max_tokens=3, kv_transfer_params=params)
@@ -125,10 +130,11 @@ def _prefill_to_decode(p: HybridEngine, d: HybridEngine) -> None:
     got = d.received["r1"]
     assert not got.failed
     dgroups = got.block_ids
-    assert d.attn_mismatches(d.attn_blocks(dgroups), 0, loaded, p.tag, got.caches) == 0
-    assert d.mamba_mismatches(d.mamba_slot(dgroups), p.tag, loaded, got.caches) == 0
+    if d.attn_layers:
+        assert d.attn_mismatches(d.attn_blocks(dgroups), 0, loaded, p.tag, got.caches) == 0
+    assert d.mamba_mismatches(dgroups, p.tag, loaded, got.caches) == 0
     # and the prefill engine's own state was what it published
-    assert p.mamba_mismatches(p_slot, p.tag, loaded, p.caches) == 0
+    assert p.mamba_mismatches(groups, p.tag, loaded, p.caches) == 0
     run_until([p, d], lambda: d.finished("r1"), what="decode r1 to finish")
     # the decode engine computed only the last prompt token and its outputs
     assert d.computed["r1"][0] == (loaded, PROMPT)
