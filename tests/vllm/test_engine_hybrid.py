@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
+from tiny_hybrid_models import mamba_matters
 
 from kvd.tools.localcluster import DaemonProcess
 
@@ -99,6 +100,13 @@ def test_plain_hybrid_model_depends_on_the_whole_prompt(engines: tuple[EnginePro
     assert outs[0]["token_ids"] == outs[2]["token_ids"], "plain engine is not deterministic"
     differ = sum(a != b for a, b in zip(outs[0]["token_ids"], outs[1]["token_ids"], strict=True))
     assert differ >= MAX_TOKENS // 2, (outs[0]["token_ids"], outs[1]["token_ids"])
+
+
+def test_the_prefix_reaches_the_output_through_the_mamba_state(tiny_hybrid_dir: Path) -> None:
+    """Attention outputs zeroed (transformers' NemotronH forward), the first 16 of 150
+    tokens still move the logits; with the Mamba outputs zeroed too, nothing does."""
+    assert mamba_matters(tiny_hybrid_dir) > 0.05
+    assert mamba_matters(tiny_hybrid_dir, zero_mamba=True) == 0.0
 
 
 def test_hybrid_decode_through_kvd_equals_a_plain_engine(

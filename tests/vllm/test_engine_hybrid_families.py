@@ -100,6 +100,8 @@ def test_the_prefix_reaches_the_output_through_the_mamba_state(family: tuple[str
     decode that got the attention KV but not the Mamba state could not match."""
     _, model_dir = family
     assert mamba_matters(model_dir) > 0.05
+    # the control: the Mamba outputs zeroed as well, nothing carries the prefix
+    assert mamba_matters(model_dir, zero_mamba=True) == 0.0
 
 
 def test_decode_through_kvd_equals_a_plain_engine(

@@ -95,8 +95,11 @@ def _reinit(model: Any) -> None:
                 p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 0.75 + 0.25))
             elif leaf == "dt_bias":
                 p.fill_(math.log(math.expm1(DT)))
-            elif leaf == "D" or "norm" in name or "layernorm" in name:
-                p.fill_(1.0) if p.dim() == 1 and "bias" not in leaf else p.zero_()
+            elif leaf == "D" or "norm" in name:  # norm weights 1, norm biases 0
+                if leaf == "bias":
+                    p.zero_()
+                else:
+                    p.fill_(1.0)
             elif leaf == "bias":
                 p.zero_()
             elif "embed" in name:
@@ -115,7 +118,7 @@ def _write_all(family: str, out: Path) -> None:
 
     config = make_config(family)
     torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit(model)
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps(
@@ -128,30 +131,45 @@ def build_tiny_family(family: str, directory: str | os.PathLike[str]) -> Path:
     return build_model_dir(directory, spec_hash(family), lambda out: _write_all(family, out))
 
 
-def mamba_matters(model_dir: Path, prompt_len: int = 150, differ: int = 16) -> float:
+def _is_attention_out(name: str) -> bool:
+    return name.endswith(("o_proj.weight", "self_attn.out_proj.weight"))
+
+
+def _is_mamba_out(name: str) -> bool:
+    return name.endswith("out_proj.weight") and not _is_attention_out(name)
+
+
+def mamba_matters(model_dir: Path, prompt_len: int = 150, differ: int = 16,
+                  zero_mamba: bool = False) -> float:
     """Largest |logit difference| at the last position between two prompts that differ in
     their first ``differ`` tokens, with every attention output zeroed: > 0 only if the
-    prefix reaches the output through the Mamba state (transformers' reference forward)."""
+    prefix reaches the output through the Mamba state (transformers' reference forward).
+    ``zero_mamba`` zeroes the Mamba outputs too: the control, where it must be 0."""
     import random
 
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
-                                                              torch_dtype=torch.float32)
-    zeroed = 0
+                                                              dtype=torch.float32)
+    zeroed = {"attention": 0, "mamba": 0}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "self_attn.out_proj.weight")):
+            if _is_attention_out(name):
                 p.zero_()
-                zeroed += 1
+                zeroed["attention"] += 1
+            elif zero_mamba and _is_mamba_out(name):
+                p.zero_()
+                zeroed["mamba"] += 1
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(prompt_len)]
     other = [rng.randrange(3, 500) for _ in range(differ)] + base[differ:]
     with torch.no_grad():
         a, b = (model(torch.tensor([p])).logits[0, -1] for p in (base, other))
-    if model.config.model_type != "mamba2" and not zeroed:
+    if model.config.model_type != "mamba2" and not zeroed["attention"]:
         raise AssertionError(f"found no attention output projection in {model_dir}")
+    if zero_mamba and not zeroed["mamba"]:
+        raise AssertionError(f"found no Mamba output projection in {model_dir}")
     return float((a - b).abs().max())
 
 
