@@ -25,6 +25,7 @@ class _Child:
         self.reply = os.fdopen(reply_fd, "w", buffering=1)
         self.llm: Any = None
         self.counter = 0
+        self.step_times: list[list[float]] = []
         self.sched_log = os.environ.get("KVD_TEST_SCHED_LOG")
         self.sched_offset = 0
         # internal request id -> accumulated scheduler records
@@ -87,7 +88,8 @@ class _Child:
             msg.get("kv_transfer_params"),
             msg.get("request_ids"),
         )
-        return {"results": results, "elapsed_s": time.monotonic() - t0}
+        return {"results": results, "elapsed_s": time.monotonic() - t0,
+                "step_times": self.step_times}
 
     def op_reset_prefix_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"reset": bool(self.llm.reset_prefix_cache())}
@@ -130,12 +132,26 @@ class _Child:
             engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
 
         finished: dict[str, Any] = {}
+        # When each request's tokens came out (CLOCK_MONOTONIC: the test process reads
+        # the same clock) and how long each engine step took, for the fault tests.
+        token_times: dict[str, list[float]] = {rid: [] for rid in request_ids}
+        self.step_times = []
         while len(finished) < len(request_ids):
-            for out in engine.step():
+            t0 = time.monotonic()
+            outs = engine.step()
+            t1 = time.monotonic()
+            self.step_times.append([t0, t1 - t0])
+            for out in outs:
+                if out.request_id in order:
+                    times = token_times[out.request_id]
+                    times.extend([t1] * (len(out.outputs[0].token_ids) - len(times)))
                 if out.finished and out.request_id in order:
                     finished[out.request_id] = out
         self._read_sched()
-        return [self._result(rid, finished[rid]) for rid in request_ids]
+        results = [self._result(rid, finished[rid]) for rid in request_ids]
+        for r in results:
+            r["token_times"] = token_times[r["request_id"]]
+        return results
 
     def _read_sched(self) -> None:
         """Fold the scheduler records written since the last call into ``self.sched``."""
