@@ -9,6 +9,7 @@ test shows it, so the property tests are known to catch a loss.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,9 +17,12 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.clock import FakeClock
+from support.inprocess import daemon_pair, run
 
 from kvd.client import EventCursor
 from kvd.daemon.events import EventHub
+from kvd.errors import KvdTimeoutError
+from kvd.tools.sim import EngineShape, layout_spec
 from kvd.wire import protocol as P
 
 ENGINE = "e"
@@ -176,3 +180,42 @@ def test_plain_polls_lose_the_events_of_a_dropped_reply() -> None:
     w.net.in_flight.clear()
     w.hub.wait(ENGINE, b"c", 2, 0.0, 10)
     assert w.net.in_flight == [P.Events(events=[])]
+
+
+def test_a_real_daemon_redelivers_what_a_client_gave_up_on_and_nothing_twice() -> None:
+    """Against a daemon over its socket: a long poll the client gave up on is answered
+    later with an event (the reply goes nowhere); the next acknowledged poll still gets
+    it, a poll acknowledging it gets nothing, and duplicate replies are dropped."""
+    model = P.ModelSpec(name="ev", num_kv_heads=4, num_layers=2, head_dim=32)
+    shape = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=8,
+                        kv_layout="head_major")
+
+    async def body() -> None:
+        async with daemon_pair() as p:
+            await p.dc.register("dec", model, layout_spec(shape), 0, 1)
+            cursor = EventCursor("dec")
+            try:  # the client gives up on a long poll...
+                await p.dc.call(cursor.poll(timeout_s=30.0), timeout_s=0.05)
+            except KvdTimeoutError:
+                pass
+            p.decode.events.push("dec", P.Event(kind="done_recving", request_id="r1",
+                                                ok=True))  # ...the daemon answers it
+            await asyncio.sleep(0.05)
+            first = await p.dc.call(cursor.poll(timeout_s=0.0))
+            assert [e.request_id for e in first.events] == ["r1"]
+            assert first.instance_id == p.decode.instance_id
+            assert cursor.accept(first) == 1 and cursor.accept(first) == 0
+            assert [e.request_id for e in cursor.take()] == ["r1"]
+            again = await p.dc.call(cursor.poll(timeout_s=0.0))
+            assert again.events == [], "an acknowledged event came again"
+            # the plain mode, for contrast: the reply of a poll given up on loses r2
+            try:
+                await p.dc.call(P.Poll(engine_id="dec", timeout_s=30.0), timeout_s=0.05)
+            except KvdTimeoutError:
+                pass
+            p.decode.events.push("dec", P.Event(kind="done_recving", request_id="r2",
+                                                ok=True))
+            await asyncio.sleep(0.05)
+            assert await p.dc.poll("dec", timeout_s=0.0) == []
+
+    run(body())
