@@ -127,7 +127,6 @@ class EngineProc:
         self.warmup_s: float = 0.0
         #: Seconds the last ``generate`` took, measured in the child.
         self.last_generate_s: float = 0.0
-        self.last_step_times: list[tuple[float, ...]] = []
         #: Facts about the built engine that the child reported (block size, KV layout...).
         self.info: dict[str, Any] = {}
         self._finalizer = weakref.finalize(self, _kill_group, proc.pid)
@@ -275,8 +274,6 @@ class EngineProc:
             timeout_s,
         )
         self.last_generate_s = float(reply["elapsed_s"])
-        # [start (CLOCK_MONOTONIC), seconds] of every engine step of the call
-        self.last_step_times = [tuple(t) for t in reply.get("step_times", [])]
         return list(reply["results"])
 
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
