@@ -135,11 +135,12 @@ def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
     during = [s for s in steps if frozen_at + 0.2 < s["t"] <= thawed_at]
     assert sum(s["steps"] for s in during) > 10, "the engine stopped stepping while frozen"
     longest = max(s["gap"] for s in during)
+    slow = sorted((round(s["gap"] * 1000) for s in during if s["gap"] > 0.05), reverse=True)
     after = [min(g["token_times"]) - thawed_at for g in got[:-1]]
     print(f"\ndecode daemon frozen {FREEZE_S:.0f} s: plain request done "
           f"{max(plain_times) - frozen_at:.2f} s into the freeze; longest engine step "
           f"while frozen {longest * 1000:.1f} ms over {sum(s['steps'] for s in during)} "
-          f"steps; remote "
+          f"steps (steps over 50 ms: {slow[:5]} ms, {len(slow)} in all); remote "
           f"requests' first token {min(after):.2f}..{max(after):.2f} s after the thaw")
     assert longest < 1.0, f"an engine step took {longest:.2f} s with the daemon frozen"
 
