@@ -145,6 +145,44 @@ def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
     assert longest < 1.0, f"an engine step took {longest:.2f} s with the daemon frozen"
 
 
+def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
+        engines: tuple[EngineProc, ...], start_engine: object,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A second prefill engine on a daemon of its own: after its prefills that daemon is
+    frozen while the decode engine pulls (its Acquire waits), then killed 3 s into the
+    freeze; every decode request is answered with the plain engine's tokens."""
+    _, decode, plain = engines
+    victim = DaemonProcess.start(f"fv{uuid.uuid4().hex[:6]}",
+                                 tmp_path_factory.mktemp("victim"), DAEMON_ARGS)
+    prefill2 = None
+    try:
+        prefill2 = start_engine("fault-prefill2",  # type: ignore[operator]
+                                kv_transfer_config=_kv_config(
+                                    f"fprefill2-{uuid.uuid4().hex[:6]}", victim),
+                                block_size=BLOCK)
+        prompts = _prompts(2, 130, seed=71)
+        want = plain.generate(prompts, max_tokens=MAX_TOKENS)
+        params = _prefill(prefill2, prompts)
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        kill = threading.Timer(3.0, victim.kill)
+        frozen_at = time.monotonic()
+        kill.start()
+        try:
+            got = decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params,
+                                  timeout_s=60)
+        finally:
+            kill.join()
+        answered = time.monotonic() - frozen_at
+        print(f"\nprefill daemon frozen then killed 3 s later: decode answered "
+              f"{answered:.2f} s after the freeze")
+        for g, w in zip(got, want, strict=True):
+            assert g["token_ids"] == w["token_ids"]
+    finally:
+        if prefill2 is not None:
+            prefill2.close()
+        victim.kill()
+
+
 def test_prefill_daemon_killed_between_prefill_and_decode(
         engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
     """P's daemon dies (SIGKILL) after the prefill: the decode's pull fails within
