@@ -10,22 +10,29 @@ from kvd.client.core import (
     CLOSE_DEREGISTER_TIMEOUT_S,
     DEFAULT_ADDRESS,
     BlockIds,
+    EventCursor,
     EventStash,
     Messages,
     RankHandle,
     default_address,
     default_token,
+    engine_hold_id,
 )
+from kvd.client.nowait import NoWaitClient, Reply
 
 __all__ = [
     "CLOSE_DEREGISTER_TIMEOUT_S",
     "DEFAULT_ADDRESS",
     "AsyncKvdClient",
     "BlockIds",
+    "EventCursor",
     "EventStash",
     "KvdClient",
     "Messages",
+    "NoWaitClient",
     "RankHandle",
+    "Reply",
     "default_address",
     "default_token",
+    "engine_hold_id",
 ]

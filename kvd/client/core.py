@@ -9,6 +9,9 @@ cannot drift apart.
 from __future__ import annotations
 
 import os
+import secrets
+import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,10 +107,11 @@ class Messages:
 
     @staticmethod
     def publish(engine_id: str, request_id: str, block_ids: BlockIds,
-                lease_s: float | None, consumers: int) -> P.Publish:
+                lease_s: float | None, consumers: int, hold_id: int = 0) -> P.Publish:
         flat, groups = split_block_ids(block_ids)
         return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=flat,
-                         lease_s=lease_s, consumers=consumers, group_block_ids=groups)
+                         lease_s=lease_s, consumers=consumers, group_block_ids=groups,
+                         hold_id=hold_id)
 
     @staticmethod
     def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
@@ -136,6 +140,11 @@ class Messages:
         return P.Poll(engine_id=engine_id, timeout_s=timeout_s)
 
     @staticmethod
+    def refusal(error: P.Error) -> KvdError:
+        """The daemon's Error as its KvdError class (for a reply taken later)."""
+        return error_from_code(error.code, error.message)
+
+    @staticmethod
     def check(reply: Any) -> Any:
         """The reply, or the daemon's Error raised as its KvdError class."""
         if isinstance(reply, P.Error):
@@ -159,3 +168,74 @@ class EventStash:
                 kept.remove(ev)
                 return ev
         return None
+
+
+def engine_hold_id() -> int:
+    """A random hold id for ``Publish.hold_id``: an engine that does not wait for the
+    Published reply builds its receipt from it (``P.receipt(instance, hold_id)``)."""
+    return P.ENGINE_HOLD_ID_MIN + secrets.randbelow(2**62 - P.ENGINE_HOLD_ID_MIN)
+
+
+class EventCursor:
+    """Exactly-once receipt of one engine's events from acknowledged polls (``Poll.ack``).
+
+    The daemon keeps every event until a Poll acknowledges it, and each reply carries
+    every event after the poll's ``ack``, in ``seq`` order. So whatever happens to the
+    replies (lost, late, duplicated, reordered; several pollers sharing this cursor),
+    the events with ``seq`` above the highest one seen are new and the rest are
+    duplicates. A reply from another daemon incarnation restarts the count; one from an
+    incarnation already left behind is dropped whole. Thread-safe: a step's
+    non-blocking check and a fallback thread may both feed it; ``take`` returns the new
+    events in the order they were accepted.
+    """
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.ack = 0
+        self.instance = ""
+        self.duplicates = 0  # events dropped as already seen (for tests and logs)
+        self.restarts = 0  # times a reply came from a new incarnation after another
+        self._left: deque[str] = deque(maxlen=64)  # incarnations left behind
+        self._new: deque[P.Event] = deque()
+        self._lock = threading.Lock()
+
+    def poll(self, timeout_s: float, max_events: int = 1024) -> P.Poll:
+        with self._lock:
+            return P.Poll(engine_id=self.engine_id, timeout_s=timeout_s,
+                          max_events=max_events, ack=self.ack, ack_instance=self.instance)
+
+    def note_instance(self, instance: str) -> bool:
+        """A reply came from daemon incarnation ``instance``; True if it is a new one after
+        another (the daemon restarted: what the old one was doing is lost)."""
+        with self._lock:
+            return self._switch(instance)
+
+    def _switch(self, instance: str) -> bool:
+        if not instance or instance == self.instance or instance in self._left:
+            return False
+        restarted = bool(self.instance)
+        if restarted:
+            self._left.append(self.instance)
+            self.restarts += 1
+        self.instance, self.ack = instance, 0
+        return restarted
+
+    def accept(self, reply: P.Events) -> int:
+        """Keep the reply's new events for ``take``; returns how many were new."""
+        with self._lock:
+            if reply.instance_id in self._left:
+                self.duplicates += len(reply.events)
+                return 0
+            self._switch(reply.instance_id)
+            new = [e for e in reply.events if e.seq > self.ack]
+            self.duplicates += len(reply.events) - len(new)
+            if new:
+                self.ack = max(e.seq for e in new)
+                self._new.extend(new)
+            return len(new)
+
+    def take(self) -> list[P.Event]:
+        with self._lock:
+            out = list(self._new)
+            self._new.clear()
+            return out

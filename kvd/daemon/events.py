@@ -5,16 +5,27 @@ kept (bounded) until some client of that engine polls them, so an event is
 never lost because no poll happened to be waiting. A poll with timeout 0 is
 answered at once. Dropped events (an engine that never polls) are counted.
 
+Two delivery modes, chosen per Poll. Plain (``ack`` -1): an event goes to one poll and
+is gone, so a reply the client gave up on (it timed out; its thread got no CPU) takes
+its events with it. Acknowledged (``ack`` >= 0): every event gets a ``seq``, increasing
+per daemon incarnation, and stays queued until a later Poll acknowledges it; a reply
+carries every unacknowledged event, so a lost, late, duplicated or reordered reply
+loses nothing and the client drops the ``seq`` it has seen (kvd.client.EventCursor).
+An engine should use one mode: a plain poll still takes the events it is given.
+
 Delivery after a push is scheduled (the daemon passes ``loop.call_soon``), so a
 burst of events of one loop iteration (pulls failed together) is one reply.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from kvd.wire import protocol as P
 
@@ -30,21 +41,27 @@ class Waiter:
     msg_id: int
     max_events: int
     deadline_s: float
+    ack: int = -1  # -1: plain delivery; else the highest seq the client has
 
 
 class EventHub:
     def __init__(self, reply: Callable[[bytes, int, P.Events], None],
                  now: Callable[[], float], on_drop: Callable[[], None] = lambda: None,
-                 schedule: Callable[[Callable[[], None]], object] | None = None) -> None:
+                 schedule: Callable[[Callable[[], None]], object] | None = None,
+                 instance_id: str = "") -> None:
         self._reply = reply
         self._now = now
         self._on_drop = on_drop
         self._schedule = schedule
+        self.instance_id = instance_id
         self._due: set[str] = set()  # engines with a delivery scheduled
-        self.queues: dict[str, deque[P.Event]] = {}
+        self._last_seq = 0
+        self.queues: dict[str, deque[P.Event]] = {}  # each in seq order
         self.waiters: dict[str, list[Waiter]] = {}
 
     def push(self, engine_id: str, event: P.Event) -> None:
+        self._last_seq += 1
+        event = msgspec.structs.replace(event, seq=self._last_seq)
         q = self.queues.setdefault(engine_id, deque())
         if len(q) >= MAX_EVENTS_PER_ENGINE:
             lost = q.popleft()
@@ -64,16 +81,24 @@ class EventHub:
         self._reply(identity, msg_id, P.Events(events=[event]))
 
     def wait(self, engine_id: str, identity: bytes, msg_id: int, timeout_s: float,
-             max_events: int) -> None:
+             max_events: int, ack: int = -1, ack_instance: str = "") -> None:
         """Answer now if events exist (or the timeout is 0), else when they come or time out.
 
         ``timeout_s`` and ``max_events`` are validated at the decode boundary (finite,
-        bounded); the wait itself is capped at MAX_POLL_WAIT_S.
+        bounded); the wait itself is capped at MAX_POLL_WAIT_S. ``ack`` >= 0: the
+        acknowledged mode (module docstring); events up to ``ack`` are dropped first,
+        unless ``ack_instance`` names another incarnation (then nothing is acknowledged).
         """
         timeout_s = min(max(timeout_s, 0.0), MAX_POLL_WAIT_S)
         max_events = min(max(max_events, 1), P.MAX_POLL_EVENTS)
+        if ack >= 0:
+            if ack_instance != self.instance_id:
+                ack = 0
+            q = self.queues.get(engine_id)
+            while q and q[0].seq <= ack:
+                q.popleft()
         self.waiters.setdefault(engine_id, []).append(
-            Waiter(identity, msg_id, max_events, self._now() + timeout_s))
+            Waiter(identity, msg_id, max_events, self._now() + timeout_s, ack))
         self._deliver(engine_id)
         if timeout_s == 0.0:
             self.expire()
@@ -82,10 +107,24 @@ class EventHub:
         self._due.discard(engine_id)
         q = self.queues.get(engine_id)
         waiters = self.waiters.get(engine_id)
-        while q and waiters:
-            w = waiters.pop(0)
-            batch = [q.popleft() for _ in range(min(w.max_events, len(q)))]
-            self._reply(w.identity, w.msg_id, P.Events(events=batch))
+        if not q or not waiters:
+            return
+        keep = []
+        for w in waiters:
+            if not q:
+                keep.append(w)
+            elif w.ack < 0:
+                batch = [q.popleft() for _ in range(min(w.max_events, len(q)))]
+                self._reply(w.identity, w.msg_id,
+                            P.Events(events=[msgspec.structs.replace(e, seq=0)
+                                             for e in batch]))
+            elif q[-1].seq > w.ack:
+                batch = list(itertools.islice((e for e in q if e.seq > w.ack), w.max_events))
+                self._reply(w.identity, w.msg_id,
+                            P.Events(events=batch, instance_id=self.instance_id))
+            else:
+                keep.append(w)
+        self.waiters[engine_id] = keep
 
     def expire(self) -> None:
         """Answer polls whose timeout ended with an empty list."""
@@ -94,7 +133,7 @@ class EventHub:
             keep = []
             for w in waiters:
                 if now >= w.deadline_s:
-                    self._reply(w.identity, w.msg_id, P.Events(events=[]))
+                    self._reply(w.identity, w.msg_id, self._empty(w))
                 else:
                     keep.append(w)
             self.waiters[engine_id] = keep
@@ -111,5 +150,8 @@ class EventHub:
             self._deliver(engine_id)
         for waiters in self.waiters.values():
             for w in waiters:
-                self._reply(w.identity, w.msg_id, P.Events(events=[]))
+                self._reply(w.identity, w.msg_id, self._empty(w))
         self.waiters.clear()
+
+    def _empty(self, w: Waiter) -> P.Events:
+        return P.Events(events=[], instance_id=self.instance_id if w.ack >= 0 else "")

@@ -134,7 +134,8 @@ class HeldTable:
         return len(self.items)
 
     def publish(self, engine_id: str, request_id: str, block_ids: list[int], lease_s: float,
-                consumers: int, now_s: float) -> HeldRequest:
+                consumers: int, now_s: float, hold_id: int = 0) -> HeldRequest:
+        """``hold_id`` 0: the next counted id; else the engine's own (P.Publish.hold_id)."""
         key = (engine_id, request_id)
         if key in self.items:
             raise KvdError(f"request {request_id!r} is already published by engine {engine_id!r}")
@@ -143,8 +144,9 @@ class HeldTable:
         held = HeldRequest(engine_id=engine_id, request_id=request_id,
                            block_ids=frozenset(block_ids), lease_s=lease_s,
                            deadline_s=now_s + lease_s, consumers=consumers, published_s=now_s,
-                           hold_id=self._last_hold_id + 1)
-        self._last_hold_id += 1
+                           hold_id=hold_id or self._last_hold_id + 1)
+        if not hold_id:
+            self._last_hold_id += 1
         self.items[key] = held
         return held
 

@@ -49,6 +49,14 @@ READING_POLL_MAX_S = 0.002
 IDLE_POLL_MAX_S = 0.05
 
 
+# An Acquire for a request not (yet) published here waits this long for its Publish: an
+# engine that sends its Publish without waiting (vLLM's connector) may be overtaken by
+# the consumer's Acquire when this daemon was frozen or slow (the two come in on
+# different sockets, in either order). At most a quarter of handshake_timeout_s, so the
+# consumer (same setting, as a rule) hears "not found" before its Acquire times out.
+ACQUIRE_WAITS_FOR_PUBLISH_S = 1.0
+
+
 def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
     if not fut.done():
         fut.set_result(woke)
@@ -62,6 +70,8 @@ class Producer:
         self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
         self._plans = PlanCache()
         self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
+        # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
+        self._unpublished: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -84,15 +94,20 @@ class Producer:
                                 f"({cfg.max_blocks_per_request})")
         check_block_ids(msg.block_ids, engine.layout.num_blocks, "published")
         hybrid.check_group_ids(engine.model, msg.block_ids, msg.group_block_ids, "publish")
+        if 0 < msg.hold_id < P.ENGINE_HOLD_ID_MIN:
+            raise ProtocolError(f"hold_id {msg.hold_id} is below {P.ENGINE_HOLD_ID_MIN}: an "
+                           "engine's own hold ids must not collide with the daemon's")
         lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
-                                 msg.consumers, self.svc.clock.now())
+                                 msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id)
         ranks = engine.live_ranks()
         for r in ranks:
             r.pins += 1
         self._pinned[(held.engine_id, held.request_id)] = ranks
         self.svc.metrics.held_requests.set(len(self.held))
         self.wake()
+        for fut in self._unpublished.pop((held.engine_id, held.request_id), ()):
+            _resolve(fut, True)
         return P.Published(receipt=P.receipt(self.svc.instance_id, held.hold_id))
 
     # ------------------------------------------------------------ peer face
@@ -111,6 +126,27 @@ class Producer:
         return P.HelloReply(daemon_id=self.svc.daemon_id, agent_name=dp.agent_name,
                             agent_metadata=await dp.metadata(), engine=engine.desc(),
                             engine_daemons=list(engine.engine_daemons))
+
+    async def acquire_when_published(self, msg: P.Acquire, consumer_instance: str
+                                     ) -> P.Acquired:
+        """``acquire``, after waiting up to ACQUIRE_WAITS_FOR_PUBLISH_S for a Publish that
+        has not come yet (the engine is registered here, the request unknown)."""
+        key = (msg.producer_engine_id, msg.request_id)
+        if key not in self.held.items and msg.producer_engine_id in self.svc.registry.engines:
+            fut = asyncio.get_running_loop().create_future()
+            waiting = self._unpublished.setdefault(key, [])
+            waiting.append(fut)
+            try:
+                await self.svc.clock.wait_for(fut, min(
+                    ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
+            except (asyncio.TimeoutError, TimeoutError):
+                pass  # acquire() refuses it: never published, or released already
+            finally:
+                if fut in waiting:
+                    waiting.remove(fut)
+                if not waiting:
+                    self._unpublished.pop(key, None)
+        return self.acquire(msg, consumer_instance)
 
     def acquire(self, msg: P.Acquire, consumer_instance: str) -> P.Acquired:
         held = self.held.get(msg.producer_engine_id, msg.request_id)

@@ -61,7 +61,7 @@ class Daemon:
         self.token = token
         self._transport_factory = transport_factory
         self.events = EventHub(self._reply_poll, self.clock.now, self.metrics.events_dropped.inc,
-                               schedule=self._call_soon)
+                               schedule=self._call_soon, instance_id=self.instance_id)
         self.draining = self.ready = self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
@@ -221,7 +221,8 @@ class Daemon:
         async def poll(m: P.Poll, req: Request) -> None:
             if m.engine_id not in reg.engines:  # also after its last rank left: events remain
                 raise NotFoundError(f"engine {m.engine_id!r} is not registered on this daemon")
-            self.events.wait(m.engine_id, req.identity, req.header.id, m.timeout_s, m.max_events)
+            self.events.wait(m.engine_id, req.identity, req.header.id, m.timeout_s, m.max_events,
+                             ack=m.ack, ack_instance=m.ack_instance)
 
         async def status(_: P.StatusQuery, __: Request) -> P.Status:
             return P.Status(daemon_id=self.daemon_id, version=__version__,
@@ -239,7 +240,7 @@ class Daemon:
             return await producer.hello(m)
 
         async def acquire(m: P.Acquire, req: Request) -> P.Acquired:
-            return producer.acquire(m, req.header.instance)
+            return await producer.acquire_when_published(m, req.header.instance)
 
         async def heartbeat(m: P.Heartbeat, _: Request) -> P.HeartbeatAck:
             return producer.heartbeat(m)

@@ -19,7 +19,9 @@ proto/README.md):
        and num_tokens, Acquire consumer parallelism, bounds, token before body).
        Additive since: hybrid models; Acquired.held_s and ReadNotice as a peer
        request; kv_layout "auto" and Registered.layout; publish receipts
-       (Published, Pull.publish_receipt and reply_when_done, Acquired.hold_id).
+       (Published, Pull.publish_receipt and reply_when_done, Acquired.hold_id);
+       acknowledged events (Event.seq, Poll.ack and ack_instance, Events.instance_id)
+       and engine-chosen holds (Publish.hold_id) for engines that never wait on a reply.
 """
 
 from __future__ import annotations
@@ -227,6 +229,15 @@ class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
     # Hybrid engines: one list per KV-cache group; block_ids is then their concatenation.
     group_block_ids: list[list[int]] | None = None
+    # The hold's id, chosen by the engine (0: the daemon picks one). An engine that sends
+    # its Publish without waiting for the reply (vLLM's connector: nothing in its step
+    # waits on the daemon) builds the receipt itself, ``receipt(instance, hold_id)``,
+    # from the instance its rank registered with. Engine-chosen ids are random in
+    # [ENGINE_HOLD_ID_MIN, 2**62), above any id the daemon counts to.
+    hold_id: Annotated[int, msgspec.Meta(ge=0, lt=2**62)] = 0
+
+
+ENGINE_HOLD_ID_MIN = 2**40  # Publish.hold_id chosen by an engine: never a daemon-counted one
 
 
 class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -268,12 +279,23 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
         return self.remote_request_id or self.request_id
 
 
-class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Long poll for completion events of an engine; answered as soon as any exist."""
+class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Long poll for completion events of an engine; answered as soon as any exist.
+
+    ``ack`` -1 (the default): each event is delivered once, to one poll, and gone (a
+    reply the client gave up on loses its events). ``ack`` >= 0: acknowledged delivery;
+    the daemon keeps the engine's events until a Poll acknowledges them: it drops those
+    with ``seq`` <= ``ack`` and answers with every later one (so a lost, late or
+    duplicated reply loses nothing: the client drops the ``seq`` it has seen).
+    ``ack_instance`` is the daemon incarnation the ``ack`` counts in; a different one
+    (the daemon restarted) acknowledges nothing.
+    """
 
     engine_id: str
     timeout_s: TimeoutS = 1.0  # the daemon answers after at most 60 s (MAX_POLL_WAIT_S)
     max_events: Annotated[int, msgspec.Meta(ge=1, le=MAX_POLL_EVENTS)] = 1024
+    ack: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    ack_instance: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] = ""
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -286,10 +308,14 @@ class Event(msgspec.Struct, frozen=True):
     duration_s: float = 0.0
     invalid_group_block_ids: list[list[int]] = []  # hybrid pulls: per group, like the pull
     descriptors: int = 0  # done_recving: NIXL descriptors the pull posted (engine stats)
+    # Acknowledged polls (Poll.ack >= 0): the event's number in this daemon incarnation,
+    # increasing in the order events are queued; 0 in replies to other polls.
+    seq: int = 0
 
 
 class Events(msgspec.Struct, frozen=True):
     events: list[Event]
+    instance_id: str = ""  # acknowledged polls: the incarnation the events' seq count in
 
 
 class StatusQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

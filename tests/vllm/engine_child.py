@@ -130,12 +130,23 @@ class _Child:
             engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
 
         finished: dict[str, Any] = {}
+        # When each request's tokens came out (CLOCK_MONOTONIC: the test process reads
+        # the same clock), for the daemon-fault tests.
+        token_times: dict[str, list[float]] = {rid: [] for rid in request_ids}
         while len(finished) < len(request_ids):
-            for out in engine.step():
+            outs = engine.step()
+            t1 = time.monotonic()
+            for out in outs:
+                if out.request_id in order:
+                    times = token_times[out.request_id]
+                    times.extend([t1] * (len(out.outputs[0].token_ids) - len(times)))
                 if out.finished and out.request_id in order:
                     finished[out.request_id] = out
         self._read_sched()
-        return [self._result(rid, finished[rid]) for rid in request_ids]
+        results = [self._result(rid, finished[rid]) for rid in request_ids]
+        for r in results:
+            r["token_times"] = token_times[r["request_id"]]
+        return results
 
     def _read_sched(self) -> None:
         """Fold the scheduler records written since the last call into ``self.sched``."""

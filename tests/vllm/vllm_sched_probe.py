@@ -25,6 +25,12 @@ request's first scheduled step ``local_cached``/``external_cached`` from vLLM's
 own ``PrefillStats`` (set when the request was admitted: local prefix-cache hit
 and what the KV connector promised to load). A recomputation after a failed
 load or a preemption shows up as a later step whose ``start`` went back.
+
+Engine steps (for the daemon-fault tests): ``<sched log>.steps`` gets a line
+``{"t", "gap", "steps"}`` whenever the time since the previous ``schedule()`` call (the
+previous step's length, or an idle wait) exceeds 50 ms, and twice a second otherwise:
+``t`` is CLOCK_MONOTONIC (the test process reads the same clock), ``steps`` the calls
+since the last line.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -51,8 +58,21 @@ class RecordingScheduler(Scheduler):
         self._probe_file = open(path, "a", buffering=1) if path else None  # noqa: SIM115
         self._probe_step = 0
         self._probe_seen: set[str] = set()
+        self._steps_file = open(path + ".steps", "a", buffering=1) if path else None  # noqa: SIM115
+        self._last_t = self._beat_t = time.monotonic()
+        self._steps_since = 0
+
+    def _note_step(self) -> None:
+        now = time.monotonic()
+        gap, self._last_t = now - self._last_t, now
+        self._steps_since += 1
+        if self._steps_file is not None and (gap > 0.05 or now - self._beat_t >= 0.5):
+            self._steps_file.write(json.dumps({"t": now, "gap": gap,
+                                               "steps": self._steps_since}) + "\n")
+            self._beat_t, self._steps_since = now, 0
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._note_step()
         output = super().schedule(*args, **kwargs)
         if self._probe_file is not None and output.num_scheduled_tokens:
             self._record(output)
@@ -95,3 +115,6 @@ class RecordingScheduler(Scheduler):
         if self._probe_file is not None:
             self._probe_file.close()
             self._probe_file = None
+        if self._steps_file is not None:
+            self._steps_file.close()
+            self._steps_file = None

@@ -18,6 +18,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     quiet: list[str] = field(default_factory=list)  # notify-only pulls vLLM does not track
     failed: dict[str, list[int]] = field(default_factory=dict)  # pulls the daemon refused
     sent: dict[str, float] = field(default_factory=dict)  # published: give-up time in seconds
+    send_refused: list[str] = field(default_factory=list)  # publishes kvd refused: free now
 
 
 @dataclass
@@ -26,3 +27,4 @@ class KvdHandshake(KVConnectorHandshakeMetadata):
 
     peer_address: str
     daemon_id: str
+    instance_id: str = ""  # the daemon incarnation: the scheduler builds receipts with it

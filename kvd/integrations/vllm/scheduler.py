@@ -1,18 +1,25 @@
 """Scheduler side: publish finished prefills, queue pulls, tell the workers.
 
-Runs in vLLM's engine-core process. It talks to the local kvd directly
-(publish and pull are one small control message each); the bytes move
-between the daemons, and completions come back through the rank-0 worker,
-which is where vLLM expects them.
+Runs in vLLM's engine-core process, inside its single-threaded step: nothing here
+waits on the daemon (a slow, frozen or dead kvd must not stall the engine's plain
+requests). Publishes and pulls are sent without waiting (``NoWaitClient``); their
+replies are taken in a later step, and a refusal reaches vLLM then, through the
+workers' normal finished/failed reports. The publish receipt is built here, from a
+hold id the engine picks and the daemon incarnation the workers registered with, so
+``request_finished`` returns the prefill's kv_transfer_params at once. The bytes
+move between the daemons; completions come back through the rank-0 worker, which
+is where vLLM expects them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.client import KvdClient
+from kvd.client import Messages, NoWaitClient, engine_hold_id
 from kvd.errors import KvdError
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
@@ -25,6 +32,7 @@ from kvd.integrations.vllm_core.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.vllm")
 
@@ -32,6 +40,8 @@ log = logging.getLogger("kvd.vllm")
 # frees the blocks anyway (the daemon that held them must have died).
 SEND_GRACE_S = 30.0
 FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+# Replies not come by then are forgotten (the workers' own deadlines cover the outcome).
+FORGET_REPLY_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,21 @@ class _Pull:
     local_groups: list[list[int]] | None = None  # hybrid: one list per KV-cache group
 
 
+@dataclass(frozen=True)
+class _Sent:
+    """What a request in flight to the daemon was, to act on its reply."""
+
+    kind: str  # "pull" or "publish"
+    request_id: str
+    quiet: bool = False
+    local_block_ids: tuple[int, ...] = ()
+
+
 class KvdScheduler:
     def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
                  default_lease_s: float = 30.0,
-                 groups: list[tuple[str, int]] | None = None) -> None:
+                 groups: list[tuple[str, int]] | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.block_size_tokens = block_size_tokens
         # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
@@ -55,22 +76,23 @@ class KvdScheduler:
                        and (len(groups) > 1 or groups[0][0] != "attention") else None)
         self.lease_s = settings.lease_s if settings.lease_s is not None else default_lease_s
         self.peer_address: str | None = None
-        self._client: KvdClient | None = None
+        self.daemon_instance = ""  # the incarnation the workers registered with
+        self._now = now
+        self._client: NoWaitClient | None = None
         self._pending: dict[str, _Pull] = {}
         self._meta = KvdConnectorMetadata()
 
     @property
-    def client(self) -> KvdClient:
+    def client(self) -> NoWaitClient:
         if self._client is None:
-            self._client = KvdClient(self.settings.address, token=self.settings.token,
-                                     timeout_s=self.settings.request_timeout_s,
-                                     ping_interval_s=0)
+            self._client = NoWaitClient(self.settings.address, token=self.settings.token)
         return self._client
 
     def set_handshake(self, metadata: dict[Any, Any]) -> None:
         for meta in metadata.values():
             if isinstance(meta, KvdHandshake) and meta.peer_address:
                 self.peer_address = meta.peer_address
+                self.daemon_instance = meta.instance_id
                 return
 
     # ------------------------------------------------------------ prefill side (new)
@@ -196,14 +218,18 @@ class KvdScheduler:
                       request.request_id)
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
-        try:
-            receipt = self.client.publish(self.settings.engine_id, request.request_id,
-                                blocks if groups is None else groups,
-                                lease_s=self.lease_s, consumers=consumers)
-        except KvdError as exc:
-            log.error("request %s: kvd refused the publish (%s); the decode side will "
-                      "compute the prompt itself", request.request_id, exc)
+        hold_id = engine_hold_id()
+        msg = Messages.publish(self.settings.engine_id, request.request_id,
+                               blocks if groups is None else groups, lease_s=self.lease_s,
+                               consumers=consumers, hold_id=hold_id)
+        if not self.client.send(msg, _Sent("publish", request.request_id), self._now()):
+            log.error("request %s: kvd is not taking messages (frozen or gone); not "
+                      "publishing, the decode side will compute the prompt itself",
+                      request.request_id)
             return False, None
+        # The receipt needs no reply: the hold id is ours, the incarnation the workers'.
+        receipt = (P.receipt(self.daemon_instance, hold_id) if self.daemon_instance
+                   else "")
         self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
         remote = RemotePrefill(engine_id=self.settings.engine_id,
                                request_id=request.request_id, address=self.peer_address,
@@ -217,11 +243,32 @@ class KvdScheduler:
     # ------------------------------------------------------------ every step
 
     def build_meta(self) -> KvdConnectorMetadata:
+        """Once per step: act on the replies that came, send the pulls queued since."""
+        self._take_replies()
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, KvdConnectorMetadata()
         return meta
+
+    def _take_replies(self) -> None:
+        if self._client is None:
+            return
+        for reply in self._client.replies():
+            sent: _Sent = reply.tag
+            if not isinstance(reply.body, P.Error):
+                continue
+            exc = Messages.refusal(reply.body)
+            if sent.kind == "publish":
+                log.error("request %s: kvd refused the publish (%s); its blocks are freed "
+                          "and the decode side computes the prompt itself",
+                          sent.request_id, exc)
+                self._meta.send_refused.append(sent.request_id)
+            else:
+                log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
+                if not sent.quiet:
+                    self._meta.failed[sent.request_id] = list(sent.local_block_ids)
+        self._client.forget_older(self._now(), FORGET_REPLY_S)
 
     def _start(self, request_id: str, pull: _Pull) -> None:
         remote_groups = pull.remote.group_block_ids
@@ -235,17 +282,24 @@ class KvdScheduler:
         else:
             remote_ids, local_ids = list(pull.remote.block_ids), pull.local_block_ids
         try:
-            self.client.pull(self.settings.engine_id, request_id,
-                             remote_engine_id=pull.remote.engine_id,
-                             remote_address=pull.remote.address,
-                             remote_block_ids=remote_ids,
-                             local_block_ids=local_ids,
-                             remote_request_id=pull.remote.request_id,
-                             publish_receipt=pull.remote.receipt,
-                             num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
-                                         else -1))
-        except KvdError as exc:
-            log.warning("request %s: kvd refused the pull (%s)", request_id, exc)
+            msg = Messages.pull(self.settings.engine_id, request_id,
+                                remote_engine_id=pull.remote.engine_id,
+                                remote_address=pull.remote.address,
+                                remote_block_ids=remote_ids, local_block_ids=local_ids,
+                                remote_request_id=pull.remote.request_id,
+                                publish_receipt=pull.remote.receipt,
+                                num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
+                                            else -1))
+        except (KvdError, ValueError) as exc:  # msgspec bounds (ValidationError)
+            log.warning("request %s: cannot build the pull (%s)", request_id, exc)
+            sent_ok = False
+        else:
+            sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,
+                                                  tuple(pull.local_block_ids)), self._now())
+            if not sent_ok:
+                log.warning("request %s: kvd is not taking messages (frozen or gone); the "
+                            "pull fails now", request_id)
+        if not sent_ok:
             if not pull.quiet:
                 self._meta.failed[request_id] = pull.local_block_ids
             return

@@ -3,99 +3,46 @@
 Runs in each vLLM worker process. Registration happens before vLLM allocates,
 so kvd owns the memory NIXL reads and writes (zero copy); afterwards every
 layer view is checked against kvd's layout. Only the first rank polls the
-daemon: kvd reports per engine, not per rank (get_finished_count is 1). It
-polls on a thread of its own, never inside vLLM's step (see EventPoller).
+daemon: kvd reports per engine, not per rank (get_finished_count is 1). Nothing in
+vLLM's step waits on the daemon: the step checks for events without blocking, with
+a thread as the fallback (kvd.integrations.vllm.completions).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvd.client import KvdClient, RankHandle
+from kvd.client import EventCursor, KvdClient, RankHandle
 from kvd.errors import LayoutError
+from kvd.integrations.vllm.completions import EventPoller, EventPump
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
 from kvd.integrations.vllm_core.hybrid import VllmHybridGeometry, check_hybrid_views
-from kvd.wire.protocol import Event
 
 log = logging.getLogger("kvd.vllm")
 
 
-class EventPoller:
-    """Long-polls the local kvd for one engine's events on its own thread and client.
-
-    Why not poll inside vLLM's step: get_transfer_results runs in every model
-    step, and a poll to a daemon that died waits out the request timeout (10 s by
-    default; 35 s was measured, queued behind the pinger on a shared client) on
-    every step until the transfers time out, freezing the whole engine, plain
-    requests included. Here a dead daemon only delays events; steps drain a queue.
-    """
-
-    POLL_S = 1.0  # long-poll window: an idle engine asks once a second
-    RETRY_S = 0.5
-
-    def __init__(self, settings: ConnectorSettings) -> None:
-        self._engine_id = settings.engine_id
-        self._client = KvdClient(settings.address, token=settings.token,
-                                 timeout_s=settings.request_timeout_s, ping_interval_s=0)
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvd-events-{settings.engine_id}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            try:
-                for ev in self._client.poll(self._engine_id, timeout_s=self.POLL_S):
-                    self._events.put(ev)
-            except Exception as exc:  # noqa: BLE001 - keep polling whatever happened
-                if self._stop.is_set():
-                    return
-                if not failing:
-                    log.warning("polling kvd failed: %s (retrying; transfers time out if "
-                                "it stays down)", exc)
-                failing = True
-                self._stop.wait(self.RETRY_S)
-                continue
-            if failing:
-                log.warning("polling kvd works again")
-                failing = False
-
-    def take(self) -> list[Event]:
-        """Every event received since the last call, in arrival order; never blocks."""
-        events = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                events.append(self._events.get_nowait())
-        return events
-
-    def close(self) -> None:
-        self._stop.set()
-        self._client.close()  # aborts a poll in flight within 0.1 s
-        self._thread.join(timeout=5)
-
-
 class KvdWorker:
     def __init__(self, settings: ConnectorSettings, geom: VllmKvGeometry | VllmHybridGeometry,
-                 multi_group: bool = False) -> None:
+                 multi_group: bool = False, now: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._now = now
         self.geom = geom
         self.reports = geom.tp_rank == 0 and geom.pp_rank == 0
         self.book = EventBook(multi_group=multi_group)
         self.client = KvdClient(settings.address, token=settings.token,
                                 timeout_s=settings.request_timeout_s, on_lost=self._lost)
         self.handle: RankHandle | None = None
+        self.cursor = EventCursor(settings.engine_id)
+        self._restarts_seen = 0
         self.poller: EventPoller | None = None
+        self.pump: EventPump | None = None
 
     def _lost(self, reason: str) -> None:
         log.error("kvd lost this engine's registration (%s): its KV pool is no longer "
@@ -113,7 +60,8 @@ class KvdWorker:
                 tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
                 layer_partition=g.layer_partition)
             if self.reports:
-                self.poller = EventPoller(self.settings)
+                self.pump = EventPump(self.settings, self.cursor, self._now)
+                self.poller = EventPoller(self.settings, self.cursor)
             log.info("kvd pool %s (%d bytes, %s) registered for engine %s rank %d/%d",
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
                      getattr(g, "kv_layout", "hybrid"), self.settings.engine_id, g.tp_rank,
@@ -144,14 +92,17 @@ class KvdWorker:
 
     def handshake(self) -> KvdHandshake:
         handle = self.register()
-        return KvdHandshake(peer_address=handle.peer_address, daemon_id=handle.daemon_id)
+        return KvdHandshake(peer_address=handle.peer_address, daemon_id=handle.daemon_id,
+                            instance_id=handle.instance_id)
 
     # ------------------------------------------------------------ completions
 
     def on_metadata(self, meta: KvdConnectorMetadata) -> None:
+        """Start of a step: note the scheduler's announcements, ask for events (the
+        reply comes during the forward pass; ``step`` takes it)."""
         if not self.reports:
             return
-        now_s = time.monotonic()
+        now_s = self._now()
         for rid, blocks in meta.recv.items():
             self.book.announce_recv(rid, blocks, now_s + self.settings.pull_timeout_s)
         for rid in meta.quiet:
@@ -160,14 +111,28 @@ class KvdWorker:
             self.book.announce_failed_submit(rid, blocks)
         for rid, give_up_s in meta.sent.items():
             self.book.announce_send(rid, now_s + give_up_s)
+        for rid in meta.send_refused:
+            self.book.send_refused(rid)
+        if self.pump is not None and self.book.waiting_on_daemon:
+            self.pump.kick()
 
     def step(self, finished_req_ids: set[str]) -> StepReport:
+        """End of a step (get_finished): what vLLM must hear now; never blocks."""
         if not self.reports:
             return StepReport()
         self.book.vllm_finished(set(finished_req_ids))
-        for ev in self.poller.take() if self.poller is not None else ():
+        if self.pump is not None:
+            self.pump.drain()
+        if self.cursor.restarts != self._restarts_seen:
+            self._restarts_seen = self.cursor.restarts
+            lost = self.book.daemon_restarted()
+            if lost:
+                log.error("kvd restarted: %d transfers in flight there are lost (pulls "
+                          "fail under kv_load_failure_policy; published blocks are freed)",
+                          len(lost))
+        for ev in self.cursor.take():
             self.book.on_event(ev)
-        for rid in self.book.expire(time.monotonic()):
+        for rid in self.book.expire(self._now()):
             log.error("request %s: kvd never reported its transfer; giving up", rid)
         return self.book.take()
 
@@ -175,6 +140,9 @@ class KvdWorker:
         if self.poller is not None:
             self.poller.close()
             self.poller = None
+        if self.pump is not None:
+            self.pump.close()
+            self.pump = None
         if self.handle is not None:
             with contextlib.suppress(Exception):
                 self.client.deregister(self.handle)

@@ -105,6 +105,29 @@ class EventBook:
                 self._finished.add(rid)
                 self._maybe_report_send(rid)
 
+    def send_refused(self, request_id: str) -> None:
+        """The daemon refused the publish (the scheduler heard it a step later): the
+        blocks are the engine's again once vLLM has finished the request."""
+        self.on_event(Event(kind="done_sending", request_id=request_id, ok=False,
+                            error="publish refused"))
+
+    def daemon_restarted(self) -> list[str]:
+        """The local daemon restarted: every pull and hold it had is gone, and no event of
+        theirs will come. Pulls fail now (vLLM's load-failure policy); published blocks
+        are freed once vLLM has finished their request. Returns the ids."""
+        lost = list(self._recving) + list(self._sending)
+        for rid, recv in list(self._recving.items()):
+            del self._recving[rid]
+            self._fail_recv(rid, list(recv.block_ids))
+        for rid in list(self._sending):
+            if rid not in self._sent_done:
+                self.totals.sends_expired += 1
+                self._sent_done.add(rid)
+                self._maybe_report_send(rid)
+        self._quiet.clear()
+        self._early.clear()
+        return lost
+
     # ------------------------------------------------------------ daemon events
 
     def on_event(self, ev: Event) -> None:
