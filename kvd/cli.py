@@ -8,6 +8,7 @@ must not pay for torch or NIXL (0.5 s budget), only ``serve``, ``demo`` and
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Optional
 
 import typer
@@ -27,6 +28,25 @@ def main() -> None:
 def _fail(message: str) -> None:
     typer.echo(f"kvd: error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def _guarded(debug: bool, fn: Callable[[], object]) -> None:
+    """Run ``fn``: a refusal (KvdError) or any other failure is one ``kvd: error:`` line,
+    naming the setting where kvd knows it; ``--debug`` shows the traceback instead."""
+    from kvd.errors import KvdError
+
+    try:
+        fn()
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except KvdError as exc:
+        if debug:
+            raise
+        _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line for the user; --debug for the rest
+        if debug:
+            raise
+        _fail(f"{type(exc).__name__}: {exc} (--debug shows where)")
 
 
 @app.command()
@@ -127,22 +147,26 @@ def _serve_parameters() -> list[inspect.Parameter]:
     params.append(inspect.Parameter(
         "set_", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
         default=typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable).")))
+    params.append(inspect.Parameter(
+        "debug", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+        default=typer.Option(False, "--debug", help="Show the traceback of a failed start.")))
     return params
 
 
 def serve(**options: object) -> None:
     """Run the daemon (flags > KVD_* environment > config file > defaults)."""
     from kvd import config as cfgmod
-    from kvd.errors import KvdError
 
     config = options.pop("config")
+    debug = bool(options.pop("debug"))
     overrides: dict[str, object] = {k: v for k, v in options.items() if k != "set_"}
     for item in options["set_"]:  # type: ignore[union-attr]
         key, sep, value = str(item).partition("=")
         if not sep:
             _fail(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
-    try:
+
+    def start() -> None:
         cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
         from kvd.daemon.run import load_token
         from kvd.ops.logsetup import configure_logging
@@ -152,8 +176,8 @@ def serve(**options: object) -> None:
         from kvd.daemon.run import run
 
         raise typer.Exit(run(cfg))
-    except KvdError as exc:
-        _fail(str(exc))
+
+    _guarded(debug, start)
 
 
 serve.__signature__ = inspect.Signature(_serve_parameters())  # type: ignore[attr-defined]
@@ -163,18 +187,17 @@ app.command()(serve)
 
 @app.command()
 def status(
-    address: str | None = typer.Option(None, "--address", help="Engine face of the daemon."),
+    address: str | None = typer.Option(None, "--address", help="Engine face of the daemon "
+                                       "(host:port means tcp://host:port; default: "
+                                       "KVD_ENGINE_ADDRESS or tcp://127.0.0.1:7100)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     timeout_s: float = typer.Option(3.0, "--timeout-s", help="How long to wait for an answer."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """Ask a running daemon for its engines, pools, peers, held requests and pulls."""
-    from kvd.errors import KvdError
     from kvd.ops.status import render_status
 
-    try:
-        typer.echo(render_status(address, as_json, timeout_s))
-    except KvdError as exc:
-        _fail(str(exc))
+    _guarded(debug, lambda: typer.echo(render_status(address, as_json, timeout_s)))
 
 
 @app.command()
