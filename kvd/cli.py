@@ -228,6 +228,62 @@ def demo(
         _fail(str(exc))
 
 
+@app.command()
+def router(
+    prefill: list[str] = typer.Option(..., "--prefill", help="Prefill server URL "
+                                      "(http://host:port; repeat for round-robin)."),
+    decode: list[str] = typer.Option(..., "--decode", help="Decode server URL "
+                                     "(http://host:port; repeat for round-robin)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    connect_timeout_s: float = typer.Option(10.0, "--connect-timeout-s",
+                                            help="Connecting to a server."),
+    prefill_timeout_s: float = typer.Option(300.0, "--prefill-timeout-s",
+                                            help="The whole prefill step."),
+    decode_read_timeout_s: float = typer.Option(
+        300.0, "--decode-read-timeout-s", help="Silence between two chunks of the decode "
+        "answer."),
+    api_key_env: str = typer.Option("", "--api-key-env", help="Environment variable whose "
+                                    "value is sent upstream as a Bearer token."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
+) -> None:
+    """OpenAI-compatible P/D router: prefill with max_tokens=1, then decode with the
+    prefill's kv_transfer_params (vLLM's standard hand-off; docs/vllm.md)."""
+    import os
+
+    def go() -> None:
+        try:
+            from kvd.tools.router import RouterConfig, run_router
+        except ImportError as exc:
+            _fail(f"kvd router needs aiohttp ({exc}): pip install 'kvd[router]'")
+        run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
+                                prefill_timeout_s, decode_read_timeout_s,
+                                os.environ.get(api_key_env, "") if api_key_env else ""),
+                   host, port)
+
+    _guarded(debug, go)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    directory: str = typer.Argument(..., help="Where to write the model (created)."),
+) -> None:
+    """Write a tiny prompt-sensitive Llama (10 MB, offline, seconds) that vLLM serves: real
+    seeded weights whose output depends on the whole prompt (random or dummy weights
+    ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
+
+    def go() -> None:
+        try:
+            from kvd.tools.tiny_model import build_tiny_llama
+
+            typer.echo(build_tiny_llama(directory))
+        except ImportError as exc:
+            _fail(f"kvd tiny-model needs safetensors and tokenizers ({exc}): "
+                  "pip install 'kvd[tiny-model]' (vLLM installs both)")
+
+    _guarded(False, go)
+
+
 def _bench_app() -> typer.Typer:
     from kvd.tools.bench_cli import bench_app
 
