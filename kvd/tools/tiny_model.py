@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 # Bump when the builder's output changes for the same spec.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: a chat template (OpenAI chat completions)
 
 STAMP_FILE = "kvd_tiny_model.json"
 
@@ -81,6 +81,8 @@ SCALES: dict[str, float] = {
 }
 
 SEED = 20261123
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def _spec() -> dict[str, Any]:
@@ -160,6 +162,9 @@ def write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddi
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        # Chat completions need a template: the messages' words joined, nothing added, so
+        # a chat prompt is the same ids as the completion prompt of the same words.
+        "chat_template": CHAT_TEMPLATE,
         **special,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
