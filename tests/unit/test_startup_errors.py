@@ -162,3 +162,22 @@ def test_cli_status_host_port_is_tcp_and_one_line() -> None:
 def test_cli_status_empty_env_address_is_one_line() -> None:
     line = _one_error_line(_kvd("status", env={"KVD_ENGINE_ADDRESS": ""}))
     assert "KVD_ENGINE_ADDRESS is empty" in line
+
+
+@pytest.mark.parametrize(("args", "module", "named"), [
+    (["router", "--prefill", "http://a:1", "--decode", "http://b:2"], "aiohttp", "kvd[router]"),
+    (["tiny-model", "{tmp}/model"], "safetensors", "kvd[tiny-model]"),
+])
+def test_missing_optional_dependency_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path, args: list[str], module: str,
+                                                 named: str) -> None:
+    from typer.testing import CliRunner
+
+    from kvd.cli import app
+
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    monkeypatch.delitem(sys.modules, "kvd.tools.router", raising=False)
+    out = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args])
+    assert out.exit_code == 2, out.output
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvd: error: ") and named in lines[0]
