@@ -34,6 +34,7 @@ from kvd.daemon.consumer import Consumer
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.events import EventHub
 from kvd.daemon.faces import Face, Handler, Request
+from kvd.daemon.liveness import ConnectionTracker
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.producer import Producer
 from kvd.daemon.registry import EngineRegistry
@@ -48,7 +49,9 @@ log = logging.getLogger("kvd.daemon")
 
 HOUSEKEEPING_INTERVAL_S = 0.05  # leases, poll timeouts, engine liveness, pool freeing
 DRAIN_POLL_S = 0.05
-DRAIN_RELEASE_TIMEOUT_S = 0.4  # after drain_timeout_s: pulls failed, their READs released
+DRAIN_RELEASE_TIMEOUT_S = 0.4
+# libzmq reports a closed connection just before it closes the descriptor: look after this.
+CONNECTION_SETTLE_S = 0.05  # after drain_timeout_s: pulls failed, their READs released
 
 
 class Daemon:
@@ -115,7 +118,12 @@ class Daemon:
         svc = Services(cfg, self.clock, self.metrics, self.datapath, self.registry,
                        self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
         self.producer, self.consumer = Producer(svc), Consumer(svc)
-        self.spawn(self.engine_face.serve(self._engine_handlers()))
+        self.connections = ConnectionTracker()
+        self.registry.on_engine_gone(self.connections.forget)
+        self.spawn(self.engine_face.serve({t: self._noting(h)
+                                           for t, h in self._engine_handlers().items()}))
+        self.spawn(self.engine_face.watch_disconnects(
+            lambda fd: self.spawn(self._retire_closed(fd))))
         self.spawn(self.peer_face.serve(self._peer_handlers()))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
@@ -221,6 +229,24 @@ class Daemon:
     def _refuse_if_draining(self, what: str) -> None:
         if self.draining:
             raise DrainingError(f"daemon is draining; not accepting new {what}")
+
+    def _noting(self, handler: Handler) -> Handler:
+        """``handler``, then: the sender speaks for the message's (registered) engine."""
+
+        async def noted(m: Any, req: Request) -> Any:
+            result = await handler(m, req)
+            engine_id = getattr(m, "engine_id", "")
+            if engine_id in self.registry.engines and not isinstance(m, P.Deregister):
+                self.connections.note(req.identity, req.fd, engine_id)
+            return result
+
+        return noted
+
+    async def _retire_closed(self, fd: int) -> None:
+        """An engine-face connection closed: retire the engines it leaves with none."""
+        await self.clock.sleep(CONNECTION_SETTLE_S)
+        for engine_id in self.connections.closed(fd):
+            self.registry.retire_engine(engine_id, "gone: its connections to kvd closed")
 
     def _engine_handlers(self) -> dict[type, Handler]:
         reg, producer, consumer = self.registry, self.producer, self.consumer
