@@ -170,13 +170,14 @@ def _validate_endpoint(name: str, value: str, allow_ipc: bool) -> None:
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:7100"
 
 
-def client_engine_address(given: str | None, env: dict[str, str] | None = None) -> str:
+def client_engine_address(given: str | None, env: dict[str, str] | None = None,
+                          name: str = "--address") -> str:
     """The engine face a client dials: ``given``, else ``KVD_ENGINE_ADDRESS``, else the
     default. ``host:port`` means ``tcp://host:port``; an empty or malformed value is one
-    ``ConfigError`` naming where it came from (a client's address is typed by hand)."""
+    ``ConfigError`` naming where it came from (``name``: the flag or key that gave it)."""
     env = dict(os.environ) if env is None else env
     if given is not None:
-        source, value = "--address", given
+        source, value = name, given
     elif "KVD_ENGINE_ADDRESS" in env:
         source, value = "KVD_ENGINE_ADDRESS", env["KVD_ENGINE_ADDRESS"]
     else:
