@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable
+from pathlib import Path
 
-from support.inprocess import daemon_pair, run
+from support.clock import FakeClock
+from support.inprocess import config, daemon_pair, run, start_daemon
 from test_daemon_inprocess import register
 
 from kvd.client import AsyncKvdClient
+from kvd.config import Config
 from kvd.daemon.liveness import ConnectionTracker
 
 
@@ -37,6 +40,33 @@ def test_a_vanished_engine_is_retired_within_fake_milliseconds() -> None:
             live = _live((await p.pc.status()).engines)
             assert live == {"staying"}, live
             assert p.clock.now() - t0 < p.prefill.cfg.engine_timeout_s / 10
+
+    run(body())
+
+
+def test_a_vanished_engine_over_ipc_is_retired(tmp_path: Path) -> None:
+    """ipc connections are keyed by the peer's pid (SO_PEERCRED)."""
+
+    async def body() -> None:
+        clock = FakeClock()
+        cfg = config("kvd-unit-ipc")
+        cfg = Config(**{**cfg.__dict__, "engine_address": f"ipc://{tmp_path}/engine.sock"})
+        daemon = await start_daemon("kvd-unit-ipc", clock, cfg=cfg)
+        staying = AsyncKvdClient(cfg.engine_address, timeout_s=5, ping_interval_s=0)
+        gone = AsyncKvdClient(cfg.engine_address, timeout_s=5, ping_interval_s=0)
+        try:
+            await register(staying, "staying")
+            await register(gone, "vanishing")
+            gone.close()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                await clock.run(0.01)
+                if "vanishing" not in _live((await staying.status()).engines):
+                    break
+            assert _live((await staying.status()).engines) == {"staying"}
+        finally:
+            await staying.aclose()
+            await daemon.stop()
 
     run(body())
 
