@@ -8,6 +8,7 @@ must not pay for torch or NIXL (0.5 s budget), only ``serve``, ``demo`` and
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Optional
 
 import typer
@@ -27,6 +28,25 @@ def main() -> None:
 def _fail(message: str) -> None:
     typer.echo(f"kvd: error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def _guarded(debug: bool, fn: Callable[[], object]) -> None:
+    """Run ``fn``: a refusal (KvdError) or any other failure is one ``kvd: error:`` line,
+    naming the setting where kvd knows it; ``--debug`` shows the traceback instead."""
+    from kvd.errors import KvdError
+
+    try:
+        fn()
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except KvdError as exc:
+        if debug:
+            raise
+        _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line for the user; --debug for the rest
+        if debug:
+            raise
+        _fail(f"{type(exc).__name__}: {exc} (--debug shows where)")
 
 
 @app.command()
@@ -127,22 +147,26 @@ def _serve_parameters() -> list[inspect.Parameter]:
     params.append(inspect.Parameter(
         "set_", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
         default=typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable).")))
+    params.append(inspect.Parameter(
+        "debug", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+        default=typer.Option(False, "--debug", help="Show the traceback of a failed start.")))
     return params
 
 
 def serve(**options: object) -> None:
     """Run the daemon (flags > KVD_* environment > config file > defaults)."""
     from kvd import config as cfgmod
-    from kvd.errors import KvdError
 
     config = options.pop("config")
+    debug = bool(options.pop("debug"))
     overrides: dict[str, object] = {k: v for k, v in options.items() if k != "set_"}
     for item in options["set_"]:  # type: ignore[union-attr]
         key, sep, value = str(item).partition("=")
         if not sep:
             _fail(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value
-    try:
+
+    def start() -> None:
         cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
         from kvd.daemon.run import load_token
         from kvd.ops.logsetup import configure_logging
@@ -152,8 +176,8 @@ def serve(**options: object) -> None:
         from kvd.daemon.run import run
 
         raise typer.Exit(run(cfg))
-    except KvdError as exc:
-        _fail(str(exc))
+
+    _guarded(debug, start)
 
 
 serve.__signature__ = inspect.Signature(_serve_parameters())  # type: ignore[attr-defined]
@@ -163,18 +187,17 @@ app.command()(serve)
 
 @app.command()
 def status(
-    address: str | None = typer.Option(None, "--address", help="Engine face of the daemon."),
+    address: str | None = typer.Option(None, "--address", help="Engine face of the daemon "
+                                       "(host:port means tcp://host:port; default: "
+                                       "KVD_ENGINE_ADDRESS or tcp://127.0.0.1:7100)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     timeout_s: float = typer.Option(3.0, "--timeout-s", help="How long to wait for an answer."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """Ask a running daemon for its engines, pools, peers, held requests and pulls."""
-    from kvd.errors import KvdError
     from kvd.ops.status import render_status
 
-    try:
-        typer.echo(render_status(address, as_json, timeout_s))
-    except KvdError as exc:
-        _fail(str(exc))
+    _guarded(debug, lambda: typer.echo(render_status(address, as_json, timeout_s)))
 
 
 @app.command()
@@ -203,6 +226,62 @@ def demo(
                                   decode_block_size=decode_block_size, mla=mla))
     except KvdError as exc:
         _fail(str(exc))
+
+
+@app.command()
+def router(
+    prefill: list[str] = typer.Option(..., "--prefill", help="Prefill server URL "
+                                      "(http://host:port; repeat for round-robin)."),
+    decode: list[str] = typer.Option(..., "--decode", help="Decode server URL "
+                                     "(http://host:port; repeat for round-robin)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    connect_timeout_s: float = typer.Option(10.0, "--connect-timeout-s",
+                                            help="Connecting to a server."),
+    prefill_timeout_s: float = typer.Option(300.0, "--prefill-timeout-s",
+                                            help="The whole prefill step."),
+    decode_read_timeout_s: float = typer.Option(
+        300.0, "--decode-read-timeout-s", help="Silence between two chunks of the decode "
+        "answer."),
+    api_key_env: str = typer.Option("", "--api-key-env", help="Environment variable whose "
+                                    "value is sent upstream as a Bearer token."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
+) -> None:
+    """OpenAI-compatible P/D router: prefill with max_tokens=1, then decode with the
+    prefill's kv_transfer_params (vLLM's standard hand-off; docs/vllm.md)."""
+    import os
+
+    def go() -> None:
+        try:
+            from kvd.tools.router import RouterConfig, run_router
+        except ImportError as exc:
+            _fail(f"kvd router needs aiohttp ({exc}): pip install 'kvd[router]'")
+        run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
+                                prefill_timeout_s, decode_read_timeout_s,
+                                os.environ.get(api_key_env, "") if api_key_env else ""),
+                   host, port)
+
+    _guarded(debug, go)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    directory: str = typer.Argument(..., help="Where to write the model (created)."),
+) -> None:
+    """Write a tiny prompt-sensitive Llama (10 MB, offline, seconds) that vLLM serves: real
+    seeded weights whose output depends on the whole prompt (random or dummy weights
+    ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
+
+    def go() -> None:
+        try:
+            from kvd.tools.tiny_model import build_tiny_llama
+
+            typer.echo(build_tiny_llama(directory))
+        except ImportError as exc:
+            _fail(f"kvd tiny-model needs safetensors and tokenizers ({exc}): "
+                  "pip install 'kvd[tiny-model]' (vLLM installs both)")
+
+    _guarded(False, go)
 
 
 def _bench_app() -> typer.Typer:

@@ -167,6 +167,31 @@ def _validate_endpoint(name: str, value: str, allow_ipc: bool) -> None:
     raise ConfigError(f"{name}: {value!r} must be a {kinds} endpoint")
 
 
+DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:7100"
+
+
+def client_engine_address(given: str | None, env: dict[str, str] | None = None,
+                          name: str = "--address") -> str:
+    """The engine face a client dials: ``given``, else ``KVD_ENGINE_ADDRESS``, else the
+    default. ``host:port`` means ``tcp://host:port``; an empty or malformed value is one
+    ``ConfigError`` naming where it came from (``name``: the flag or key that gave it)."""
+    env = dict(os.environ) if env is None else env
+    if given is not None:
+        source, value = name, given
+    elif "KVD_ENGINE_ADDRESS" in env:
+        source, value = "KVD_ENGINE_ADDRESS", env["KVD_ENGINE_ADDRESS"]
+    else:
+        return DEFAULT_ENGINE_ADDRESS
+    value = value.strip()
+    if not value:
+        raise ConfigError(f"{source} is empty: give tcp://HOST:PORT or ipc://PATH "
+                          f"(unset, it is {DEFAULT_ENGINE_ADDRESS})")
+    if "://" not in value:
+        value = "tcp://" + value
+    _validate_endpoint(source, value, allow_ipc=True)
+    return value
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError for the first invalid field; return cfg unchanged otherwise."""
     for name, choices in _CHOICES.items():

@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolError
 from kvd.ops.metrics import Metrics
@@ -31,6 +32,7 @@ MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
 class Request:
     identity: bytes
     header: P.Header
+    fd: int = -1  # the connection's descriptor (ZMQ's "__fd"), for kvd.daemon.liveness
 
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
@@ -59,12 +61,12 @@ class Face:
             frames = await self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
             reply, msg_id = await self._answer([f.buffer for f in frames[1:]], identity,
-                                               handlers)
+                                               handlers, _fd(frames))
             if reply is not None:
                 self.send(identity, msg_id, reply)
 
     async def _answer(self, payload: list[Any], identity: bytes,
-                      handlers: dict[type, Handler]) -> tuple[Any, int]:
+                      handlers: dict[type, Handler], fd: int = -1) -> tuple[Any, int]:
         """(reply or None for a long poll answered later, the id to reply with)."""
         msg_id = 0
         try:
@@ -77,7 +79,7 @@ class Face:
                 self.metrics.auth_failures.labels(face=self.name).inc()
                 raise AuthError("bad or missing token")
             body = P.decode_body(header, payload[1], self.allowed)
-            return await handlers[type(body)](body, Request(identity, header)), msg_id
+            return await handlers[type(body)](body, Request(identity, header, fd)), msg_id
         except ProtocolError as exc:
             self.metrics.protocol_error(self.name, exc.reason)
             if not msg_id and payload:  # reply to the right call even so
@@ -99,5 +101,24 @@ class Face:
         except zmq.ZMQError as exc:
             log.debug("reply dropped: %s", exc)
 
+    async def watch_disconnects(self, on_closed: Callable[[int], None]) -> None:
+        """Call ``on_closed(fd)`` for every connection of this face that closes."""
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    on_closed(int(event["value"]))
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(0)
+
     def close(self) -> None:
         self.sock.close(0)
+
+
+def _fd(frames: list[Any]) -> int:
+    try:
+        return int(frames[-1].get("__fd"))
+    except (zmq.ZMQError, ValueError, TypeError):
+        return -1

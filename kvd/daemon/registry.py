@@ -178,6 +178,12 @@ class EngineRegistry:
                 listener(engine_id)
         self.metrics.engines.set(self.rank_count())
 
+    def retire_engine(self, engine_id: str, why: str) -> None:
+        """Retire every live rank of an engine now (its connections closed)."""
+        engine = self.table.engines.get(engine_id)
+        for rank in list(engine.live_ranks()) if engine else []:
+            self.mark_gone(engine_id, rank.rank, why)
+
     # ------------------------------------------------------------ housekeeping
 
     def expire(self, now_s: float) -> None:

@@ -17,7 +17,9 @@ housekeeping, drain on SIGTERM, stop with every resource released.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -32,11 +34,12 @@ from kvd.daemon.consumer import Consumer
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.events import EventHub
 from kvd.daemon.faces import Face, Handler, Request
+from kvd.daemon.liveness import ConnectionTracker
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.producer import Producer
 from kvd.daemon.registry import EngineRegistry
 from kvd.daemon.services import Services
-from kvd.errors import DrainingError, NotFoundError
+from kvd.errors import ConfigError, DrainingError, NotFoundError
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
@@ -46,7 +49,9 @@ log = logging.getLogger("kvd.daemon")
 
 HOUSEKEEPING_INTERVAL_S = 0.05  # leases, poll timeouts, engine liveness, pool freeing
 DRAIN_POLL_S = 0.05
-DRAIN_RELEASE_TIMEOUT_S = 0.4  # after drain_timeout_s: pulls failed, their READs released
+DRAIN_RELEASE_TIMEOUT_S = 0.4
+# libzmq reports a closed connection just before it closes the descriptor: look after this.
+CONNECTION_SETTLE_S = 0.05  # after drain_timeout_s: pulls failed, their READs released
 
 
 class Daemon:
@@ -70,39 +75,73 @@ class Daemon:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        """Bind every socket first, then create the NIXL agent and claim the pool directory.
+
+        A start that fails (a port in use, a missing ipc directory) raises one
+        ``ConfigError`` naming the setting and leaves nothing behind: no owner lock in
+        ``shm_dir``, no bound socket, no NIXL agent.
+        """
         from kvd.ops.httpserver import start_http_server
 
+        cfg = self.cfg
         self.ctx = zmq.asyncio.Context()
-        factory = self._transport_factory or self._nixl_factory
-        # Creating the agent takes ~0.5 s: do it on the NIXL thread, like every NIXL call.
-        executor = new_nixl_executor()
-        transport = await asyncio.get_running_loop().run_in_executor(executor, factory)
-        self.datapath = DataPath(transport, executor, self.clock)
-        self.registry = EngineRegistry(self.cfg, self.clock, self.metrics, self.datapath,
-                                       self.daemon_id, self.instance_id)
-        self.registry.open()
-        self.peers = PeerTable(self.ctx, self.cfg, self.clock, self.metrics, self.datapath,
+        self.engine_face = self.peer_face = None
+        self.registry = self.datapath = None
+        try:
+            self.engine_face, self.peer_face = (
+                _bind_face(self.ctx, name, setting, address, allowed, cfg, self.token,
+                           self.instance_id, self.metrics)
+                for name, setting, address, allowed in (
+                    ("engine", "engine_address", cfg.engine_address, P.ENGINE_REQUESTS),
+                    ("peer", "peer_address", cfg.peer_address, P.PEER_REQUESTS)))
+            if cfg.metrics_port:
+                try:
+                    self.http = start_http_server(cfg.metrics_host, cfg.metrics_port,
+                                                  self.metrics.registry, self._ready)
+                except OSError as exc:
+                    raise ConfigError(
+                        f"metrics_port={cfg.metrics_port} (metrics_host={cfg.metrics_host!r}): "
+                        f"{exc.strerror or exc}") from exc
+            factory = self._transport_factory or self._nixl_factory
+            # Creating the agent takes ~0.5 s: do it on the NIXL thread, like every NIXL call.
+            executor = new_nixl_executor()
+            transport = await asyncio.get_running_loop().run_in_executor(executor, factory)
+            self.datapath = DataPath(transport, executor, self.clock)
+            self.registry = EngineRegistry(cfg, self.clock, self.metrics, self.datapath,
+                                           self.daemon_id, self.instance_id)
+            self.registry.open()
+        except BaseException:
+            await self._abort_start()
+            raise
+        self.peers = PeerTable(self.ctx, cfg, self.clock, self.metrics, self.datapath,
                                self.token, self.daemon_id, self.instance_id)
-        svc = Services(self.cfg, self.clock, self.metrics, self.datapath, self.registry,
+        svc = Services(cfg, self.clock, self.metrics, self.datapath, self.registry,
                        self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
         self.producer, self.consumer = Producer(svc), Consumer(svc)
-        cfg = self.cfg
-        self.engine_face, self.peer_face = (
-            Face(self.ctx, name, address, allowed, cfg.max_message_bytes,
-                 cfg.receive_queue_bytes, self.token, self.instance_id, self.metrics)
-            for name, address, allowed in (("engine", cfg.engine_address, P.ENGINE_REQUESTS),
-                                           ("peer", cfg.peer_address, P.PEER_REQUESTS)))
-        self.spawn(self.engine_face.serve(self._engine_handlers()))
+        self.connections = ConnectionTracker()
+        self.registry.on_engine_gone(self.connections.forget)
+        self.spawn(self.engine_face.serve({t: self._noting(h)
+                                           for t, h in self._engine_handlers().items()}))
+        self.spawn(self.engine_face.watch_disconnects(
+            lambda fd: self.spawn(self._retire_closed(fd))))
         self.spawn(self.peer_face.serve(self._peer_handlers()))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
-        if self.cfg.metrics_port:
-            self.http = start_http_server(self.cfg.metrics_host, self.cfg.metrics_port,
-                                          self.metrics.registry, self._ready)
         self.ready = True
         log.info("kvd %s serving: engine %s, peer %s (advertised %s), agent %s, instance %s",
-                 __version__, self.cfg.engine_address, self.cfg.peer_address,
-                 self.cfg.peer_advertise, self.datapath.agent_name, self.instance_id)
+                 __version__, cfg.engine_address, cfg.peer_address,
+                 cfg.peer_advertise, self.datapath.agent_name, self.instance_id)
+
+    async def _abort_start(self) -> None:
+        """Undo a partial start, newest first, so a failed start leaves nothing behind."""
+        if self.registry is not None:
+            self.registry.close()
+        if self.datapath is not None:
+            await self.datapath.close()
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+        self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
 
     def _nixl_factory(self) -> Transport:
         from kvd.transport.nixl import NixlTransport
@@ -191,6 +230,24 @@ class Daemon:
         if self.draining:
             raise DrainingError(f"daemon is draining; not accepting new {what}")
 
+    def _noting(self, handler: Handler) -> Handler:
+        """``handler``, then: the sender speaks for the message's (registered) engine."""
+
+        async def noted(m: Any, req: Request) -> Any:
+            result = await handler(m, req)
+            engine_id = getattr(m, "engine_id", "")
+            if engine_id in self.registry.engines and not isinstance(m, P.Deregister):
+                self.connections.note(req.identity, req.fd, engine_id)
+            return result
+
+        return noted
+
+    async def _retire_closed(self, fd: int) -> None:
+        """An engine-face connection closed: retire the engines it leaves with none."""
+        await self.clock.sleep(CONNECTION_SETTLE_S)
+        for engine_id in self.connections.closed(fd):
+            self.registry.retire_engine(engine_id, "gone: its connections to kvd closed")
+
     def _engine_handlers(self) -> dict[type, Handler]:
         reg, producer, consumer = self.registry, self.producer, self.consumer
 
@@ -254,3 +311,23 @@ class Daemon:
 
         return {P.Hello: hello, P.Acquire: acquire, P.Heartbeat: heartbeat, P.Abandon: abandon,
                 P.ReadNotice: notice}
+
+
+def _bind_face(ctx: zmq.asyncio.Context, name: str, setting: str, address: str,
+               allowed: tuple[type, ...], cfg: Config, token: str, instance_id: str,
+               metrics: Metrics) -> Face:
+    """A bound face, or one ``ConfigError`` line naming the setting and why ZMQ refused."""
+    try:
+        return Face(ctx, name, address, allowed, cfg.max_message_bytes, cfg.receive_queue_bytes,
+                    token, instance_id, metrics)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"{setting}={address!r}: {bind_failure(address, exc)}") from exc
+
+
+def bind_failure(address: str, exc: zmq.ZMQError) -> str:
+    """ZMQ's reason for a failed bind, with what to do about the usual ones."""
+    if exc.errno == zmq.EADDRINUSE:
+        return "address already in use (another kvd? give each daemon its own ports)"
+    if address.startswith("ipc://") and exc.errno == errno.ENOENT:
+        return f"directory {os.path.dirname(address[len('ipc://'):])!r} does not exist"
+    return str(exc)

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import msgspec
 
 from kvd.client import KvdClient
+from kvd.config import client_engine_address
+from kvd.errors import ConfigError
 from kvd.pool.shm import HUGE_PAGE_NBYTES
 from kvd.wire.protocol import RankStatus, Status
 
 
 def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:
-    with KvdClient(address, timeout_s=timeout_s, ping_interval_s=0) as client:
+    """Ask the daemon at ``address`` (``host:port`` means tcp; None: KVD_ENGINE_ADDRESS or
+    the default). A bad address or token file is one ``ConfigError``, not a traceback."""
+    endpoint = client_engine_address(address)
+    token_file = os.environ.get("KVD_AUTH_TOKEN_FILE", "")
+    try:
+        token = Path(token_file).read_text().strip() if token_file else ""
+    except OSError as exc:
+        raise ConfigError(f"KVD_AUTH_TOKEN_FILE={token_file!r}: {exc.strerror}") from exc
+    with KvdClient(endpoint, timeout_s=timeout_s, token=token, ping_interval_s=0) as client:
         st = client.status()
     return format_status(st, as_json)
 

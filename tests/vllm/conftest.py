@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 from engine_proc import EngineProc
 from tiny_hybrid_model import build_tiny_nemotron_h
-from tiny_model import build_tiny_llama
+
+from kvd.tools.tiny_model import build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 

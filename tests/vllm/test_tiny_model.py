@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
-from tiny_model import STAMP_FILE, build_tiny_llama, prompt_ids, spec_hash
+
+from kvd.tools.tiny_model import STAMP_FILE, build_tiny_llama, prompt_ids, spec_hash
 
 pytestmark = pytest.mark.vllm
 

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tiny_model import VOCAB_SIZE, _write_tokenizer, build_model_dir
+
+from kvd.tools.tiny_model import VOCAB_SIZE, build_model_dir, write_tokenizer
 
 BUILDER_VERSION = 1
 SEED = 20261124
@@ -126,7 +127,7 @@ def _write_all(out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2) + "\n")
     save_file(_weights(), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_tokenizer(out, CONFIG["max_position_embeddings"])
+    write_tokenizer(out, CONFIG["max_position_embeddings"])
 
 
 def build_tiny_nemotron_h(directory: str | os.PathLike[str]) -> Path:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvd.client import default_address
+from kvd.config import client_engine_address
+from kvd.errors import ConfigError
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
@@ -46,12 +47,20 @@ class ConnectorSettings:
         token = extra.get("kvd_token")
         if token is None:
             path = extra.get("kvd_token_file") or os.environ.get("KVD_AUTH_TOKEN_FILE", "")
-            token = Path(path).read_text().strip() if path else ""
+            try:
+                token = Path(path).read_text().strip() if path else ""
+            except OSError as exc:
+                raise ConnectorConfigError(f"kvd_token_file / KVD_AUTH_TOKEN_FILE {path!r}: "
+                                           f"{exc.strerror}") from None
+        try:
+            address = client_engine_address(extra.get("kvd_address") or None, name="kvd_address")
+        except ConfigError as exc:  # one line naming the key, not ZMQ's "Invalid argument"
+            raise ConnectorConfigError(str(exc)) from None
         try:
             lease = extra.get("kvd_lease_s")
             return cls(
                 engine_id=engine_id,
-                address=str(extra.get("kvd_address") or default_address()),
+                address=address,
                 token=str(token),
                 lease_s=None if lease is None else float(lease),
                 consumers=int(extra.get("kvd_consumers", 1)),

@@ -1,4 +1,5 @@
-"""A tiny, deterministic, context-sensitive Llama that vLLM loads from disk.
+"""A tiny, deterministic, context-sensitive Llama that vLLM loads from disk
+(``kvd tiny-model DIR``: offline, seconds; the vLLM quickstart and tests/vllm use it).
 
 Why not a hub model or ``load_format="dummy"``: the machines have no model hub,
 and dummy weights give outputs that ignore the prompt, so "decode after a KV
@@ -12,8 +13,8 @@ Shape: 4 layers, hidden 256, 4 query heads, 2 KV heads, head_dim 64 (CPU
 attention refuses head_dim 16), vocab 512, float32 (the CPU build here has no
 AVX-512, so float32 is the safe dtype). Weights are about 10 MB.
 
-Only ``numpy``, ``safetensors`` and ``tokenizers`` are needed, so the builder
-also runs in the plain test venv.
+Only ``numpy``, ``safetensors`` and ``tokenizers`` are needed (vLLM brings both;
+``kvd[tiny-model]`` otherwise).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 # Bump when the builder's output changes for the same spec.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: a chat template (OpenAI chat completions)
 
 STAMP_FILE = "kvd_tiny_model.json"
 
@@ -80,6 +81,8 @@ SCALES: dict[str, float] = {
 }
 
 SEED = 20261123
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def _spec() -> dict[str, Any]:
@@ -138,7 +141,7 @@ def _vocab() -> dict[str, int]:
     return vocab
 
 
-def _write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddings"]) -> None:
+def write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddings"]) -> None:
     """A WordLevel tokenizer: word ``t<id>`` is token ``<id>``, so ids and text map 1:1.
 
     vLLM loads it offline through transformers' fast-tokenizer path
@@ -159,6 +162,9 @@ def _write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embedd
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        # Chat completions need a template: the messages' words joined, nothing added, so
+        # a chat prompt is the same ids as the completion prompt of the same words.
+        "chat_template": CHAT_TEMPLATE,
         **special,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
@@ -172,7 +178,7 @@ def _write_all(out: Path) -> None:
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     save_file(_weights(), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_tokenizer(out)
+    write_tokenizer(out)
 
 
 def _file_digests(directory: Path) -> dict[str, str]:
@@ -235,8 +241,3 @@ def prompt_ids(seed: int, length: int) -> list[int]:
     rng = np.random.Generator(np.random.PCG64(seed))
     return [int(x) for x in rng.integers(FIRST_WORD_ID, VOCAB_SIZE, size=length)]
 
-
-if __name__ == "__main__":
-    import sys
-
-    print(build_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))

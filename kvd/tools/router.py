@@ -1,0 +1,235 @@
+"""`kvd router`: a small OpenAI-compatible prefill/decode router for vLLM engines.
+
+vLLM's standard two-step hand-off, nothing more: each request goes first to a prefill
+server with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``,
+then to a decode server with the ``kv_transfer_params`` the prefill answered, copied
+as they are (opaque: the router never reads what the connector put there). Completions
+and chat completions, streamed or not; round-robin over several prefill and several
+decode URLs; a timeout on every upstream call; a prefill that fails is one JSON error
+naming the server and why, and the decode step is not tried. Fan-out (one prefill read
+by several decodes) is out of scope.
+
+Why aiohttp: one library is both the async HTTP server and the streaming client, with
+connect/read/total timeouts built in; vLLM already installs it, so a vLLM host needs
+nothing new (elsewhere: ``pip install 'kvd[router]'``). FastAPI + uvicorn + httpx would
+be three packages for the same ~150 lines; the standard library has no streaming async
+client. aiohttp is imported by this module only, never by the daemon.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+log = logging.getLogger("kvd.router")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Keys of an OpenAI request that limit the output: the prefill step asks for one token.
+MAX_TOKEN_KEYS = ("max_tokens", "max_completion_tokens")
+# Response headers not copied from an upstream (aiohttp sets its own framing).
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding",
+               "keep-alive", "date", "server"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    connect_timeout_s: float = 10.0
+    prefill_timeout_s: float = 300.0  # the whole prefill call (prompt computed, KV published)
+    decode_read_timeout_s: float = 300.0  # silence between two chunks of the decode answer
+    api_key: str = ""  # sent upstream as ``Authorization: Bearer`` when set
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` means ``http://host:port``; no trailing slash."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+class RoundRobin:
+    """The next URL of a fixed list, in turn (requests spread evenly, no state per URL)."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError("at least one URL is required")
+        self.urls = tuple(normalize_url(u) for u in urls)
+        self._next: Iterator[str] = itertools.cycle(self.urls)
+
+    def pick(self) -> str:
+        return next(self._next)
+
+
+class UpstreamError(Exception):
+    """A prefill step that cannot hand off: the client gets ``status`` and the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill step's body: one token, not streamed, asking for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    for key in MAX_TOKEN_KEYS:
+        if key in body or key == "max_tokens":
+            out[key] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def decode_request(body: dict[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    """The client's body as sent, plus the prefill's ``kv_transfer_params`` untouched."""
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def error_body(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": None}}
+
+
+class Router:
+    """The two-step hand-off over one shared aiohttp client session."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.prefill = RoundRobin(cfg.prefill_urls)
+        self.decode = RoundRobin(cfg.decode_urls)
+        self.session: ClientSession | None = None
+        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+    async def start(self, _app: web.Application) -> None:
+        self.session = ClientSession(headers=self.headers)
+
+    async def close(self, _app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        for route in ROUTES:
+            app.router.add_post(route, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.close)
+        return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"prefill": list(self.prefill.urls),
+                                  "decode": list(self.decode.urls)})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        url = self.decode.pick() + "/v1/models"
+        assert self.session is not None
+        try:
+            async with self.session.get(url, timeout=self._timeout(
+                    self.cfg.prefill_timeout_s)) as resp:
+                return web.Response(status=resp.status, body=await resp.read(),
+                                    content_type="application/json")
+        except (ClientError, TimeoutError) as exc:
+            return _json_error(502, f"decode {url}: {_reason(exc)}", "upstream_unavailable")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _json_error(400, "request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _json_error(400, "request body must be a JSON object",
+                               "invalid_request_error")
+        try:
+            params = await self._prefill(request.path, body)
+        except UpstreamError as exc:
+            log.warning("%s", exc)
+            return _json_error(exc.status, str(exc), "prefill_failed")
+        return await self._decode(request, decode_request(body, params))
+
+    async def _prefill(self, path: str, body: dict[str, Any]) -> Any:
+        """Run the prefill step; its ``kv_transfer_params``, or UpstreamError."""
+        url = self.prefill.pick() + path
+        assert self.session is not None
+        try:
+            async with self.session.post(url, json=prefill_request(body), timeout=self._timeout(
+                    self.cfg.prefill_timeout_s)) as resp:
+                text = await resp.text()
+        except TimeoutError as exc:
+            raise UpstreamError(504, f"prefill {url}: no answer within prefill_timeout_s="
+                                     f"{self.cfg.prefill_timeout_s}") from exc
+        except ClientError as exc:
+            raise UpstreamError(502, f"prefill {url}: {_reason(exc)}") from exc
+        if resp.status != 200:
+            raise UpstreamError(resp.status if 400 <= resp.status < 500 else 502,
+                                f"prefill {url} answered {resp.status}: {_upstream_message(text)}")
+        try:
+            params = json.loads(text).get("kv_transfer_params")
+        except (ValueError, AttributeError) as exc:
+            raise UpstreamError(502, f"prefill {url}: answer is not a JSON object") from exc
+        if not params:
+            raise UpstreamError(502, f"prefill {url} answered without kv_transfer_params: is "
+                                     "it running with the kvd connector (--kv-transfer-config)?")
+        return params
+
+    async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """Run the decode step, passing its answer (streamed or not) through as it comes."""
+        url = self.decode.pick() + request.path
+        assert self.session is not None
+        timeout = ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
+                                sock_read=self.cfg.decode_read_timeout_s)
+        out: web.StreamResponse | None = None
+        try:
+            async with self.session.post(url, json=body, timeout=timeout) as resp:
+                out = web.StreamResponse(status=resp.status, headers={
+                    k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (ClientError, TimeoutError) as exc:
+            message = f"decode {url}: {_reason(exc)}"
+            log.warning("%s", message)
+            if out is None or not out.prepared:
+                return _json_error(502, message, "decode_failed")
+            return out  # already streaming: the client sees the stream end early
+
+    def _timeout(self, total_s: float) -> ClientTimeout:
+        return ClientTimeout(total=total_s, connect=self.cfg.connect_timeout_s)
+
+
+def _json_error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(error_body(message, kind), status=status)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
+
+
+def _upstream_message(text: str) -> str:
+    """The ``error.message`` of an OpenAI error body, else the text (cut short)."""
+    try:
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    except (ValueError, AttributeError):
+        pass
+    return text[:300]
+
+
+def run_router(cfg: RouterConfig, host: str, port: int) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    log.info("kvd router on http://%s:%d: prefill %s, decode %s", host, port,
+             ", ".join(cfg.prefill_urls), ", ".join(cfg.decode_urls))
+    web.run_app(Router(cfg).app(), host=host, port=port, print=None)
