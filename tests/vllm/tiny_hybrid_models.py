@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tiny_model import VOCAB_SIZE, _write_tokenizer, build_model_dir
+from kvd.tools.tiny_model import VOCAB_SIZE, build_model_dir, write_tokenizer
 
 BUILDER_VERSION = 1
 SEED = 20261126
@@ -123,7 +123,7 @@ def _write_all(family: str, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2) + "\n")
-    _write_tokenizer(out, COMMON["max_position_embeddings"])
+    write_tokenizer(out, COMMON["max_position_embeddings"])
 
 
 def build_tiny_family(family: str, directory: str | os.PathLike[str]) -> Path:
