@@ -104,11 +104,11 @@ class Node:
         return reply["ok"]
 
     def start_daemon(self, name: str = "kvd", args: list[str] | None = None,
-                     token: str = TOKEN) -> dict[str, Any]:
+                     token: str = TOKEN, env: dict[str, str] | None = None) -> dict[str, Any]:
         """A `kvd serve` bound to this node's address, engines on its loopback."""
         return self.call("start_daemon", name=name, peer_address=self.peer_address,
                          token=token, engine_port=ENGINE_PORT, metrics_port=METRICS_PORT,
-                         args=args or [])
+                         args=args or [], env=env)
 
 
 class Cluster:
@@ -184,6 +184,16 @@ class Cluster:
     def cut(self, node: int, rail: int = 0) -> None:
         """Partition: the node's switch port goes down (its packets are dropped)."""
         _ip("-n", self.switch, "link", "set", self._port(node, rail), "down")
+
+    def shape(self, node: int, rate_mbit: int, rail: int = 0) -> None:
+        """Limit the rate towards the node (its switch port's egress) to ``rate_mbit``."""
+        _ip("-n", self.switch, "link", "show", self._port(node, rail))
+        res = subprocess.run(["tc", "-n", self.switch, "qdisc", "replace", "dev",
+                              self._port(node, rail), "root", "tbf", "rate",
+                              f"{rate_mbit}mbit", "burst", "64kb", "latency", "400ms"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"tc: {res.stderr.strip()}")
 
     def heal(self, node: int, rail: int = 0) -> None:
         _ip("-n", self.switch, "link", "set", self._port(node, rail), "up")

@@ -42,17 +42,18 @@ class Node:
     # ------------------------------------------------------------ daemons
 
     def start_daemon(self, name: str, peer_address: str, token: str, engine_port: int,
-                     metrics_port: int, args: list[str]) -> dict[str, Any]:
+                     metrics_port: int, args: list[str], env: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
         token_file = self.log_dir / f"{name}.token"
         token_file.write_text(token + "\n")
         extra = ["--auth-token-file", str(token_file), "--set", "pool_backing=shm", *args]
-        d = DaemonProcess._spawn(name, self.log_dir, extra, None,
+        d = DaemonProcess._spawn(name, self.log_dir, extra, env,
                                  f"tcp://127.0.0.1:{engine_port}", peer_address, metrics_port,
                                  token)
         t0 = time.monotonic()
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client(ping_interval_s=0)
+        self.clients[name] = d.client()  # pings: a silent engine is dropped
         return {"pid": d.proc.pid, "ready_s": time.monotonic() - t0}
 
     def kill_daemon(self, name: str) -> None:
@@ -82,7 +83,7 @@ class Node:
                 time.sleep(0.02)
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client(ping_interval_s=0)
+        self.clients[name] = d.client()  # pings: a silent engine is dropped
         return {"livez_s": livez_s, "ready_s": time.monotonic() - t0}
 
     def livez(self, name: str, port: int | None = None) -> int:
