@@ -437,15 +437,16 @@ class PullReads:
         back. Meanwhile the pull is QUARANTINED: not reported, its blocks not handed
         back, counted in kvd_quarantined_pulls. A silent peer ends it within
         peer_liveness_timeout_s (UCX keepalive); a READ stuck in NIXL forever (NIXL PR
-        #2047) stays quarantined, visible in `kvd status` and the gauge."""
-        if not job.live:
-            return
+        #2047) stays quarantined, visible in `kvd status` and the gauge, until the daemon
+        stops (drain or stop: its NIXL agent and every UCX endpoint go with it)."""
+        if not job.live or job.cancel_reason is not None:
+            return  # the daemon is stopping: its agent goes, and every endpoint with it
         svc, state = self.svc, job.state
         job.state = PullState.QUARANTINED
         svc.metrics.quarantined_pulls.inc()
         t0, next_log_s, interval_s = svc.clock.now(), QUARANTINE_LOG_S, FIRST_POLL_S
         try:
-            while job.live:
+            while job.live and job.cancel_reason is None:
                 states = await svc.datapath.poll_many(sorted(job.live))
                 job.live.difference_update(x for x, s in states.items()
                                            if s.state is not XferState.PENDING)

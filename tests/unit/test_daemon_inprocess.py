@@ -380,7 +380,15 @@ def test_a_producer_that_lost_the_hold_mid_read_fails_the_pull() -> None:
             await _until_state(p.dc, p.clock, "pulls", "reading")
             held = p.prefill.producer.held.get("pre", "r1")
             p.prefill.producer.finish(held, "expired")  # as if the lease had run out
+            # The pull fails, but its READ still runs: nothing is handed back (issue 21)
+            # until the transport ends it; meanwhile it is quarantined, and visible.
+            await _until_state(p.dc, p.clock, "pulls", "quarantined")
+            await p.clock.run(2.0)
+            assert [r.state for r in (await p.dc.status()).pulls] == ["quarantined"]
+            assert sample(p.decode, "kvd_quarantined_pulls") == 1
+            p.decode.datapath.transport.hold_reads = False  # the transport ends the READ
             ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=3.0)
+            assert sample(p.decode, "kvd_quarantined_pulls") == 0
             assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
             assert "no longer holds" in ev.error and ev.invalid_block_ids == [5, 6]
             assert p.decode.datapath.transport.counts().transfers == 0
