@@ -77,11 +77,12 @@ FIELD_HELP: dict[str, str] = {
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
     "heartbeat_interval_s": "How often a consumer renews leases of requests it is pulling.",
-    "peer_liveness_timeout_s": "How soon a partition or a dead peer fails the data channel: "
-                               "kvd sets UCX's TCP keepalive from it (UCX_TCP_KEEPIDLE, "
-                               "_KEEPINTVL, _KEEPCNT; an explicit UCX_* variable wins). "
-                               "Until the transport fails or completes a READ, its blocks "
-                               "are not handed back (docs/reliability.md).",
+    "peer_liveness_timeout_s": "How soon a partition or a dead peer is noticed: ZMTP "
+                               "heartbeats on peer control connections, and UCX's TCP "
+                               "keepalive on the data channel (UCX_TCP_KEEPIDLE, _KEEPINTVL, "
+                               "_KEEPCNT; an explicit UCX_* variable wins, as on RDMA "
+                               "fabrics). Until the transport fails or completes a READ, "
+                               "its blocks are not handed back (docs/reliability.md).",
     "engine_timeout_s": "An engine rank silent (no ping) this long is treated as gone.",
     "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
     "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
