@@ -77,14 +77,17 @@ def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dic
     handed back. Only the transport failing the endpoint (its requests completed with
     an error, its sockets closed) makes that impossible; NIXL 1.5's remove_remote_agent
     does not (UCP endpoints close without UCP_EP_CLOSE_FLAG_FORCE). The READer side of
-    a TCP-emulated READ has no unacknowledged data, so keepalive probes detect the
-    silence: idle + interval * count seconds (Linux counts whole seconds). Variables
-    already set (an operator's tuning, e.g. for RDMA fabrics) are kept.
+    a TCP-emulated READ mostly has no unacknowledged data, so keepalive probes detect
+    the silence: idle + interval * count seconds (Linux counts whole seconds). When the
+    cut catches its own GET requests unacknowledged, keepalive never probes and only
+    TCP_USER_TIMEOUT ends the connection (else retransmissions go on ~15 minutes):
+    measured in tests/multinode/test_partition.py. Variables already set (an
+    operator's tuning, e.g. for RDMA fabrics) are kept.
     """
     env = os.environ if env is None else env
     step_s = max(1, round(timeout_s / 3))
     wanted = {"UCX_TCP_KEEPIDLE": f"{step_s}s", "UCX_TCP_KEEPINTVL": f"{step_s}s",
-              "UCX_TCP_KEEPCNT": "2"}
+              "UCX_TCP_KEEPCNT": "2", "UCX_TCP_USER_TIMEOUT": f"{3 * step_s}s"}
     set_now = {k: v for k, v in wanted.items() if k not in env}
     env.update(set_now)
     return set_now

@@ -46,14 +46,17 @@ class Node:
                      ) -> dict[str, Any]:
         token_file = self.log_dir / f"{name}.token"
         token_file.write_text(token + "\n")
-        extra = ["--auth-token-file", str(token_file), "--set", "pool_backing=shm", *args]
+        # The engines played here do not ping (a ping thread would share the client's
+        # socket with the test's calls): the daemon keeps silent engines for 10 minutes.
+        extra = ["--auth-token-file", str(token_file), "--set", "pool_backing=shm",
+                 "--set", "engine_timeout_s=600", *args]
         d = DaemonProcess._spawn(name, self.log_dir, extra, env,
                                  f"tcp://127.0.0.1:{engine_port}", peer_address, metrics_port,
                                  token)
         t0 = time.monotonic()
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client()  # pings: a silent engine is dropped
+        self.clients[name] = d.client(ping_interval_s=0)  # engine_timeout_s is long
         return {"pid": d.proc.pid, "ready_s": time.monotonic() - t0}
 
     def kill_daemon(self, name: str) -> None:
@@ -83,7 +86,7 @@ class Node:
                 time.sleep(0.02)
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client()  # pings: a silent engine is dropped
+        self.clients[name] = d.client(ping_interval_s=0)  # engine_timeout_s is long
         return {"livez_s": livez_s, "ready_s": time.monotonic() - t0}
 
     def livez(self, name: str, port: int | None = None) -> int:
