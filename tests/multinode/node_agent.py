@@ -56,7 +56,8 @@ class Node:
         t0 = time.monotonic()
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client(ping_interval_s=0)  # engine_timeout_s is long
+        # A daemon whose loop UCX stalls for seconds after a heal must not fail the calls.
+        self.clients[name] = d.client(ping_interval_s=0, timeout_s=60)
         return {"pid": d.proc.pid, "ready_s": time.monotonic() - t0}
 
     def kill_daemon(self, name: str) -> None:
@@ -86,7 +87,8 @@ class Node:
                 time.sleep(0.02)
         d.wait_ready(30.0)
         self.daemons[name] = d
-        self.clients[name] = d.client(ping_interval_s=0)  # engine_timeout_s is long
+        # A daemon whose loop UCX stalls for seconds after a heal must not fail the calls.
+        self.clients[name] = d.client(ping_interval_s=0, timeout_s=60)
         return {"livez_s": livez_s, "ready_s": time.monotonic() - t0}
 
     def livez(self, name: str, port: int | None = None) -> int:
