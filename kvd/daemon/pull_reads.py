@@ -42,7 +42,9 @@ SPIN_POLLS = 8  # polls a loop turn apart (inline: no thread hop) before the fir
 FRESH_POST_MAX_DESCRIPTORS = 8
 # Pulls of at most this many bytes post their READs before the Acquire's reply comes.
 EARLY_POST_MAX_BYTES = 4 << 20
-PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
+# After a failed READ: is the producer daemon still the same one? A heartbeat's round
+# trip; short, since a partition's failure waits for it before the engine hears.
+PROBE_TIMEOUT_S = 0.5
 # A producer that no longer holds our request (or restarted) fails the pull only if the
 # READ from it is still pending this long after: a producer releases the hold when our
 # READ's notice arrives, which may be a moment before we see the READ done ourselves.
@@ -379,6 +381,10 @@ class PullReads:
         for addr in remote.daemons:
             peers.drop_address(addr, "READ failed")
         for addr, known in remote.daemons.items():
+            conn = peers.conns.get(addr)
+            if conn is not None and conn.connected is False:  # ZMTP heartbeats lost it
+                raise PeerLostError(f"producer daemon {addr} is unreachable after a failed "
+                                    f"READ ({exc})")
             try:
                 reply = await peers.request(addr, P.Heartbeat(
                     producer_engine_id=job.msg.remote_engine_id, request_ids=[]),

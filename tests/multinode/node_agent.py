@@ -91,6 +91,9 @@ class Node:
         self.clients[name] = d.client(ping_interval_s=0, timeout_s=60)
         return {"livez_s": livez_s, "ready_s": time.monotonic() - t0}
 
+    def alive(self, name: str) -> bool:
+        return self.daemons[name].proc.poll() is None
+
     def livez(self, name: str, port: int | None = None) -> int:
         port = port or self.daemons[name].metrics_port
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=1) as resp:
