@@ -120,6 +120,7 @@ class Cluster:
         self.switch = f"{self.tag}-sw"
         self.nodes: list[Node] = []
         self._netns: list[str] = []
+        self._logs: list[Any] = []
         self._closed = False
 
     def __enter__(self) -> Cluster:
@@ -174,7 +175,8 @@ class Cluster:
         cmd = ["ip", "netns", "exec", ns, "unshare", "--mount", "--ipc", "--pid", "--uts",
                "--fork", "--kill-child", "--mount-proc", "--propagation", "private",
                "sh", "-c", inner]
-        stderr = open(node_dir / "agent.log", "w")  # noqa: SIM115 - lives with the process
+        stderr = open(node_dir / "agent.log", "w")  # noqa: SIM115 - closed by close()
+        self._logs.append(stderr)
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, bufsize=1,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -227,4 +229,6 @@ class Cluster:
         for ns in reversed(self._netns):
             _ip("netns", "del", ns, check=False)
         self._netns.clear()
+        for f in self._logs:
+            f.close()
         atexit.unregister(self.close)
