@@ -37,6 +37,7 @@ class Config:
     handshake_timeout_s: float = 5.0
     transfer_timeout_s: float = 60.0
     heartbeat_interval_s: float = 2.0
+    peer_liveness_timeout_s: float = 3.0
     drain_timeout_s: float = 30.0
     engine_timeout_s: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
@@ -76,6 +77,12 @@ FIELD_HELP: dict[str, str] = {
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
     "heartbeat_interval_s": "How often a consumer renews leases of requests it is pulling.",
+    "peer_liveness_timeout_s": "How soon a partition or a dead peer is noticed: ZMTP "
+                               "heartbeats on peer control connections, and UCX's TCP "
+                               "keepalive on the data channel (UCX_TCP_KEEPIDLE, _KEEPINTVL, "
+                               "_KEEPCNT; an explicit UCX_* variable wins, as on RDMA "
+                               "fabrics). Until the transport fails or completes a READ, "
+                               "its blocks are not handed back (docs/reliability.md).",
     "engine_timeout_s": "An engine rank silent (no ping) this long is treated as gone.",
     "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
     "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
@@ -107,6 +114,7 @@ _POSITIVE = {
     "handshake_timeout_s",
     "transfer_timeout_s",
     "heartbeat_interval_s",
+    "peer_liveness_timeout_s",
     "engine_timeout_s",
     "max_message_bytes",
     "receive_queue_bytes",

@@ -33,10 +33,13 @@ from kvd.transport.prepped import PreppedPoster
 T = TypeVar("T")
 log = logging.getLogger("kvd.datapath")
 
-# How long a changed or forgotten peer may wait for its READs in flight to end before
-# NIXL drops its metadata anyway (they then fail, which their pulls report).
-PEER_DRAIN_TIMEOUT_S = 10.0
+# A changed or forgotten peer's metadata is dropped only once no READ to it is in flight,
+# however long that takes: NIXL's remove_remote_agent makes such a READ's poll fail
+# (NOT_FOUND) but does not stop it (UCP endpoints close without FORCE in NIXL 1.5), so
+# it could still land after its pull was reported failed. READs end when the transport
+# completes or fails them (peer_liveness_timeout_s bounds a silent peer).
 PEER_DRAIN_POLL_S = 0.001
+PEER_DRAIN_LOG_S = 10.0
 # A post of at most this many bytes and descriptors runs inline on the event loop (when
 # the NIXL lock is free): UCX's cma copies ~10-15 GB/s inside transfer(), so the loop
 # stalls for at most ~0.3 ms, less than a hop to the NIXL thread costs on a busy host.
@@ -128,9 +131,13 @@ class DataPath:
         return self._inflight.get(agent_name, 0)
 
     async def _drained(self, agent_name: str) -> None:
-        deadline = self.clock.now() + PEER_DRAIN_TIMEOUT_S
-        while self.inflight(agent_name) and self.clock.now() < deadline:
+        next_log_s = self.clock.now() + PEER_DRAIN_LOG_S
+        while self.inflight(agent_name):
             await self.clock.sleep(PEER_DRAIN_POLL_S)
+            if self.clock.now() >= next_log_s:
+                next_log_s += PEER_DRAIN_LOG_S
+                log.warning("peer %s kept: %d READs to it still in flight", agent_name,
+                            self.inflight(agent_name))
 
     async def load_peer(self, metadata: bytes, agent_name: str) -> str:
         """Load a peer's metadata, replacing what we knew of it.
@@ -141,6 +148,9 @@ class DataPath:
         removed and loaded afresh, but only once no READ to it is in flight: new posts
         to it wait at its gate meanwhile.
         """
+        pending = self._gates.get(agent_name)
+        if pending is not None and not pending.is_set():  # being forgotten: after that
+            await pending.wait()
         known = self._metadata.get(agent_name)
         if known == metadata:
             return agent_name

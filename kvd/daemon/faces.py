@@ -9,8 +9,12 @@ answered ``internal`` and logged.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hmac
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +42,32 @@ class Request:
 Handler = Callable[[Any, Request], Awaitable[Any]]
 
 
+def claim_ipc_path(path: str) -> None:
+    """Make an ipc:// path bindable: remove a crashed daemon's socket file, refuse a live one.
+
+    libzmq unlinks whatever file is at the path before binding, which would silently take
+    the address from a daemon still serving there (its engines would then talk to us).
+    So: connect first; refused means nobody listens (a stale file, removed here), accepted
+    means a live process owns it and we fail like a TCP bind would (EADDRINUSE).
+    Abstract addresses (``@name``) leave no file and need nothing.
+    """
+    if not path or path.startswith("@") or not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("removing stale ipc socket %s (nobody listens)", path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        except OSError as exc:  # not a socket, no permission: let bind report it
+            log.debug("ipc path %s not probed: %s", path, exc)
+            return
+    raise OSError(errno.EADDRINUSE, f"ipc://{path} is in use by a running process", path)
+
+
 class Face:
     def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str,
                  allowed: tuple[type, ...], max_message_bytes: int, receive_queue_bytes: int,
@@ -54,6 +84,10 @@ class Face:
         # size wait per connection (ZMQ counts messages); past it, TCP back-pressure.
         self.sock.setsockopt(zmq.RCVHWM,
                              max(MIN_RECEIVE_HWM, receive_queue_bytes // max_message_bytes))
+        # TCP listeners: libzmq sets SO_REUSEADDR itself, so a crashed daemon re-binds at
+        # once despite connections left in TIME_WAIT (tests/fault/test_rebind.py).
+        if address.startswith("ipc://"):
+            claim_ipc_path(address[len("ipc://"):])
         self.sock.bind(address)
 
     async def serve(self, handlers: dict[type, Handler]) -> None:

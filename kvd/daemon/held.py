@@ -163,5 +163,12 @@ class HeldTable:
     def expired(self, now_s: float) -> list[HeldRequest]:
         return [h for h in self.items.values() if h.expired(now_s)]
 
+    def postpone(self, delta_s: float) -> None:
+        """Move every live lease's deadline on by ``delta_s`` (time the daemon was frozen
+        and could not hear the heartbeats that would have renewed it)."""
+        for h in self.items.values():
+            if not h.terminal:
+                h.deadline_s += delta_s
+
     def of_engine(self, engine_id: str) -> list[HeldRequest]:
         return [h for h in self.items.values() if h.engine_id == engine_id]

@@ -39,7 +39,8 @@ class Reply:
 class PeerConnection:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, token: str, instance: str,
                  max_message_bytes: int, clock: Clock,
-                 on_lost: Callable[[str, str], None]) -> None:
+                 on_lost: Callable[[str, str], None],
+                 liveness_timeout_s: float | None = None) -> None:
         self.address = address
         self.token = token
         self.clock = clock
@@ -51,6 +52,14 @@ class PeerConnection:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
+        if liveness_timeout_s is not None:
+            # ZMTP heartbeats: a peer silent for liveness_timeout_s (partition, dead host)
+            # drops the connection (-> disconnected -> cached handshakes dropped) and ZMQ
+            # dials a fresh one, so after a heal nothing half-dead is reused.
+            timeout_ms = max(1, int(liveness_timeout_s * 1000))
+            self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
+            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            self.sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED
                                                      | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)

@@ -110,7 +110,7 @@ class PeerTable:
         if c is None:
             c = self.conns[address] = PeerConnection(
                 self.ctx, address, self.token, self.instance_id, self.cfg.max_message_bytes,
-                self.clock, self.drop_address)
+                self.clock, self.drop_address, self.cfg.peer_liveness_timeout_s)
         return c
 
     async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:

@@ -33,6 +33,9 @@ from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")
 
+# Housekeeping runs every 50 ms: a gap longer than this means the daemon was frozen.
+STALL_S = 1.0
+
 _END_REASONS = {
     "ok": "",
     "expired": "lease expired before every consumer read the request",
@@ -72,6 +75,7 @@ class Producer:
         self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
         # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
         self._unpublished: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
+        self._last_expire_s = svc.clock.now()  # housekeeping's last look at the leases
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -270,6 +274,18 @@ class Producer:
             nbytes=held.nbytes if outcome == "ok" else 0, duration_s=duration_s))
 
     def expire(self, now_s: float) -> None:
+        """End the holds whose lease ran out, not counting time this daemon was frozen.
+
+        Housekeeping calls this every 50 ms. A longer gap means the daemon itself was
+        stopped (SIGSTOP, a stalled host, a stuck loop): the consumers' heartbeats sent
+        meanwhile still wait in its socket, and a consumer's READ may still be running
+        against these blocks. Expiring now would hand them back to the engine under
+        that READ; the leases are moved on by the gap instead (issue 20/21).
+        """
+        last, self._last_expire_s = self._last_expire_s, now_s
+        if now_s - last > STALL_S:
+            self.held.postpone(now_s - last)
+            log.warning("daemon was stalled %.1fs: leases extended by as much", now_s - last)
         for held in self.held.expired(now_s):
             self.finish(held, "expired")
 

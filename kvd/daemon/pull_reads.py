@@ -42,11 +42,15 @@ SPIN_POLLS = 8  # polls a loop turn apart (inline: no thread hop) before the fir
 FRESH_POST_MAX_DESCRIPTORS = 8
 # Pulls of at most this many bytes post their READs before the Acquire's reply comes.
 EARLY_POST_MAX_BYTES = 4 << 20
-PROBE_TIMEOUT_S = 1.0  # after a failed READ: is the producer daemon still the same one?
+# After a failed READ: is the producer daemon still the same one? A heartbeat's round
+# trip; short, since a partition's failure waits for it before the engine hears.
+PROBE_TIMEOUT_S = 0.5
 # A producer that no longer holds our request (or restarted) fails the pull only if the
 # READ from it is still pending this long after: a producer releases the hold when our
 # READ's notice arrives, which may be a moment before we see the READ done ourselves.
 LOST_GRACE_S = 0.05
+QUARANTINE_POLL_S = 0.05  # a failing pull's READs polled until the transport ends them
+QUARANTINE_LOG_S = 10.0
 
 
 class PullState(enum.Enum):
@@ -55,6 +59,7 @@ class PullState(enum.Enum):
     HANDSHAKING = "handshaking"
     ACQUIRING = "acquiring"
     READING = "reading"
+    QUARANTINED = "quarantined"  # failed, but a READ may still land: not reported yet
     DONE = "done"
     FAILED = "failed"
 
@@ -67,6 +72,7 @@ class PullJob:
     nbytes: int = 0
     descriptors: int = 0
     xfers: list[int] = field(default_factory=list)
+    live: set[int] = field(default_factory=set)  # posted, not yet ended by the transport
     pinned: list[EngineRank] = field(default_factory=list)
     acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
     remote: RemoteEngine | None = None
@@ -324,8 +330,10 @@ class PullReads:
             except asyncio.CancelledError:
                 results = await post
                 job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+                job.live = set(job.xfers)
                 raise
         job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+        job.live = set(job.xfers)
         svc.metrics.post_duration.observe(time.perf_counter() - t0)
         svc.metrics.descriptors_posted.inc(job.descriptors)
         svc.metrics.reads_posted([r.timing for r in results])
@@ -338,6 +346,7 @@ class PullReads:
         while pending:
             states = await self.svc.datapath.poll_many(pending)
             pending = [x for x, s in states.items() if s.state is XferState.PENDING]
+            job.live.intersection_update(pending)
             if pending:
                 await self.svc.clock.sleep(interval_s)
                 interval_s = min(interval_s * 2, MAX_POLL_S)
@@ -353,6 +362,8 @@ class PullReads:
                 await self.svc.clock.sleep(interval_s)
                 interval_s = min(interval_s * 2, MAX_POLL_S)
             states = await self.svc.datapath.poll_many(pending)
+            job.live.difference_update(x for x, s in states.items()
+                                       if s.state is not XferState.PENDING)
             failed = [s.error for s in states.values() if s.error is not None]
             if failed:
                 await self._read_failed(job, remote, failed[0])
@@ -370,6 +381,10 @@ class PullReads:
         for addr in remote.daemons:
             peers.drop_address(addr, "READ failed")
         for addr, known in remote.daemons.items():
+            conn = peers.conns.get(addr)
+            if conn is not None and conn.connected is False:  # ZMTP heartbeats lost it
+                raise PeerLostError(f"producer daemon {addr} is unreachable after a failed "
+                                    f"READ ({exc})")
             try:
                 reply = await peers.request(addr, P.Heartbeat(
                     producer_engine_id=job.msg.remote_engine_id, request_ids=[]),
@@ -407,10 +422,50 @@ class PullReads:
                         f"{msg.producer_request_id!r} (lease expired?)"))
 
     async def release(self, job: PullJob) -> None:
-        """Release (abort) every transfer handle, then unpin the local pools."""
+        """Release every transfer handle, then unpin the local pools; a READ the transport
+        has not ended yet is waited for first (`_settle`), so that the pull is reported
+        (and its blocks handed back) only once no byte of it can land any more."""
         if job.xfers:
             xfers, job.xfers = job.xfers, []
-            await asyncio.shield(self.svc.datapath.release(xfers))
+            await asyncio.shield(self._settle_and_release(job, xfers))
         for r in job.pinned:
             r.pins -= 1
         job.pinned = []
+
+    async def _settle_and_release(self, job: PullJob, xfers: list[int]) -> None:
+        await self._settle(job)
+        await self.svc.datapath.release(xfers)
+
+    async def _settle(self, job: PullJob) -> None:
+        """Wait until the transport has ended (completed or failed) every READ of a pull
+        that is failing: releasing a running NIXL request does not stop UCX (its cancel
+        is a no-op for RMA), and across a partition a READ resumes when the link comes
+        back. Meanwhile the pull is QUARANTINED: not reported, its blocks not handed
+        back, counted in kvd_quarantined_pulls. A silent peer ends it within
+        peer_liveness_timeout_s (UCX keepalive); a READ stuck in NIXL forever (NIXL PR
+        #2047) stays quarantined, visible in `kvd status` and the gauge, until the daemon
+        stops (drain or stop: its NIXL agent and every UCX endpoint go with it)."""
+        if not job.live or job.cancel_reason is not None:
+            return  # the daemon is stopping: its agent goes, and every endpoint with it
+        svc, state = self.svc, job.state
+        job.state = PullState.QUARANTINED
+        svc.metrics.quarantined_pulls.inc()
+        t0, next_log_s, interval_s = svc.clock.now(), QUARANTINE_LOG_S, FIRST_POLL_S
+        try:
+            while job.live and job.cancel_reason is None:
+                states = await svc.datapath.poll_many(sorted(job.live))
+                job.live.difference_update(x for x, s in states.items()
+                                           if s.state is not XferState.PENDING)
+                if not job.live:
+                    break
+                await svc.clock.sleep(interval_s)
+                interval_s = min(interval_s * 2, QUARANTINE_POLL_S)
+                if svc.clock.now() - t0 >= next_log_s:
+                    next_log_s += QUARANTINE_LOG_S
+                    log.warning("pull quarantined for %.0fs: %d READs not ended by the "
+                                "transport; its blocks are not handed back",
+                                svc.clock.now() - t0, len(job.live),
+                                extra={"request_id": job.msg.request_id})
+        finally:
+            svc.metrics.quarantined_pulls.dec()
+            job.state = state

@@ -147,7 +147,8 @@ class Daemon:
         from kvd.transport.nixl import NixlTransport
 
         return NixlTransport(name=f"kvd-{self.daemon_id}", backend=self.cfg.nixl_backend,
-                             progress_thread=self.cfg.nixl_progress_thread)
+                             progress_thread=self.cfg.nixl_progress_thread,
+                             liveness_timeout_s=self.cfg.peer_liveness_timeout_s)
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:

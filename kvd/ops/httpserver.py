@@ -86,8 +86,13 @@ def _handler(registry: CollectorRegistry, ready: ReadyFn) -> type[BaseHTTPReques
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    # Fail loudly if another process holds the port instead of sharing it.
-    allow_reuse_address = False
+    # SO_REUSEADDR: a daemon restarted right after a crash must re-bind at once, even
+    # while a probe's or a scrape's connection to the old process sits in TIME_WAIT
+    # (kubelet probes every few seconds, so otherwise every crash costs up to a minute).
+    # On Linux this never lets two processes listen on one port: a second bind while
+    # the first still listens fails with EADDRINUSE (that is SO_REUSEPORT, left off).
+    allow_reuse_address = True
+    allow_reuse_port = False
 
     def handle_error(self, request: object, client_address: object) -> None:
         # A client hanging up mid-response is routine for scrapers; keep it off stderr.

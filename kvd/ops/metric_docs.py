@@ -235,6 +235,14 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "Pulls accepted and not yet finished (queued, handshaking or reading).",
     ),
     MetricDoc(
+        "quarantined_pulls",
+        "kvd_quarantined_pulls",
+        "gauge",
+        (),
+        "Failing pulls not reported yet because a READ of theirs may still land (the "
+        "transport has not completed or failed it): their blocks are not handed back.",
+    ),
+    MetricDoc(
         "held_requests",
         "kvd_held_requests",
         "gauge",

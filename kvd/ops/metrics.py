@@ -51,6 +51,7 @@ class Metrics:
     busy_rejections: Counter
     events_dropped: Counter
     inflight_transfers: Gauge
+    quarantined_pulls: Gauge
     held_requests: Gauge
     pool_bytes: Gauge
     pool_page_bytes: Gauge

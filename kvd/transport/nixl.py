@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,11 +69,39 @@ class _Prepared:
     extent: tuple[int, int]  # [low, high) addresses, to drop lists over deregistered memory
 
 
+def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dict[str, str]:
+    """UCX TCP keepalive settings that fail a connection to a silent peer in ~timeout_s.
+
+    Why: across a partition UCX's TCP connections stay ESTABLISHED and a READ posted
+    before the cut resumes when the link comes back, writing into memory kvd may have
+    handed back. Only the transport failing the endpoint (its requests completed with
+    an error, its sockets closed) makes that impossible; NIXL 1.5's remove_remote_agent
+    does not (UCP endpoints close without UCP_EP_CLOSE_FLAG_FORCE). The READer side of
+    a TCP-emulated READ mostly has no unacknowledged data, so keepalive probes detect
+    the silence: idle + interval * count seconds (Linux counts whole seconds). When the
+    cut catches its own GET requests unacknowledged, keepalive never probes and only
+    TCP_USER_TIMEOUT ends the connection (else retransmissions go on ~15 minutes):
+    measured in tests/multinode/test_partition.py. Variables already set (an
+    operator's tuning, e.g. for RDMA fabrics) are kept.
+    """
+    env = os.environ if env is None else env
+    step_s = max(1, round(timeout_s / 3))
+    wanted = {"UCX_TCP_KEEPIDLE": f"{step_s}s", "UCX_TCP_KEEPINTVL": f"{step_s}s",
+              "UCX_TCP_KEEPCNT": "2", "UCX_TCP_USER_TIMEOUT": f"{3 * step_s}s"}
+    set_now = {k: v for k, v in wanted.items() if k not in env}
+    env.update(set_now)
+    return set_now
+
+
 class NixlTransport:
     def __init__(self, name: str | None = None, backend: str = "UCX",
-                 progress_thread: bool = False, telemetry: bool = False) -> None:
+                 progress_thread: bool = False, telemetry: bool = False,
+                 liveness_timeout_s: float | None = None) -> None:
         """``telemetry``: NIXL records per-transfer figures, among them the descriptor
-        count after merging (``xfer_descriptors``); off by default."""
+        count after merging (``xfer_descriptors``); off by default.
+        ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults)."""
+        if liveness_timeout_s is not None:
+            ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
         api = import_nixl()
         self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self._telemetry = telemetry

@@ -380,9 +380,46 @@ def test_a_producer_that_lost_the_hold_mid_read_fails_the_pull() -> None:
             await _until_state(p.dc, p.clock, "pulls", "reading")
             held = p.prefill.producer.held.get("pre", "r1")
             p.prefill.producer.finish(held, "expired")  # as if the lease had run out
+            # The pull fails, but its READ still runs: nothing is handed back (issue 21)
+            # until the transport ends it; meanwhile it is quarantined, and visible.
+            await _until_state(p.dc, p.clock, "pulls", "quarantined")
+            await p.clock.run(2.0)
+            assert [r.state for r in (await p.dc.status()).pulls] == ["quarantined"]
+            assert sample(p.decode, "kvd_quarantined_pulls") == 1
+            p.decode.datapath.transport.hold_reads = False  # the transport ends the READ
             ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=3.0)
+            assert sample(p.decode, "kvd_quarantined_pulls") == 0
             assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
             assert "no longer holds" in ev.error and ev.invalid_block_ids == [5, 6]
             assert p.decode.datapath.transport.counts().transfers == 0
+
+    run(body())
+
+
+def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read() -> None:
+    """A producer daemon frozen longer than the lease (SIGSTOP, a stalled host) could not
+    hear the consumer's heartbeats meanwhile: waking up, it moves its leases on by the
+    time it was frozen instead of handing the blocks back under the READ (issue 20/21)."""
+    async def body() -> None:
+        async with daemon_pair(heartbeat_interval_s=0.5) as p:
+            await register(p.pc, "pre")
+            await register(p.dc, "dec")
+            await p.pc.publish("pre", "r1", [1, 2], lease_s=5.0)
+
+            async def silent(*_: object) -> None:  # its heartbeats are stuck in the freeze
+                return None
+
+            p.decode.consumer.reads._heartbeat = silent
+            p.decode.datapath.transport.hold_reads = True
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
+            await _until_state(p.pc, p.clock, "held", "reading")
+            p.clock.advance(20.0)  # one jump: the daemon was frozen for 20 s
+            await p.clock.run(0.5)
+            held = [h.state for h in (await p.pc.status()).held]
+            assert held == ["reading"], await p.pc.poll("pre", timeout_s=0.1)
+            assert sample(p.prefill, "kvd_leases_expired_total") == 0
+            p.decode.datapath.transport.hold_reads = False
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=3.0)
+            assert ev.ok, ev.error
 
     run(body())

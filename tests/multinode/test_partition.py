@@ -1,0 +1,127 @@
+"""A partition mid-pull never writes into memory kvd has handed back (issue 21).
+
+The decode node's link is cut at a point of a pull (before its first byte, in the
+middle, near its last byte) and brought back after the failure is reported. The moment
+``done_recving ok=False`` arrives the decode engine reuses its whole pool (every byte
+set to a marker) and the prefill engine, once released, refills its pool; after the
+heal every byte of the decode's pool must still be the marker: 0 late bytes. A new pull
+then works without a restart.
+
+``KVD_MULTINODE_REPEAT=10`` runs every cut point that many times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+
+import pytest
+from harness import Cluster
+
+pytestmark = pytest.mark.nixl
+
+MODEL = {"name": "mnp", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
+BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # 128 KiB
+NUM_BLOCKS = 160
+PULL_BLOCKS = 128  # 16 MiB: ~1.4 s at 100 Mbit/s
+RATE_MBIT = 100
+DETECT_BUDGET_S = 5.0
+# Heartbeats renew it while the READ runs; after a failed pull whose Abandon was lost in
+# the partition, the producer releases at lease end: short, to keep the case short.
+LEASE_S = 6.0
+MARK_DECODE, MARK_PREFILL = 0x5A, 0xA5
+REPEAT = int(os.environ.get("KVD_MULTINODE_REPEAT", "1"))
+ARGS = ["--set", "heartbeat_interval_s=0.5", "--set", "handshake_timeout_s=2"]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(2, tmp_path_factory.mktemp("mnpart")) as c:
+        for node in c.nodes:
+            node.start_daemon(args=ARGS)
+        c.shape(1, RATE_MBIT)
+        yield c
+
+
+def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
+    total = PULL_BLOCKS * BLOCK_BYTES
+    target = {"mid": 0.4, "late": 0.97}[point] * total
+    while c.link_bytes(1) - before < target:
+        if time.monotonic() - start_s > 30:
+            raise AssertionError(f"pull never reached {point}")
+        time.sleep(0.002)
+    c.cut(1)
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+@pytest.mark.parametrize("point", ["before", "mid", "late"])
+def test_partition_never_writes_late_and_recovers(nodes: Cluster, point: str, rep: int) -> None:
+    prefill, decode = nodes.nodes
+    tag = f"{point}{rep}"
+    pe, de = f"pre-{tag}", f"dec-{tag}"
+    prefill.call("register", daemon="kvd", engine_id=pe, model=MODEL, tp_size=1,
+                 num_blocks=NUM_BLOCKS)
+    decode.call("register", daemon="kvd", engine_id=de, model=MODEL, tp_size=1,
+                num_blocks=NUM_BLOCKS)
+    tokens = PULL_BLOCKS * 16
+    ids = list(range(PULL_BLOCKS))
+    prefill.call("write", engine_id=pe, block_ids=ids, tokens=tokens, seed=11)
+    prefill.call("publish", engine_id=pe, request_id=tag, block_ids=ids, lease_s=LEASE_S)
+    before = nodes.link_bytes(1)
+    healed = False
+    try:
+        if point == "before":
+            nodes.cut(1)
+        start_s = time.monotonic()
+        decode.call("pull", engine_id=de, request_id=tag, remote_engine_id=pe,
+                    remote_address=prefill.peer_address, remote_block_ids=ids,
+                    local_block_ids=ids, num_tokens=tokens)
+        if point != "before":
+            _cut_when(nodes, point, before, start_s)
+        cut_s = time.monotonic()
+        recv = decode.call("wait", engine_id=de, request_id=tag, kind="done_recving",
+                           timeout_s=60)
+        detect_s = time.monotonic() - cut_s
+        if recv["ok"]:  # the last bytes were in before the cut: nothing to protect
+            assert decode.call("check", engine_id=de, block_ids=ids, tokens=tokens,
+                               seed=11) == 0
+            return
+        # The engine reuses every block it got back, at once.
+        decode.call("fill", engine_id=de, byte=MARK_DECODE)
+        print(f"{point}: failure reported {detect_s:.2f}s after the cut: {recv}")
+        nodes.heal(1)
+        healed = True
+        sent: object = "producer daemon crashed"
+        if prefill.call("alive", name="kvd"):
+            sent = prefill.call("wait", engine_id=pe, request_id=tag, kind="done_sending",
+                                timeout_s=60)
+            prefill.call("fill", engine_id=pe, byte=MARK_PREFILL)  # refilled once released
+        time.sleep(3.0)  # anything the transport still had would have landed by now
+        late = decode.call("count_not", engine_id=de, byte=MARK_DECODE)
+        assert late == 0, f"{late} bytes written after the failure was reported ({sent})"
+        assert detect_s <= DETECT_BUDGET_S, f"failure took {detect_s:.1f}s to report"
+    finally:
+        if not healed:
+            nodes.heal(1)
+    if not prefill.call("alive", name="kvd"):
+        # Known, open: UCX 1.23 (bundled with nixl-cu12 1.5.1) sometimes segfaults in
+        # libucp (+0x4e18d) in the producer when its endpoint to the consumer fails while
+        # it serves a TCP-emulated GET. The consumer side (what this test is about) stays
+        # safe; the producer is restarted so that recovery is still checked.
+        warnings.warn(f"{point}: the producer daemon crashed during the partition (UCX "
+                      "segfault, see docs/reliability.md)", stacklevel=1)
+        prefill.call("restart_daemon", name="kvd")
+        prefill.call("register", daemon="kvd", engine_id=pe, model=MODEL, tp_size=1,
+                     num_blocks=NUM_BLOCKS)
+    # Recovery: a new pull works, without restarting the decode daemon.
+    prefill.call("write", engine_id=pe, block_ids=ids[:8], tokens=8 * 16, seed=12)
+    prefill.call("publish", engine_id=pe, request_id=tag + "-again", block_ids=ids[:8])
+    decode.call("pull", engine_id=de, request_id=tag + "-again", remote_engine_id=pe,
+                remote_address=prefill.peer_address, remote_block_ids=ids[:8],
+                local_block_ids=ids[:8], num_tokens=8 * 16)
+    again = decode.call("wait", engine_id=de, request_id=tag + "-again", kind="done_recving",
+                        timeout_s=30)
+    assert again["ok"], again
+    assert decode.call("check", engine_id=de, block_ids=ids[:8], tokens=8 * 16, seed=12) == 0
