@@ -130,12 +130,14 @@ class KvdClient(_ClientSettings):
             self._pinger.start()
         return handle
 
-    def adopt_rank(self, old: RankHandle) -> RankHandle:
+    def adopt_rank(self, old: RankHandle, via: KvdClient | None = None) -> RankHandle:
         """After this daemon restarted: register ``old``'s rank on the new incarnation,
         which takes over the pool this process still maps (shm files only; memfd and
         VRAM pools are refused with one line). The bytes never move; ``old`` is replaced
-        by the returned handle (same mapping, new pool name and instance)."""
-        handle = Messages.adopted(old, self.call(Messages.adoption(old)))
+        by the returned handle (same mapping, new pool name and instance), which this
+        client pings from now on. ``via``: another client to make the call on, so that
+        it does not queue behind this one's ping to a daemon that died."""
+        handle = Messages.adopted(old, (via or self).call(Messages.adoption(old)))
         self._ranks[:] = [handle if r is old else r for r in self._ranks]
         if handle not in self._ranks:
             self._ranks.append(handle)
