@@ -66,7 +66,7 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonPro
     try:
         yield running
     finally:
-        for d in {pd, dd, *running}:
+        for d in [pd, dd, *(r for r in running if r is not pd and r is not dd)]:
             if d.proc.poll() is None:
                 os.kill(d.proc.pid, signal.SIGCONT)
             d.kill()
