@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvd.errors import InvalidRequestError, KvdError
-from kvd.pool.owner import PoolOwner, owner_alive, owner_of
+from kvd.pool.owner import PoolOwner, owner_alive, owner_of, reap_dead_pools
 from kvd.wire.protocol import PoolHandle
 
 log = logging.getLogger("kvd.pool.shm")
@@ -336,6 +336,7 @@ class ShmPool:
                    else PoolBacking.TMPFS_HUGE if mount is not None and mount.is_huge_tmpfs
                    else PoolBacking.SHM)
         array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+        reap_dead_pools(directory, owner.prefix)  # the old owner's lock, if nothing is left
         log.info("adopted pool %s as %s (%d bytes): an engine kept it across a daemon "
                  "restart", name, new_name, nbytes)
         return cls(name=new_name, nbytes=nbytes, mm=mm, array=array, directory=directory,

@@ -130,7 +130,7 @@ def test_a_pool_a_live_engine_maps_is_kept_until_it_unmaps(shm_dir: Path) -> Non
 
 
 def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path) -> None:
-    dead, _, pools = _start(shm_dir)
+    dead, dead_id, pools = _start(shm_dir)
     alive, _, alive_pools = _start(shm_dir)
     me = PoolOwner.acquire(shm_dir, PREFIX)
     try:
@@ -153,6 +153,7 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
         pool = ShmPool.adopt(pools[0], 1 << 20, shm_dir, me)
         assert pool.name.startswith(f"{PREFIX}-{me.owner_id}-")  # now this owner's
         assert pools[0] not in os.listdir(shm_dir)
+        assert f"{PREFIX}-{dead_id}.lock" not in os.listdir(shm_dir)  # nothing left of it
         assert pool.array[:4].tolist() == [1, 2, 3, 4]  # the same bytes, never moved
         pool.array[4] = 9
         assert mapped.array[4] == 9  # one memory, two mappings
