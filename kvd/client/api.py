@@ -297,9 +297,10 @@ class AsyncKvdClient(_ClientSettings):
             self._pinger = asyncio.get_running_loop().create_task(self._ping_loop())
         return handle
 
-    async def adopt_rank(self, old: RankHandle) -> RankHandle:
+    async def adopt_rank(self, old: RankHandle, via: AsyncKvdClient | None = None
+                         ) -> RankHandle:
         """Like ``KvdClient.adopt_rank``: the restarted daemon takes over the pool."""
-        handle = Messages.adopted(old, await self.call(Messages.adoption(old)))
+        handle = Messages.adopted(old, await (via or self).call(Messages.adoption(old)))
         self._ranks[:] = [handle if r is old else r for r in self._ranks]
         if handle not in self._ranks:
             self._ranks.append(handle)
