@@ -130,6 +130,19 @@ class KvdClient(_ClientSettings):
             self._pinger.start()
         return handle
 
+    def adopt_rank(self, old: RankHandle, via: KvdClient | None = None) -> RankHandle:
+        """After this daemon restarted: register ``old``'s rank on the new incarnation,
+        which takes over the pool this process still maps (shm files only; memfd and
+        VRAM pools are refused with one line). The bytes never move; ``old`` is replaced
+        by the returned handle (same mapping, new pool name and instance), which this
+        client pings from now on. ``via``: another client to make the call on, so that
+        it does not queue behind this one's ping to a daemon that died."""
+        handle = Messages.adopted(old, (via or self).call(Messages.adoption(old)))
+        self._ranks[:] = [handle if r is old else r for r in self._ranks]
+        if handle not in self._ranks:
+            self._ranks.append(handle)
+        return handle
+
     def ping(self, handle: RankHandle | None = None) -> None:
         """Ping one rank (or every registered one) now; raises NotFoundError "not
         registered" when the daemon no longer knows it (it restarted)."""
@@ -282,6 +295,15 @@ class AsyncKvdClient(_ClientSettings):
         self._ranks.append(handle)
         if self._pinger is None and self._ping_interval_s > 0:
             self._pinger = asyncio.get_running_loop().create_task(self._ping_loop())
+        return handle
+
+    async def adopt_rank(self, old: RankHandle, via: AsyncKvdClient | None = None
+                         ) -> RankHandle:
+        """Like ``KvdClient.adopt_rank``: the restarted daemon takes over the pool."""
+        handle = Messages.adopted(old, await (via or self).call(Messages.adoption(old)))
+        self._ranks[:] = [handle if r is old else r for r in self._ranks]
+        if handle not in self._ranks:
+            self._ranks.append(handle)
         return handle
 
     async def ping(self, handle: RankHandle | None = None) -> None:

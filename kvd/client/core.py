@@ -13,8 +13,10 @@ import secrets
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from kvd.errors import KvdError, error_from_code
 from kvd.pool.mapping import MappedPool, map_pool
@@ -47,6 +49,8 @@ class RankHandle:
     # The layout the daemon allocated the pool in: what the engine asked for, with
     # kv_layout "auto" resolved (Registered.layout). Views and kernels follow this one.
     layout: P.LayoutSpec | None = None
+    # The registration that made it: re-sent, with adopt_pool, after a daemon restart.
+    registration: P.RegisterEngine | None = field(default=None, repr=False)
 
     @property
     def kv_layout(self) -> str:
@@ -94,7 +98,30 @@ class Messages:
         return RankHandle(engine_id=msg.engine_id, tp_rank=msg.tp_rank, pp_rank=msg.pp_rank,
                           pool=map_pool(reply.pool), daemon_id=reply.daemon_id,
                           peer_address=reply.peer_address, instance_id=reply.instance_id,
-                          layout=layout)
+                          layout=layout, registration=msg)
+
+    @staticmethod
+    def adoption(old: RankHandle) -> P.RegisterEngine:
+        """Register ``old``'s rank again, asking the (restarted) daemon to take over the
+        pool it still maps instead of allocating a new one."""
+        if old.registration is None:
+            raise KvdError("this rank handle does not carry its registration")
+        return msgspec.structs.replace(old.registration, adopt_pool=old.pool.handle)
+
+    @staticmethod
+    def adopted(old: RankHandle, reply: P.Registered) -> RankHandle:
+        """The handle after adoption: same mapping (the bytes never moved), the new
+        incarnation's name for the pool and its instance."""
+        if (reply.pool.kind != old.pool.handle.kind or reply.pool.nbytes != old.pool.handle.nbytes
+                or reply.pool.shape != old.pool.handle.shape):
+            raise KvdError(f"the daemon adopted pool {old.pool.handle.name!r} as a different "
+                           f"pool ({reply.pool.nbytes} bytes, shape {reply.pool.shape})")
+        old.pool.handle = reply.pool
+        return RankHandle(engine_id=old.engine_id, tp_rank=old.tp_rank, pp_rank=old.pp_rank,
+                          pool=old.pool, daemon_id=reply.daemon_id,
+                          peer_address=reply.peer_address, instance_id=reply.instance_id,
+                          layout=reply.layout if reply.layout is not None else old.layout,
+                          registration=old.registration)
 
     @staticmethod
     def deregister(handle: RankHandle) -> P.Deregister:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,14 @@ from kvd.daemon.engines import (
     resolve_registration,
     validate_registration,
 )
-from kvd.errors import BusyError, IncompleteEngineError, KvdError, NotFoundError, TooLargeError
+from kvd.errors import (
+    BusyError,
+    IncompleteEngineError,
+    InvalidRequestError,
+    KvdError,
+    NotFoundError,
+    TooLargeError,
+)
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.pool.owner import PoolOwner, reap_dead_pools
@@ -139,7 +147,10 @@ class EngineRegistry:
                             instance_id=self.instance_id, layout=msg.layout)
 
     def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
-        """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU."""
+        """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU;
+        or the pool the engine kept from a previous incarnation (``adopt_pool``)."""
+        if msg.adopt_pool is not None:
+            return self._adopt(msg.adopt_pool, nbytes), "DRAM", 0
         try:
             if self.cfg.device == "cuda":
                 from kvd.pool.cuda import CudaPool
@@ -153,6 +164,34 @@ class EngineRegistry:
             raise
         except (OSError, OverflowError, ValueError, MemoryError) as exc:
             raise KvdError(f"cannot allocate a pool of {nbytes} bytes: {exc}") from None
+
+    def _adopt(self, old: P.PoolHandle, nbytes: int) -> ShmPool:
+        """Take over a pool a live engine kept across a daemon restart (ShmPool.adopt
+        says what is checked); one-line refusals otherwise: the engine keeps computing
+        locally."""
+        def refuse(why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"cannot adopt pool {old.name!r}: {why}")
+
+        if self.cfg.device != "cpu" or old.kind != "shm" or self.pool_owner is None:
+            raise refuse("only DRAM pools in shm_dir can be adopted; VRAM pools are not "
+                         "yet (docs/operations.md)")
+        if old.nbytes != nbytes:
+            raise refuse(f"its handle says {old.nbytes} bytes; this geometry needs {nbytes}")
+        if os.path.realpath(old.directory) != os.path.realpath(self.cfg.shm_dir):
+            if old.directory.startswith("/proc/"):
+                raise refuse("memfd pools cannot be adopted yet (only shm files in "
+                             "shm_dir; docs/operations.md)")
+            raise refuse(f"it lives in {old.directory}, not in this daemon's shm_dir "
+                         f"{self.cfg.shm_dir}")
+        if any(r.pool.name == old.name for e in self.engines.values() for r in e.ranks.values()):
+            raise refuse("already registered here")
+        try:
+            return ShmPool.adopt(old.name, nbytes, self.cfg.shm_dir, self.pool_owner,
+                                 max_nbytes=self.cfg.max_pool_bytes)
+        except KvdError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise refuse(str(exc)) from None
 
     def deregister(self, engine_id: str, rank: RankId) -> None:
         self.mark_gone(engine_id, rank, "deregistered")

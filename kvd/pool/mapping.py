@@ -6,6 +6,8 @@ VRAM pools open through CUDA IPC (kvd.pool.cuda).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
@@ -43,6 +45,11 @@ class MappedPool:
     handle: PoolHandle
     mm: mmap.mmap | None
     array: np.ndarray
+    # shm files: an open fd holding a shared flock for as long as we map the pool, so
+    # that a new daemon's crash-leftover reaping never deletes memory we still use
+    # (kvd.pool.owner.reap_dead_pools takes only files it can lock exclusively). The
+    # mmap holds a dup of this fd, so the lock lasts exactly as long as the mapping.
+    lock_fd: int | None = None
 
     def tensor(self) -> Any:
         """A torch tensor over the same bytes (no copy). Imports torch lazily."""
@@ -60,6 +67,10 @@ class MappedPool:
                 self.mm.close()
             except BufferError:
                 pass
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+            self.lock_fd = None
 
 
 def map_pool(handle: PoolHandle) -> MappedPool:
@@ -74,7 +85,7 @@ def map_pool(handle: PoolHandle) -> MappedPool:
         raise KvdError(f"pool directory must be absolute, got {handle.directory!r}")
     path = Path(handle.directory) / handle.name
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except PermissionError as exc:
         hint = ("a memfd pool: the engine must run in kvd's PID namespace "
                 "(shareProcessNamespace: true) as kvd's uid; or give kvd a hugetlbfs "
@@ -88,8 +99,11 @@ def map_pool(handle: PoolHandle) -> MappedPool:
         if size < handle.nbytes:
             raise KvdError(f"pool {path} holds {size} bytes, handle says {handle.nbytes}")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        with contextlib.suppress(OSError):  # best effort: a filesystem without flock
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BaseException:
         os.close(fd)
+        raise
     arr = (np.frombuffer(mm, dtype=np.uint8)[:handle.nbytes]
            .view(numpy_dtype(handle.dtype)).reshape(handle.shape))
-    return MappedPool(handle=handle, mm=mm, array=arr)
+    return MappedPool(handle=handle, mm=mm, array=arr, lock_fd=fd)

@@ -4,7 +4,11 @@ After a crash (kill -9) nothing removes a daemon's pool files, so each daemon
 incarnation holds an flock on an owner file for its lifetime (`PoolOwner`) and
 names its pools after it (`kvd.pool.shm.ShmPool.create(owner=...)`); `reap_dead_pools`
 at start removes the files of incarnations whose lock is free (dead), never those
-of a live daemon.
+of a live daemon, nor a pool file a live engine still maps: engines hold a shared
+flock on every pool file they map (`kvd.pool.mapping.map_pool`), and the reaper
+removes only files it can lock exclusively. A pool that survives that way can be
+adopted by the next daemon (`kvd.pool.shm.ShmPool.adopt`): the engine keeps its KV
+memory across a daemon restart.
 """
 
 from __future__ import annotations
@@ -73,6 +77,50 @@ class PoolOwner:
         self.fd = None
 
 
+def owner_of(name: str, prefix: str) -> str | None:
+    """The incarnation id a pool file ``<prefix>-<owner_id>-<token>`` is named after."""
+    m = re.match(rf"^{re.escape(prefix)}-({_OWNER_RE})-[0-9a-f]{{12}}$", name)
+    return m.group(1) if m else None
+
+
+def owner_alive(directory: str | Path, prefix: str, owner_id: str) -> bool:
+    """True while incarnation ``owner_id`` holds its owner lock in ``directory`` (a
+    visible lock file is always locked by its live owner until it dies; a dead one's
+    is removed by the reaper or free to lock)."""
+    try:
+        fd = os.open(Path(directory) / f"{prefix}-{owner_id}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _unlink_unless_mapped(path: Path) -> bool | None:
+    """Remove a pool file unless an engine holds its shared flock (still maps it).
+    True: removed; False: kept (in use); None: already gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
+        return True
+    finally:
+        os.close(fd)
+
+
 def reap_dead_pools(directory: str | Path, prefix: str,
                     pool_dirs: tuple[str | Path, ...] = ()) -> list[str]:
     """Remove the pool files of dead incarnations; returns the names removed.
@@ -82,8 +130,10 @@ def reap_dead_pools(directory: str | Path, prefix: str,
     from ``directory`` and from ``pool_dirs`` (e.g. the 4 KiB fallback directory), then
     the lock file. Live daemons' locks (other processes, or other daemons of this
     process) cannot be taken, so their files are never touched; pool files without an
-    owner lock (older kvd versions) are left alone. Engines still mapping a reaped pool
-    keep their mapping; only the name goes.
+    owner lock (older kvd versions) are left alone. A pool file a live engine still
+    maps (it holds a shared flock on it) is kept, and so is its owner's lock file, so
+    that a later reap removes it once the engine is gone, unless a new daemon adopted
+    it meanwhile (renaming it into its own incarnation).
     """
     directory = Path(directory)
     lock_re = re.compile(rf"^\.?{re.escape(prefix)}-({_OWNER_RE})\.lock(\.tmp)?$")
@@ -108,7 +158,7 @@ def reap_dead_pools(directory: str | Path, prefix: str,
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # alive
-            owner, before = m.group(1), len(removed)
+            owner, before, kept = m.group(1), len(removed), 0
             pool_re = re.compile(rf"^{re.escape(prefix)}-{re.escape(owner)}-[0-9a-f]{{12}}$")
             for d in (directory, *map(Path, pool_dirs)):
                 try:
@@ -117,12 +167,17 @@ def reap_dead_pools(directory: str | Path, prefix: str,
                     continue
                 for name in sorted(names):
                     if pool_re.match(name):
-                        try:
-                            os.unlink(d / name)
+                        gone = _unlink_unless_mapped(d / name)
+                        if gone:
                             removed.append(name)
-                        except FileNotFoundError:
-                            pass
-            lock_path.unlink(missing_ok=True)  # (a .tmp: died before renaming it)
+                        elif gone is False:
+                            kept += 1
+            if kept:
+                log.warning("kept %d pool file(s) of dead kvd incarnation %s in %s: live "
+                            "engines still map them (a new daemon can adopt them)",
+                            kept, owner, directory)
+            else:
+                lock_path.unlink(missing_ok=True)  # (a .tmp: died before renaming it)
             if len(removed) > before:
                 log.warning("removed %d pool file(s) of dead kvd incarnation %s in %s",
                             len(removed) - before, owner, directory)

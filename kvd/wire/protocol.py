@@ -182,7 +182,8 @@ class EngineDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # ---------------------------------------------------------------- engine face
 
 
-class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
+                     omit_defaults=True):
     engine_id: Id
     model: ModelSpec
     layout: LayoutSpec
@@ -195,6 +196,12 @@ class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # span nodes); empty means "only this daemon".
     engine_daemons: list[str] = []
     device_index: int = 0  # GPU of this rank when the daemon runs with device="cuda"
+    # A pool this rank still maps from a previous daemon incarnation (the handle that
+    # daemon gave): the new daemon takes it over instead of allocating, so the engine
+    # keeps its KV memory across a daemon restart. Only shm files in the daemon's
+    # shm_dir; memfd and VRAM pools are refused (docs/operations.md). Omitted when
+    # unset, so older daemons still accept plain registrations.
+    adopt_pool: PoolHandle | None = None
 
 
 class Registered(msgspec.Struct, frozen=True):

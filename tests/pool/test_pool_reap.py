@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvd.pool.mapping import map_pool
+from kvd.errors import InvalidRequestError
+from kvd.pool.mapping import MappedPool, map_pool
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool, kvd_segments
+from kvd.wire.protocol import PoolHandle
 
 PREFIX = "kvd-reaptest"
 
@@ -97,22 +99,74 @@ def test_sigkilled_daemons_pools_are_reaped_live_ones_kept(shm_dir: Path) -> Non
                 p.wait()
 
 
-def test_an_engine_mapping_survives_the_reap(shm_dir: Path) -> None:
-    dead, _, pools = _start(shm_dir)
-    try:
-        from kvd.wire.protocol import PoolHandle
+def _map(shm_dir: Path, name: str) -> MappedPool:
+    return map_pool(PoolHandle(kind="shm", name=name, nbytes=1 << 20, shape=[1 << 20],
+                               dtype="uint8", directory=str(shm_dir)))
 
-        mapped = map_pool(PoolHandle(kind="shm", name=pools[0], nbytes=1 << 20, shape=[1 << 20],
-                                     dtype="uint8", directory=str(shm_dir)))
+
+def test_a_pool_a_live_engine_maps_is_kept_until_it_unmaps(shm_dir: Path) -> None:
+    """Issue 20 point 6: the reap never deletes memory a live engine still uses (it holds
+    a shared flock on the file); once the engine unmaps, the next reap removes it."""
+    dead, dead_id, pools = _start(shm_dir)
+    try:
+        mapped = _map(shm_dir, pools[0])
         dead.kill()
         dead.wait(10)
-        assert pools[0] in reap_dead_pools(shm_dir, PREFIX)
-        assert mapped.array[:4].tolist() == [1, 2, 3, 4]  # only the name went
+        assert reap_dead_pools(shm_dir, PREFIX) == [pools[1]]
+        assert pools[0] in os.listdir(shm_dir), "a mapped pool was reaped"
+        assert f"{PREFIX}-{dead_id}.lock" in os.listdir(shm_dir)  # for the next reap
+        assert mapped.array[:4].tolist() == [1, 2, 3, 4]
+        again = _map(shm_dir, pools[0])  # the file is the engine's memory, bytes intact
+        assert again.array[:4].tolist() == [1, 2, 3, 4]
+        again.close()
+        assert reap_dead_pools(shm_dir, PREFIX) == []  # still mapped: still kept
         mapped.close()
+        assert reap_dead_pools(shm_dir, PREFIX) == [pools[0]]
+        assert os.listdir(shm_dir) == []
     finally:
         if dead.poll() is None:
             dead.kill()
             dead.wait()
+
+
+def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path) -> None:
+    dead, dead_id, pools = _start(shm_dir)
+    alive, _, alive_pools = _start(shm_dir)
+    me = PoolOwner.acquire(shm_dir, PREFIX)
+    try:
+        mapped = _map(shm_dir, pools[0])
+        dead.kill()
+        dead.wait(10)
+        reap_dead_pools(shm_dir, PREFIX)
+
+        def refused(name: str, nbytes: int = 1 << 20, directory: Path = shm_dir) -> str:
+            with pytest.raises(InvalidRequestError) as info:
+                ShmPool.adopt(name, nbytes, directory, me)
+            return str(info.value)
+
+        assert "alive" in refused(alive_pools[0])  # another live daemon's pool
+        assert "named" in refused("unrelated")
+        assert "maps" in refused(pools[0], nbytes=3 << 20)  # not the geometry's size
+        assert "memfd" in refused("7", directory=Path("/proc/1/fd"))
+        assert "No such file" in refused(pools[1])  # reaped: nothing to adopt
+
+        pool = ShmPool.adopt(pools[0], 1 << 20, shm_dir, me)
+        assert pool.name.startswith(f"{PREFIX}-{me.owner_id}-")  # now this owner's
+        assert pools[0] not in os.listdir(shm_dir)
+        assert f"{PREFIX}-{dead_id}.lock" not in os.listdir(shm_dir)  # nothing left of it
+        assert pool.array[:4].tolist() == [1, 2, 3, 4]  # the same bytes, never moved
+        pool.array[4] = 9
+        assert mapped.array[4] == 9  # one memory, two mappings
+        assert "No such file" in refused(pools[0])  # adopted once only
+        mapped.close()
+        pool.close()
+        assert pool.name not in os.listdir(shm_dir)
+    finally:
+        me.release()
+        for p in (dead, alive):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:

@@ -309,7 +309,8 @@ class SimEngine:
                 finished_recving=set(res.finished_recving) or None,
                 failed_recving=set(res.failed_recving),
                 invalid_block_ids=w.get_block_ids_with_load_errors(),
-                kv_connector_stats=w.get_kv_connector_stats())
+                kv_connector_stats=w.get_kv_connector_stats(),
+                kv_connector_worker_meta=w.build_connector_worker_meta())
             w.clear_connector_metadata()
             outputs.append(ModelRunnerOutput(
                 req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},

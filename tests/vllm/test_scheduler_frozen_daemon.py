@@ -214,13 +214,17 @@ def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
         stop_daemon(d_daemon)
 
 
-def test_decode_daemon_restart_fails_pulls_in_flight_at_once(
+def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
         engines: MakeEngine, tmp_path: Path) -> None:
     """D's daemon is killed with a pull in flight and a new one starts on the same
     address: the worker hears a new incarnation and fails the pull within a step
-    (recompute: the request is answered), rather than after kvd_pull_timeout_s."""
-    p_daemon = start_daemon(tmp_path, "p", DAEMON_ARGS)
-    d_daemon = start_daemon(tmp_path, "d", DAEMON_ARGS)
+    (recompute: the request is answered), rather than after kvd_pull_timeout_s. Then
+    (issue 20 point 6) the worker registers again in the background, the new daemon
+    adopts the pool the engine kept, the scheduler hears the new instance, and a new
+    request goes P->D through the new daemon, byte-exact, with no engine restart."""
+    args = [*DAEMON_ARGS, "--set", "pool_backing=shm"]  # adoptable: a file in shm_dir
+    p_daemon = start_daemon(tmp_path, "p", args)
+    d_daemon = start_daemon(tmp_path, "d", args)
     restarted = None
     try:
         p = engines("prefill", p_daemon)
@@ -229,8 +233,12 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once(
         _freeze(d_daemon.proc.pid)  # the pull stays in flight there
         d.add("dec-r", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
         run_until([p, d], lambda: len(d.step_s) > 3, what="a few decode steps")
-        kill_daemon(d_daemon)
-        restarted = DaemonProcess.start(f"{d_daemon.name}-2", tmp_path, DAEMON_ARGS,
+        # A crash: no cleanup, and the engine's pool file is not removed by the test.
+        os.kill(d_daemon.proc.pid, signal.SIGKILL)
+        d_daemon.proc.wait(10)
+        old_instance = d.connector._scheduler.daemon_instance
+        # The same configuration (name -> shm_prefix), as a restarted sidecar has.
+        restarted = DaemonProcess.start(d_daemon.name, tmp_path / "again", args,
                                         metrics=False, engine_address=d_daemon.engine_address,
                                         peer_address=d_daemon.peer_address)
         start = time.monotonic()
@@ -241,6 +249,26 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once(
         assert d.received["dec-r"].failed
         slowest = max(d.step_s)
         assert slowest < 0.5, f"a decode step took {slowest:.2f} s (it waited on the daemon)"
+
+        # P/D resumes through the new daemon: no engine restart, the same KV memory.
+        run_until([p, d], lambda: all(w._worker.rejoin.rejoined for w in d.workers),
+                  timeout_s=20, what="the workers to register again (in the background)")
+        rejoined_s = time.monotonic() - start
+        assert all(w._worker.rejoin.rejoined == 1 for w in d.workers)
+        fresh = prompt_tokens(11, PROMPT)  # not dec-r's prompt: no local prefix hit on D
+        params2 = prefill(p, "req-r2", fresh)
+        d.add("dec-r2", fresh, max_tokens=2, kv_transfer_params=params2)
+        run_until([p, d], lambda: d.finished("dec-r2"), timeout_s=20,
+                  what="a P->D request through the new daemon")
+        first_pd_s = time.monotonic() - start
+        check_pulled(d, "dec-r2", p, 0, PROMPT)
+        assert generated(d, "dec-r2") == [SAMPLED_TOKEN] * 2
+        assert d.connector._scheduler.daemon_instance not in ("", old_instance), \
+            "the scheduler never heard of the new daemon instance"
+        print(f"decode daemon restart -> workers registered again: {rejoined_s:.2f} s, "
+              f"-> first P->D request through it: {first_pd_s:.2f} s")
+        assert max(d.step_s) < 0.5, "a step waited on the re-registration"
+        drain([p, d], timeout_s=30)
     finally:
         kill_daemon(d_daemon)
         if restarted is not None:

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvd.integrations.vllm.keepalive import RankKeepalive
-from kvd.integrations.vllm.metadata import KvdConnectorMetadata
+from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdWorkerMeta
 from kvd.integrations.vllm.scheduler import KvdScheduler
 from kvd.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings
 from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
@@ -167,6 +167,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         invalid, self._invalid = self._invalid, set()
         return invalid
 
+    def build_connector_worker_meta(self) -> Any:
+        """After the daemon restarted and this worker registered again: the new
+        instance for the scheduler (once); None otherwise."""
+        return self._worker.worker_meta() if self._worker is not None else None
+
     def get_kv_connector_stats(self) -> KvdConnectorStats | None:
         if self._worker is None or not self._worker.reports:
             return None
@@ -185,6 +190,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._scheduler is not None:
             self._scheduler.set_handshake(metadata)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output each step: a re-registration's new daemon instance."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._scheduler is not None and isinstance(meta, KvdWorkerMeta):
+            self._scheduler.daemon_moved(meta.peer_address, meta.instance_id)
 
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:

@@ -9,6 +9,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+try:  # vLLM >= 0.32: worker -> scheduler metadata each step
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM: the scheduler never hears of a restart
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
 
 @dataclass
 class KvdConnectorMetadata(KVConnectorMetadata):
@@ -19,6 +24,8 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     failed: dict[str, list[int]] = field(default_factory=dict)  # pulls the daemon refused
     sent: dict[str, float] = field(default_factory=dict)  # published: give-up time in seconds
     send_refused: list[str] = field(default_factory=list)  # publishes kvd refused: free now
+    # kvd said this engine is not registered (it restarted): workers register again
+    rejoin: bool = False
 
 
 @dataclass
@@ -28,3 +35,15 @@ class KvdHandshake(KVConnectorHandshakeMetadata):
     peer_address: str
     daemon_id: str
     instance_id: str = ""  # the daemon incarnation: the scheduler builds receipts with it
+
+
+@dataclass
+class KvdWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler after the rank-0 worker registered again with a restarted
+    daemon (kvd.integrations.vllm.rejoin): receipts must name the new instance."""
+
+    peer_address: str
+    instance_id: str
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return self  # only the rank-0 worker sends one

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
-from kvd.errors import KvdError
+from kvd.errors import KvdError, NotFoundError
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
 from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.hybrid import publish_groups, pull_groups
@@ -94,6 +94,16 @@ class KvdScheduler:
                 self.peer_address = meta.peer_address
                 self.daemon_instance = meta.instance_id
                 return
+
+    def daemon_moved(self, peer_address: str, instance_id: str) -> None:
+        """The workers registered again with a restarted daemon (their pools adopted):
+        receipts name the new instance from now on."""
+        if peer_address:
+            self.peer_address = peer_address
+        if instance_id and instance_id != self.daemon_instance:
+            log.warning("kvd restarted: the workers registered again with instance %s; "
+                        "P/D resumes through it", instance_id)
+            self.daemon_instance = instance_id
 
     # ------------------------------------------------------------ prefill side (new)
 
@@ -259,6 +269,8 @@ class KvdScheduler:
             if not isinstance(reply.body, P.Error):
                 continue
             exc = Messages.refusal(reply.body)
+            if isinstance(exc, NotFoundError) and "not registered" in str(exc):
+                self._meta.rejoin = True  # the daemon restarted: workers register again
             if sent.kind == "publish":
                 log.error("request %s: kvd refused the publish (%s); its blocks are freed "
                           "and the decode side computes the prompt itself",

@@ -19,7 +19,8 @@ from typing import Any
 from kvd.client import EventCursor, KvdClient, RankHandle
 from kvd.errors import LayoutError
 from kvd.integrations.vllm.completions import EventPoller, EventPump
-from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
+from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
+from kvd.integrations.vllm.rejoin import Rejoin
 from kvd.integrations.vllm.settings import ConnectorSettings
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
@@ -43,10 +44,23 @@ class KvdWorker:
         self._restarts_seen = 0
         self.poller: EventPoller | None = None
         self.pump: EventPump | None = None
+        self.rejoin = Rejoin(
+            self.client, lambda: self.handle, self._rejoined,
+            f"{settings.engine_id} rank {geom.tp_rank}/{geom.pp_rank}",
+            make_client=lambda: KvdClient(settings.address, token=settings.token,
+                                          timeout_s=settings.request_timeout_s,
+                                          ping_interval_s=0))
+        self._announced = ""  # the daemon instance the scheduler last heard of from us
 
     def _lost(self, reason: str) -> None:
-        log.error("kvd lost this engine's registration (%s): its KV pool is no longer "
-                  "served; restart this vLLM engine to register again", reason)
+        """The pinger's: the daemon no longer knows this rank (it restarted) or does not
+        answer. Either way try to register again, with adoption, off the step."""
+        log.warning("kvd lost this engine's registration or does not answer (%s); "
+                    "registering again in the background", reason)
+        self.rejoin.kick(reason)
+
+    def _rejoined(self, handle: RankHandle) -> None:
+        self.handle = handle  # same mapping; the step's next worker_meta tells the scheduler
 
     # ------------------------------------------------------------ memory
 
@@ -59,6 +73,7 @@ class KvdWorker:
                 self.settings.engine_id, g.model_spec(), g.layout_spec(), tp_rank=g.tp_rank,
                 tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
                 layer_partition=g.layer_partition)
+            self._announced = self.handle.instance_id  # the handshake tells the scheduler
             if self.reports:
                 self.pump = EventPump(self.settings, self.cursor, self._now)
                 self.poller = EventPoller(self.settings, self.cursor)
@@ -100,6 +115,8 @@ class KvdWorker:
     def on_metadata(self, meta: KvdConnectorMetadata) -> None:
         """Start of a step: note the scheduler's announcements, ask for events (the
         reply comes during the forward pass; ``step`` takes it)."""
+        if meta.rejoin:  # every rank: its own registration is gone too
+            self.rejoin.kick("kvd said this engine is not registered")
         if not self.reports:
             return
         now_s = self._now()
@@ -130,13 +147,25 @@ class KvdWorker:
                 log.error("kvd restarted: %d transfers in flight there are lost (pulls "
                           "fail under kv_load_failure_policy; published blocks are freed)",
                           len(lost))
+            self.rejoin.kick("a new kvd instance answered")
         for ev in self.cursor.take():
             self.book.on_event(ev)
         for rid in self.book.expire(self._now()):
             log.error("request %s: kvd never reported its transfer; giving up", rid)
         return self.book.take()
 
+    def worker_meta(self) -> KvdWorkerMeta | None:
+        """Once after a re-registration: the new daemon instance (and its peer address)
+        for the scheduler's receipts, through vLLM's worker -> scheduler metadata."""
+        handle = self.handle
+        if not self.reports or handle is None or handle.instance_id == self._announced:
+            return None
+        self._announced = handle.instance_id
+        return KvdWorkerMeta(peer_address=handle.peer_address,
+                             instance_id=handle.instance_id)
+
     def close(self) -> None:
+        self.rejoin.close()
         if self.poller is not None:
             self.poller.close()
             self.poller = None
