@@ -69,3 +69,26 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             stop_and_check_clean(prefill)
         finally:
             stop_and_check_clean(decode)
+
+
+def _reap_test_leftovers(shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Pools and locks of daemons the tests killed -9 under their own prefixes.
+
+    No later daemon shares a killed test daemon's prefix, so nothing else would reap
+    them; the suite does, once, at its end. Only dead owners' files go (the production
+    reaper's rule: their lock can be taken), so a live daemon is never touched."""
+    from kvd.pool.owner import reap_dead_pools
+
+    prefixes = {lock.name[: -len(".lock")].rsplit("-", 2)[0]
+                for lock in shm_dir.glob("kvd-*.lock")}
+    removed: list[str] = []
+    for prefix in sorted(p for p in prefixes if p.startswith("kvd-")):
+        removed += reap_dead_pools(shm_dir, prefix)
+    return removed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_leftovers_after_the_suite() -> Iterator[None]:
+    yield
+    if Path("/dev/shm").is_dir():
+        _reap_test_leftovers()

@@ -73,6 +73,7 @@ def _pull_small(pc: KvdClient, dc: KvdClient, paddr: str, rid: str, dst: list[in
 
 def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -> None:
     prefill, decode = _start(tmp_path, "rkp"), _start(tmp_path, "rkd")
+    started = [prefill, decode]  # every incarnation, so a failed assertion leaks none
     lost = threading.Event()
     g = global_kv(MODEL, len(SMALL_IDS) * 16)
     try:
@@ -121,6 +122,7 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             leftovers = kvd_segments(f"kvd-{prefill.name}")
             assert leftovers, "kill -9 should have left the pool file behind"
             again = _start(tmp_path, "rkp", like=prefill)
+            started.append(again)
             assert set(leftovers) <= set(kvd_segments(f"kvd-{prefill.name}")), \
                 "the restarted daemon reaped a pool the engine still maps (issue 20)"
             assert lost.wait(10), "the engine never noticed its daemon restarted"
@@ -136,7 +138,7 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             assert not reap_dead_pools(SHM_DIR, f"kvd-{prefill.name}")  # still mapped
             prefill = again
     finally:
-        _cleanup(prefill, decode)
+        _cleanup(*started)
 
 
 def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_path: Path
