@@ -47,6 +47,8 @@ class Config:
     max_engines: int = 256
     max_held_requests: int = 100_000
     max_inflight_pulls: int = 4096
+    max_quarantined_pulls: int = 64
+    max_quarantined_bytes: int = 16 << 30
     nixl_progress_thread: bool = False
     nixl_backend: str = "UCX"
     log_format: str = "text"
@@ -81,8 +83,9 @@ FIELD_HELP: dict[str, str] = {
                                "heartbeats on peer control connections, and UCX's TCP "
                                "keepalive on the data channel (UCX_TCP_KEEPIDLE, _KEEPINTVL, "
                                "_KEEPCNT; an explicit UCX_* variable wins, as on RDMA "
-                               "fabrics). Until the transport fails or completes a READ, "
-                               "its blocks are not handed back (docs/reliability.md).",
+                               "fabrics). A pull from a peer lost this way fails at once, "
+                               "and its READs' connections are torn down before its blocks "
+                               "are handed back (docs/reliability.md).",
     "engine_timeout_s": "An engine rank silent (no ping) this long is treated as gone.",
     "drain_timeout_s": "On SIGTERM, how long held blocks and in-flight reads may finish.",
     "max_message_bytes": "Largest ZMQ frame accepted on either face (ZMQ_MAXMSGSIZE).",
@@ -95,6 +98,11 @@ FIELD_HELP: dict[str, str] = {
     "max_engines": "Most engine ranks registered at once.",
     "max_held_requests": "Most published requests held at once.",
     "max_inflight_pulls": "Most pulls queued or running at once; more are refused as busy.",
+    "max_quarantined_pulls": "Most failed pulls kept quarantined at once (a READ of theirs "
+                             "may still land, their blocks are not handed back); past it "
+                             "new pulls fail busy before posting.",
+    "max_quarantined_bytes": "Most bytes of quarantined pulls; a new pull that would pass "
+                             "it fails busy before posting.",
     "nixl_progress_thread": "Run NIXL's progress thread (off by default: it spins a core).",
     "nixl_backend": "NIXL backend plugin to create.",
     "log_format": "'text' or 'json' (one JSON object per line).",
@@ -123,6 +131,8 @@ _POSITIVE = {
     "max_engines",
     "max_held_requests",
     "max_inflight_pulls",
+    "max_quarantined_pulls",
+    "max_quarantined_bytes",
 }
 
 

@@ -1,4 +1,4 @@
-"""The READ phase of a pull, and the pull's record (`PullJob`).
+"""The READ phase of a pull.
 
 `PullReads` posts one READ per producer daemon (through prepared lists where the
 pools are named), polls them until done, keeps the producers' leases alive
@@ -7,23 +7,24 @@ from a failed READ. The pull's Acquire (`Acquiring`) travels meanwhile: the READ
 do not wait for its replies, their bytes and notices do. Each producer gets its
 ``ReadNotice`` as a peer request once every READ is done and every Acquire
 answered. The local pools stay pinned from posting until `release` has released
-every transfer handle. kvd.daemon.consumer drives the pull around it.
+every transfer handle (kvd.daemon.quarantine: a failing pull's READs are made to end
+first). The pull's record and its Acquire are in kvd.daemon.pull_job;
+kvd.daemon.consumer drives the pull around it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from kvd.daemon.datapath import PostResult, XferState
-from kvd.daemon.engines import Engine, EngineRank
+from kvd.daemon.engines import Engine
 from kvd.daemon.peerconn import Reply
 from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.pull_job import Acquiring, PullJob, PullState
+from kvd.daemon.quarantine import Quarantine
 from kvd.daemon.services import Services
 from kvd.errors import KvdError, PeerLostError, ProtocolError, TransferError
 from kvd.planner.assembly import ProducerReads
@@ -49,150 +50,8 @@ PROBE_TIMEOUT_S = 0.5
 # READ from it is still pending this long after: a producer releases the hold when our
 # READ's notice arrives, which may be a moment before we see the READ done ourselves.
 LOST_GRACE_S = 0.05
-QUARANTINE_POLL_S = 0.05  # a failing pull's READs polled until the transport ends them
-QUARANTINE_LOG_S = 10.0
 
-
-class PullState(enum.Enum):
-    QUEUED = "queued"
-    WAITING_RANKS = "waiting_ranks"
-    HANDSHAKING = "handshaking"
-    ACQUIRING = "acquiring"
-    READING = "reading"
-    QUARANTINED = "quarantined"  # failed, but a READ may still land: not reported yet
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass
-class PullJob:
-    msg: P.Pull
-    started_s: float
-    state: PullState = PullState.QUEUED
-    nbytes: int = 0
-    descriptors: int = 0
-    xfers: list[int] = field(default_factory=list)
-    live: set[int] = field(default_factory=set)  # posted, not yet ended by the transport
-    pinned: list[EngineRank] = field(default_factory=list)
-    acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
-    remote: RemoteEngine | None = None
-    reading_from: dict[int, str] = field(default_factory=dict)  # pending xfer -> agent
-    lost: dict[str, tuple[float, PeerLostError]] = field(default_factory=dict)  # by agent
-    cancel_reason: KvdError | None = None  # why the daemon cancelled the task
-    timed_out: bool = False  # past transfer_timeout_s: the deadline cancelled the task
-    task: asyncio.Task[None] | None = None
-    early: Acquiring | None = None  # the Acquire sent when the Pull came (cached handshake)
-    reply_to: tuple[bytes, int] | None = None  # (identity, request id): answer when done
-    notices: list[Callable[[], None]] = field(default_factory=list)  # sent once reported
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.msg.engine_id, self.msg.request_id)
-
-
-class Acquiring:
-    """A pull's Acquire, on its way to every producer daemon while the pull goes on.
-
-    Sent before the descriptors are assembled; the READs are posted without waiting
-    for the replies when they have not come yet (issue 12.4: one control round trip
-    on the request path, overlapped with the READ). Nothing read is trusted, and no
-    READ notice sent, before `settle` has every reply: a refused Acquire fails the pull
-    (its blocks reported invalid), a stale handshake makes it start over, and a hold
-    younger than the time from posting to the reply (the READ may predate the publish)
-    makes it read again.
-    """
-
-    def __init__(self, job: PullJob, remote: RemoteEngine,
-                 replies: dict[str, asyncio.Future[Reply]],
-                 take_ready: Callable[[Iterable[str]], None] = lambda _: None) -> None:
-        self.job = job
-        self.remote = remote
-        self._futures = replies  # by producer daemon address
-        self._take_ready = take_ready  # handles replies already queued, without a loop turn
-        self._replies: dict[str, Reply] | None = None
-        self._error: BaseException | None = None
-
-    @classmethod
-    def send(cls, svc: Services, job: PullJob, engine: Engine,
-             remote: RemoteEngine) -> Acquiring:
-        msg = job.msg
-        acquire = P.Acquire(request_id=msg.producer_request_id,
-                            producer_engine_id=msg.remote_engine_id,
-                            consumer_engine_id=msg.engine_id,
-                            block_ids=list(msg.remote_block_ids),
-                            consumer_tp_size=engine.par.tp_size,
-                            consumer_pp_size=engine.par.pp_size,
-                            consumer_layer_partition=(list(engine.par.layer_partition)
-                                                      if engine.par.layer_partition else None))
-        return cls(job, remote, {a: svc.peers.send(a, acquire) for a in remote.daemons},
-                   svc.peers.take_ready)
-
-    async def forget(self) -> None:
-        """An Acquire superseded by another one of the same pull: only its replies are
-        collected (the producer holds the request for this consumer either way)."""
-        await asyncio.gather(*self._futures.values(), return_exceptions=True)
-
-    @property
-    def answered(self) -> bool:
-        return self._replies is not None or all(f.done() for f in self._futures.values())
-
-    @property
-    def settled(self) -> bool:
-        return self._replies is not None
-
-    async def settle(self) -> bool:
-        """Every reply, or the first error raised (after noting in ``job.acquired`` who
-        holds the request for us). True when each came from the daemon incarnation and
-        engine epoch of the cached handshake: False, the addresses we know may be stale."""
-        if self._error is not None:
-            raise self._error
-        if self._replies is None:
-            addrs = list(self._futures)
-            if not all(f.done() for f in self._futures.values()):
-                self._take_ready(addrs)  # a reply that came while we posted: no loop turn
-            got: list[Reply | BaseException] = []
-            for fut in self._futures.values():  # no gather: no extra loop turn
-                try:
-                    got.append(await fut)
-                except Exception as exc:  # noqa: BLE001 - every reply is looked at first
-                    got.append(exc)
-            self.job.acquired = [a for a, r in zip(addrs, got, strict=True)
-                                 if not isinstance(r, BaseException)]
-            for r in got:
-                if isinstance(r, BaseException):
-                    self._error = r
-                    raise r
-            self._replies = dict(zip(addrs, got, strict=True))  # type: ignore[arg-type]
-        daemons = self.remote.daemons
-        return all(r.instance == daemons[a].instance and r.body.epoch == daemons[a].epoch
-                   for a, r in self._replies.items())
-
-    def receipted(self, agent: str) -> bool:
-        """Whether the pull's publish receipt names the cached incarnation of every daemon
-        behind ``agent``: then the publish happened before the Pull was sent, and a READ
-        from it may go out before the Acquire's reply whatever its size."""
-        receipt = self.job.msg.publish_receipt
-        behind = [d for d in self.remote.daemons.values() if d.agent == agent]
-        return bool(receipt and behind) and all(receipt.startswith(d.instance + "/")
-                                                for d in behind)
-
-    def may_predate_publish(self, agent: str, posted_s: float) -> bool:
-        """Whether a READ from ``agent`` posted at ``posted_s`` (before its daemon's reply
-        came) may have run before the request was published there. Not if the reply names
-        the hold of the pull's publish receipt: that hold existed before the Pull was
-        sent, and lasted until the Acquire joined it. Otherwise the producer held it for
-        ``held_s`` when the Acquire arrived, at most ``received_s - posted_s`` after the
-        post; a hold older than that began before the READ."""
-        assert self._replies is not None
-        receipt = self.job.msg.publish_receipt
-        for a, d in self.remote.daemons.items():
-            r = self._replies[a]
-            if d.agent != agent or (receipt and P.receipt(r.instance, r.body.hold_id)
-                                    == receipt):
-                continue
-            if r.body.held_s < r.received_s - posted_s:
-                return True
-        return False
+__all__ = ["Acquiring", "PullJob", "PullReads", "PullState"]  # consumer's one import
 
 
 class PullReads:
@@ -200,6 +59,7 @@ class PullReads:
 
     def __init__(self, svc: Services) -> None:
         self.svc = svc
+        self.quarantine = Quarantine(svc)
 
     async def post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
                             groups: dict[str, ProducerReads], acquiring: Acquiring) -> bool:
@@ -239,6 +99,7 @@ class PullReads:
         if (not posts or acquiring.answered or not early) and not await acquiring.settle():
             return False
         if posts:
+            self.quarantine.check_room(job.nbytes)
             posted_s = svc.clock.now()
             results = await self._post(job, engine, posts)
             if not acquiring.settled:
@@ -373,6 +234,21 @@ class PullReads:
             for agent, (since_s, exc) in job.lost.items():
                 if agent in job.reading_from.values() and now - since_s >= LOST_GRACE_S:
                     raise exc
+            self._check_alive(remote, job)
+
+    def _check_alive(self, remote: RemoteEngine, job: PullJob) -> None:
+        """A producer whose control connection liveness dropped (ZMTP heartbeats silent
+        for peer_liveness_timeout_s: dead, partitioned or frozen; or its TCP connection
+        closed) fails the pull now, without waiting for the transport to notice: the
+        failing pull's READs are then severed (kvd.daemon.quarantine) and it is
+        reported within one poll."""
+        reading = set(job.reading_from.values())
+        conns = self.svc.peers.conns
+        for addr, known in remote.daemons.items():
+            conn = conns.get(addr)
+            if known.agent in reading and conn is not None and conn.connected is False:
+                raise PeerLostError(f"producer daemon {addr} is unreachable: its control "
+                                    "connection was lost mid-READ (peer_liveness_timeout_s)")
 
     async def _read_failed(self, job: PullJob, remote: RemoteEngine, exc: TransferError) -> None:
         """Drop the cached producer daemons and raise: peer_lost if a producer daemon is
@@ -422,50 +298,6 @@ class PullReads:
                         f"{msg.producer_request_id!r} (lease expired?)"))
 
     async def release(self, job: PullJob) -> None:
-        """Release every transfer handle, then unpin the local pools; a READ the transport
-        has not ended yet is waited for first (`_settle`), so that the pull is reported
-        (and its blocks handed back) only once no byte of it can land any more."""
-        if job.xfers:
-            xfers, job.xfers = job.xfers, []
-            await asyncio.shield(self._settle_and_release(job, xfers))
-        for r in job.pinned:
-            r.pins -= 1
-        job.pinned = []
-
-    async def _settle_and_release(self, job: PullJob, xfers: list[int]) -> None:
-        await self._settle(job)
-        await self.svc.datapath.release(xfers)
-
-    async def _settle(self, job: PullJob) -> None:
-        """Wait until the transport has ended (completed or failed) every READ of a pull
-        that is failing: releasing a running NIXL request does not stop UCX (its cancel
-        is a no-op for RMA), and across a partition a READ resumes when the link comes
-        back. Meanwhile the pull is QUARANTINED: not reported, its blocks not handed
-        back, counted in kvd_quarantined_pulls. A silent peer ends it within
-        peer_liveness_timeout_s (UCX keepalive); a READ stuck in NIXL forever (NIXL PR
-        #2047) stays quarantined, visible in `kvd status` and the gauge, until the daemon
-        stops (drain or stop: its NIXL agent and every UCX endpoint go with it)."""
-        if not job.live or job.cancel_reason is not None:
-            return  # the daemon is stopping: its agent goes, and every endpoint with it
-        svc, state = self.svc, job.state
-        job.state = PullState.QUARANTINED
-        svc.metrics.quarantined_pulls.inc()
-        t0, next_log_s, interval_s = svc.clock.now(), QUARANTINE_LOG_S, FIRST_POLL_S
-        try:
-            while job.live and job.cancel_reason is None:
-                states = await svc.datapath.poll_many(sorted(job.live))
-                job.live.difference_update(x for x, s in states.items()
-                                           if s.state is not XferState.PENDING)
-                if not job.live:
-                    break
-                await svc.clock.sleep(interval_s)
-                interval_s = min(interval_s * 2, QUARANTINE_POLL_S)
-                if svc.clock.now() - t0 >= next_log_s:
-                    next_log_s += QUARANTINE_LOG_S
-                    log.warning("pull quarantined for %.0fs: %d READs not ended by the "
-                                "transport; its blocks are not handed back",
-                                svc.clock.now() - t0, len(job.live),
-                                extra={"request_id": job.msg.request_id})
-        finally:
-            svc.metrics.quarantined_pulls.dec()
-            job.state = state
+        """Release the pull's READs and unpin its pools, once none can land any more
+        (kvd.daemon.quarantine)."""
+        await self.quarantine.release(job)

@@ -243,6 +243,14 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "transport has not completed or failed it): their blocks are not handed back.",
     ),
     MetricDoc(
+        "quarantined_bytes",
+        "kvd_quarantined_bytes",
+        "gauge",
+        (),
+        "Bytes of the quarantined pulls (kvd_quarantined_pulls); past max_quarantined_bytes "
+        "new pulls fail busy.",
+    ),
+    MetricDoc(
         "held_requests",
         "kvd_held_requests",
         "gauge",

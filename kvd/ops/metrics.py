@@ -52,6 +52,7 @@ class Metrics:
     events_dropped: Counter
     inflight_transfers: Gauge
     quarantined_pulls: Gauge
+    quarantined_bytes: Gauge
     held_requests: Gauge
     pool_bytes: Gauge
     pool_page_bytes: Gauge

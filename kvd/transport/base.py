@@ -210,6 +210,16 @@ class Transport(Protocol):
 
     def remove_peer(self, agent_name: str) -> None: ...
 
+    def sever_peer(self, agent_name: str, hosts: tuple[str, ...],
+                   spare_local_ports: tuple[int, ...] = (),
+                   spare_remote_ports: tuple[int, ...] = ()) -> int:
+        """Tear down the data connections to a peer (on ``hosts``) so that no READ to it
+        can land any more; its READs then end with an error on a later poll. Returns how
+        many connections were torn down: 0 means none could be, and a READ may still land.
+        Connections from ``spare_local_ports`` or to ``spare_remote_ports`` (the daemon's
+        own sockets) are left alone."""
+        ...
+
     def post_read(self, post: ReadPost) -> tuple[int, bool]:
         """Post one READ of many descriptors; returns (xfer id, already done)."""
         ...

@@ -37,6 +37,7 @@ class LoopbackTransport:
         self._inbox: dict[str, list[bytes]] = defaultdict(list)
         self.fail_next_reads = 0
         self.hold_reads = False  # tests: READs stay in flight until this is cleared
+        self.severable = True  # tests: False acts as a fabric with no connection to tear down
         self._held_copies: dict[int, tuple] = {}
         # list id -> (peer or None for local, descriptor addrs, sizes), expanded from rows
         self._prepared: dict[int, tuple[str | None, np.ndarray, np.ndarray]] = {}
@@ -188,6 +189,19 @@ class LoopbackTransport:
         self._xfers.pop(xfer_id, None)
         self._merged.pop(xfer_id, None)
         self._held_copies.pop(xfer_id, None)  # aborted: the copy never happens
+
+    def sever_peer(self, agent_name: str, hosts: tuple[str, ...],
+                   spare_local_ports: tuple[int, ...] = (),
+                   spare_remote_ports: tuple[int, ...] = ()) -> int:
+        """Held READs from that peer fail (their copies never happen), as NIXL's do once
+        their connection is gone; 0 when ``severable`` is off."""
+        if not self.severable:
+            return 0
+        severed = [x for x, copy in self._held_copies.items() if copy[0].name == agent_name]
+        for xfer_id in severed:
+            del self._held_copies[xfer_id]
+            self._xfers[xfer_id] = False
+        return 1
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out = [(peer, m) for peer, msgs in self._inbox.items() for m in msgs]
