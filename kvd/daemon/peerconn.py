@@ -27,6 +27,14 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.peers")
 
 RECONNECT_INTERVAL_MS = 100
+HEARTBEATS_PER_TIMEOUT = 6  # PINGs per liveness timeout (one is 0.5 s at the 3 s default)
+
+
+def liveness_ms(liveness_timeout_s: float) -> tuple[int, int]:
+    """(liveness timeout, ZMTP heartbeat interval) in ms: silence is noticed within
+    interval + (timeout - interval) = the liveness timeout."""
+    timeout_ms = max(2, int(liveness_timeout_s * 1000))
+    return timeout_ms, max(1, timeout_ms // HEARTBEATS_PER_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -47,18 +55,23 @@ class PeerConnection:
         self.own_instance = instance
         self.remote_instance = ""  # learnt from the first reply
         self.connected: bool | None = None  # None: never connected yet
+        self.lost_s: float | None = None  # when it last disconnected, on the daemon clock
+        self._up = asyncio.Event()  # set while connected
         self._on_lost = on_lost
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_INTERVAL_MS)
         if liveness_timeout_s is not None:
-            # ZMTP heartbeats: a peer silent for liveness_timeout_s (partition, dead host)
-            # drops the connection (-> disconnected -> cached handshakes dropped) and ZMQ
-            # dials a fresh one, so after a heal nothing half-dead is reused.
-            timeout_ms = max(1, int(liveness_timeout_s * 1000))
-            self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
-            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+            # ZMTP heartbeats: a peer silent for liveness_timeout_s (partition, dead host,
+            # frozen process) drops the connection (-> disconnected -> cached handshakes
+            # dropped, its pulls failed, their READs severed) and ZMQ dials a fresh one,
+            # so after a heal nothing half-dead is reused. ZMQ arms HEARTBEAT_TIMEOUT when
+            # it sends a PING, up to one interval after the silence began: the two add up
+            # to the liveness timeout (IVL + TIMEOUT each was 1 s + 3 s = 4 s before).
+            timeout_ms, ivl_ms = liveness_ms(liveness_timeout_s)
+            self.sock.setsockopt(zmq.HEARTBEAT_IVL, ivl_ms)
+            self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms - ivl_ms)
             self.sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED
                                                      | zmq.EVENT_DISCONNECTED)
@@ -131,8 +144,11 @@ class PeerConnection:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._up.set()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
+                self.lost_s = self.clock.now()
+                self._up.clear()
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
                 self._on_lost(self.address, "disconnected")
 
@@ -166,6 +182,18 @@ class PeerConnection:
         sending.add_done_callback(sent)
         fut.add_done_callback(lambda _: (timer.cancel(), self._waiting.pop(msg_id, None)))
         return fut
+
+    async def reconnected(self, timeout_s: float) -> bool:
+        """Whether the connection is up, or comes up within ``timeout_s`` (ZMQ redials a
+        dropped one every RECONNECT_INTERVAL_MS: a daemon restarted at this address is
+        back within one or two)."""
+        if self.connected is not False:
+            return True
+        try:
+            await self.clock.wait_for(self._up.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def request(self, msg: Any, timeout_s: float) -> Reply:
         """Send ``msg`` and await its reply (see `send`)."""

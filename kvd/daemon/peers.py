@@ -13,6 +13,11 @@ next pull handshakes again, when:
 * a pull names an address the entry does not contain;
 * an Acquire reports another epoch (pools came or went there; ``forget``).
 
+A handshake to a daemon whose connection is down (liveness lost it, or it closed and
+ZMQ's redials have not brought it back) fails ``peer_lost`` at once rather than after
+``handshake_timeout_s``; one restarted at the same address is greeted as soon as the
+redial connects.
+
 Dropping a daemon also drops its NIXL metadata (once no READ to it is in flight),
 so a restarted daemon is loaded afresh rather than through stale sections.
 """
@@ -49,6 +54,9 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.peers")
 
 _REFUSED = ("incompatible", "not_found", "unauthorized")
+# How long a handshake to a daemon known unreachable waits for ZMQ's redial (every
+# RECONNECT_INTERVAL_MS) before it fails peer_lost, instead of handshake_timeout_s.
+KNOWN_DEAD_WAIT_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,7 @@ class PeerTable:
             if addr in seen:
                 continue
             seen.add(addr)
+            await self._check_reachable(addr)
             reply = await self.request(addr, hello)
             body = reply.body
             if not isinstance(body, P.HelloReply):
@@ -263,6 +272,22 @@ class PeerTable:
                 "engine_daemons"
             )
         return remote
+
+    async def _check_reachable(self, address: str) -> None:
+        """Fail at once (``peer_lost``) while ``address`` is known unreachable: our
+        connection to it dropped (liveness lost it, or it closed) and ZMQ's redials have
+        not brought it back. Waiting the whole handshake_timeout_s would only delay the
+        engine's recompute. The wait here is short but covers a daemon restarted at the
+        same address: ZMQ redials every RECONNECT_INTERVAL_MS, so one listening again is
+        greeted (its new incarnation is in the reply) as soon as it is back."""
+        conn = self.conns.get(address)
+        if conn is None or conn.connected is not False:
+            return
+        if await conn.reconnected(min(KNOWN_DEAD_WAIT_S, self.cfg.handshake_timeout_s)):
+            return
+        lost_s = self.clock.now() - (conn.lost_s or self.clock.now())
+        raise PeerLostError(f"peer {address} is unreachable: its connection dropped "
+                            f"{lost_s:.1f}s ago and has not come back")
 
     def status(self) -> list[P.PeerStatus]:
         return [P.PeerStatus(address=addr, local_engine=k[0], remote_engine=k[1], agent=d.agent,

@@ -9,6 +9,9 @@ without any retry by the engine. A producer that is gone fails pulls with
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from support.inprocess import daemon_pair, run, sample, start_daemon, wait_event
 
 from kvd.client import AsyncKvdClient
@@ -48,6 +51,10 @@ def test_a_restarted_producer_is_greeted_again_and_the_first_pull_succeeds() -> 
                 g = global_kv(MODEL, 8)
                 write_shard(pre.kv, g, MODEL, SHAPE, 0, 0, [3, 4])
                 await pc.publish("pre", "r1", [3, 4])
+                # ZMQ redials every 100 ms of real time; fake time outruns that, and a
+                # pull while the connection is down fails at once (issue 21.3).
+                conn = p.decode.peers.conns[p.prefill.cfg.peer_address]
+                await _until_real(lambda: conn.connected is True, "the redial")
                 await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [3, 4], [5, 6],
                                 num_tokens=8)
                 ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")
@@ -166,5 +173,52 @@ def test_a_pull_from_a_producer_that_went_away_fails_with_peer_lost() -> None:
             assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
             assert ev.invalid_block_ids == [3]
             p.prefill = await start_daemon(p.prefix, p.clock, cfg=p.prefill.cfg)  # for stop()
+
+    run(body())
+
+
+async def _until_real(predicate, what: str, timeout_s: float = 5.0) -> None:
+    """Real time: ZMQ's connection events and redials run on its own I/O thread."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s}s"
+        await asyncio.sleep(0.01)
+
+
+def test_a_pull_to_a_known_dead_peer_fails_at_once_and_a_restarted_one_works_at_once() -> None:
+    """Issue 21.3: once the daemon knows the producer's daemon is gone (its connection
+    dropped and is not back), a new pull fails peer_lost at once instead of after
+    handshake_timeout_s; the moment a new incarnation listens at that address again, the
+    next pull greets it and succeeds."""
+    async def body() -> None:
+        async with daemon_pair(handshake_timeout_s=5.0) as p:
+            await _register(p.pc, "pre")
+            await _register(p.dc, "dec")
+            await p.pc.publish("pre", "r0", [1])
+            addr = p.prefill.cfg.peer_address
+            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
+            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            conn = p.decode.peers.conns[addr]
+            p.pc.close()
+            await p.prefill.stop()
+            await _until_real(lambda: conn.connected is False, "the drop seen")
+            t0 = p.clock.now()
+            await p.dc.pull("dec", "r1", "pre", addr, [1], [2])
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=1.0)
+            took_s = p.clock.now() - t0
+            assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
+            assert "unreachable" in ev.error and took_s < 1.0, (took_s, ev.error)
+            p.prefill = await start_daemon(p.prefix, p.clock, cfg=p.prefill.cfg)
+            pc = AsyncKvdClient(p.prefill.cfg.engine_address, timeout_s=5, ping_interval_s=0)
+            try:
+                await _register(pc, "pre")
+                await pc.publish("pre", "r2", [1])
+                await _until_real(lambda: conn.connected is True, "the redial")
+                await p.dc.pull("dec", "r2", "pre", addr, [1], [2])
+                ev = await wait_event(p.dc, p.clock, "dec", "r2", "done_recving", fake_s=1.0)
+                assert ev.ok, ev.error
+                assert _handshakes(p.decode) == 2
+            finally:
+                p.pc = pc  # closed by daemon_pair
 
     run(body())
