@@ -8,10 +8,11 @@ flush mode), and across a partition a READ resumes when the link comes back. So 
 failing pull whose READs still run is QUARANTINED (not reported, blocks kept, counted
 in ``kvd_quarantined_pulls``/``kvd_quarantined_bytes``, listed by ``kvd status``), and
 kvd makes those READs end: it severs the data connections to their producers
-(`Transport.sever_peer`) at once when the producer's control connection is lost
-(liveness: a dead, partitioned or frozen daemon), otherwise after
-``peer_liveness_timeout_s`` (the transport may end them on its own first: a lost hold
-on a live producer). A severed connection fails its READs at their next poll.
+(`Transport.sever_peer`) at once when the pull ran past ``transfer_timeout_s`` or the
+producer's control connection is lost (liveness: a dead, partitioned or frozen
+daemon), otherwise after ``peer_liveness_timeout_s`` (the transport may end them on its
+own first: a lost hold on a live producer). A severed connection fails its READs at
+their next poll.
 
 Where nothing can be severed (an RDMA fabric under NIXL 1.5: no socket to shut, no
 forced endpoint close) the pull stays quarantined until the transport ends the READ,
@@ -117,8 +118,8 @@ class Quarantine:
     async def _settle(self, job: PullJob) -> None:
         """Until the transport has ended (completed or failed) every READ of a failing
         pull: the pull is QUARANTINED meanwhile, and its READs are made to end by
-        severing their connections (at once when liveness lost the producer, else after
-        peer_liveness_timeout_s). Not when the daemon is stopping: its NIXL agent and
+        severing their connections (at once past the deadline or when liveness lost the
+        producer, else after peer_liveness_timeout_s). Not when the daemon is stopping: its NIXL agent and
         every UCX endpoint go with it."""
         if not job.live or job.cancel_reason is not None:
             return
@@ -135,7 +136,8 @@ class Quarantine:
             while job.live and job.cancel_reason is None:
                 waited_s = svc.clock.now() - t0
                 for agent, addrs in list(todo.items()):
-                    if waited_s >= svc.cfg.peer_liveness_timeout_s or self._lost(addrs):
+                    if (job.timed_out or waited_s >= svc.cfg.peer_liveness_timeout_s
+                            or self._lost(addrs)):
                         del todo[agent]
                         if not await self._sever(agent, addrs):
                             log.warning("no connection to %s could be torn down: the pull "

@@ -179,7 +179,10 @@ class Cluster:
         self._logs.append(stderr)
         return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True, bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                # Every daemon inherits faulthandler: a crash in native code
+                                # (UCX) leaves the Python stacks of every thread in its log.
+                                env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                     "PYTHONFAULTHANDLER": "1"})
 
     # ------------------------------------------------------------ the links
 

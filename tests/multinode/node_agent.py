@@ -91,6 +91,25 @@ class Node:
         self.clients[name] = d.client(ping_interval_s=0, timeout_s=60)
         return {"livez_s": livez_s, "ready_s": time.monotonic() - t0}
 
+    def signal_daemon(self, name: str, sig: str) -> None:
+        """SIGSTOP / SIGCONT: a frozen daemon (a stalled host, a debugger) keeps its TCP
+        connections: the kernel still acknowledges, the process answers nothing."""
+        os.kill(self.daemons[name].proc.pid, getattr(signal, sig))
+
+    def replace_daemon(self, name: str, args: list[str]) -> dict[str, Any]:
+        """Stop the daemon and start it again, same addresses, with other arguments."""
+        old = self.daemons[name]
+        self.clients.pop(name).close()
+        old.stop()
+        for eid in [e for e, v in self.engines.items() if v[0] == name]:
+            del self.engines[eid]
+        return self.start_daemon(name, old.peer_address, old.token,
+                                 int(old.engine_address.rsplit(":", 1)[1]), old.metrics_port,
+                                 args)
+
+    def returncode(self, name: str) -> int | None:
+        return self.daemons[name].proc.poll()
+
     def alive(self, name: str) -> bool:
         return self.daemons[name].proc.poll() is None
 
