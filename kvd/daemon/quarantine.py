@@ -112,15 +112,18 @@ class Quarantine:
                                                 _host_port(cfg.engine_address)[1],
                                                 cfg.metrics_port) if p}))
         transport = self.svc.datapath.transport
-        return await self.svc.datapath.call(transport.sever_peer, agent, hosts, spare_local,
+        shut = await self.svc.datapath.call(transport.sever_peer, agent, hosts, spare_local,
                                             spare_remote)
+        for addr in addrs:  # its NIXL endpoint is failed now: the next pull loads it afresh
+            self.svc.peers.drop_address(addr, "READ connections severed")
+        return shut
 
     async def _settle(self, job: PullJob) -> None:
         """Until the transport has ended (completed or failed) every READ of a failing
         pull: the pull is QUARANTINED meanwhile, and its READs are made to end by
         severing their connections (at once past the deadline or when liveness lost the
-        producer, else after peer_liveness_timeout_s). Not when the daemon is stopping: its NIXL agent and
-        every UCX endpoint go with it."""
+        producer, else after peer_liveness_timeout_s). Not when the daemon is stopping:
+        its NIXL agent and every UCX endpoint go with it."""
         if not job.live or job.cancel_reason is not None:
             return
         svc, state, nbytes = self.svc, job.state, job.nbytes

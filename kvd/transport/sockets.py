@@ -22,11 +22,18 @@ import ipaddress
 import logging
 import os
 import socket
+import struct
 from collections.abc import Iterable
 
 log = logging.getLogger("kvd.transport")
 
 _LISTEN = "0A"
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DESTROY = 21
+_NLM_F_REQUEST_ACK = 0x1 | 0x4
+_NLMSG_ERROR = 2
+_ALL_STATES = 0xFFFFFFFF
+_NOCOOKIE = 0xFFFFFFFF
 
 
 def _addr(hex_addr: str) -> tuple[str, int]:
@@ -41,9 +48,12 @@ def _addr(hex_addr: str) -> tuple[str, int]:
     return str(ip), int(port, 16)
 
 
-def _connections(proc: str) -> dict[int, tuple[tuple[str, int], tuple[str, int]]]:
-    """Inode -> (local, remote) of every non-listening TCP socket in our namespace."""
-    out: dict[int, tuple[tuple[str, int], tuple[str, int]]] = {}
+Ends = tuple[int, tuple[str, int], tuple[str, int]]  # (family, local, remote)
+
+
+def _connections(proc: str) -> dict[int, Ends]:
+    """Inode -> (family, local, remote) of every non-listening TCP socket here."""
+    out: dict[int, Ends] = {}
     for table in ("tcp", "tcp6"):
         try:
             with open(f"{proc}/net/{table}") as f:
@@ -54,7 +64,8 @@ def _connections(proc: str) -> dict[int, tuple[tuple[str, int], tuple[str, int]]
             cols = line.split()
             if len(cols) < 10 or cols[3] == _LISTEN:
                 continue
-            out[int(cols[9])] = (_addr(cols[1]), _addr(cols[2]))
+            family = socket.AF_INET if table == "tcp" else socket.AF_INET6
+            out[int(cols[9])] = (family, _addr(cols[1]), _addr(cols[2]))
     return out
 
 
@@ -73,9 +84,9 @@ def _ips(hosts: Iterable[str]) -> set[str]:
 
 def connections_to(hosts: Iterable[str], spare_local_ports: Iterable[int] = (),
                    spare_remote_ports: Iterable[int] = (),
-                   proc: str = "/proc/self") -> list[tuple[int, int]]:
-    """(descriptor, inode) of this process's TCP connections to ``hosts``, but those from
-    one of ``spare_local_ports`` or to one of ``spare_remote_ports``."""
+                   proc: str = "/proc/self") -> list[tuple[int, int, Ends]]:
+    """(descriptor, inode, ends) of this process's TCP connections to ``hosts``, but those
+    from one of ``spare_local_ports`` or to one of ``spare_remote_ports``."""
     ips = _ips(hosts)
     spare_l, spare_r = set(spare_local_ports), set(spare_remote_ports)
     conns = _connections(proc)
@@ -91,17 +102,57 @@ def connections_to(hosts: Iterable[str], spare_local_ports: Iterable[int] = (),
         ends = conns.get(inode)
         if ends is None:
             continue
-        (_, lport), (rip, rport) = ends
+        _, (_, lport), (rip, rport) = ends
         if rip in ips and lport not in spare_l and rport not in spare_r:
-            found.append((int(name), inode))
+            found.append((int(name), inode, ends))
     return found
+
+
+def _packed(family: int, ip: str) -> bytes:
+    raw = ipaddress.ip_address(ip).packed
+    if family == socket.AF_INET6 and len(raw) == 4:
+        raw = b"\0" * 10 + b"\xff\xff" + raw  # an IPv4-mapped address of a dual socket
+    return raw.ljust(16, b"\0")
+
+
+def destroy(ends: Ends) -> bool:
+    """Abort one TCP connection in the kernel (``SOCK_DESTROY``, what ``ss -K`` does):
+    its queues are dropped, the peer gets a reset (its side fails instead of closing
+    gracefully and reconnecting), and the owner's next call on it errors. Needs
+    CAP_NET_ADMIN and CONFIG_INET_DIAG_DESTROY; False when refused."""
+    family, (lip, lport), (rip, rport) = ends
+    sockid = struct.pack("!HH16s16s", lport, rport, _packed(family, lip), _packed(family, rip))
+    sockid += struct.pack("=III", 0, _NOCOOKIE, _NOCOOKIE)
+    req = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, _ALL_STATES) + sockid
+    msg = struct.pack("=IHHII", 16 + len(req), _SOCK_DESTROY, _NLM_F_REQUEST_ACK, 1, 0) + req
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            nl.send(msg)
+            reply = nl.recv(4096)
+    except OSError as exc:
+        log.debug("SOCK_DESTROY: %s", exc)
+        return False
+    if len(reply) >= 20 and struct.unpack_from("=H", reply, 4)[0] == _NLMSG_ERROR:
+        err = struct.unpack_from("=i", reply, 16)[0]
+        if err:
+            log.debug("SOCK_DESTROY refused: %s", os.strerror(-err))
+        return err == 0
+    return False
 
 
 def shut_connections_to(hosts: Iterable[str], spare_local_ports: Iterable[int] = (),
                         spare_remote_ports: Iterable[int] = ()) -> int:
-    """Shut down (both ways) every connection `connections_to` finds; how many were."""
+    """End every connection `connections_to` finds; how many were.
+
+    Each is aborted in the kernel (`destroy`: a reset, which the peer's UCX treats as a
+    failed endpoint) where kvd may; otherwise it is shut down both ways on a duplicate
+    descriptor (a FIN: UCX may then redial, see docs/reliability.md)."""
     shut = 0
-    for fd, inode in connections_to(hosts, spare_local_ports, spare_remote_ports):
+    for fd, inode, ends in connections_to(hosts, spare_local_ports, spare_remote_ports):
+        if destroy(ends):
+            shut += 1
+            continue
         try:
             dup = os.dup(fd)
         except OSError:

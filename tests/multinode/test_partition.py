@@ -183,15 +183,16 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
             assert recv["at"] - start_s <= deadline_s + POLL_MARGIN_S, recv
         _assert_alive(nodes)
         # The producer, awake again, serves a new pull.
+        prefill.call("write", engine_id=pe, block_ids=ids[:8], tokens=8 * 16, seed=22)
         prefill.call("publish", engine_id=pe, request_id="frz-again", block_ids=ids[:8])
         decode.call("pull", engine_id=de, request_id="frz-again", remote_engine_id=pe,
                     remote_address=prefill.peer_address, remote_block_ids=ids[:8],
                     local_block_ids=ids[:8], num_tokens=8 * 16)
         again = decode.call("wait", engine_id=de, request_id="frz-again", kind="done_recving",
                             timeout_s=30)
-        assert again["ok"], again
+        assert again["ok"], again["error"]
         assert decode.call("check", engine_id=de, block_ids=ids[:8], tokens=8 * 16,
-                           seed=21) == 0
+                           seed=22) == 0
     finally:
         if frozen:
             prefill.call("signal_daemon", name="kvd", sig="SIGCONT")
