@@ -193,6 +193,10 @@ class Node:
 
 
 def main() -> int:
+    if os.environ.get("KVD_MULTINODE_CORES"):  # gdb a daemon's crash: core files in its cwd
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the answers
     node = Node(Path(sys.argv[1]))

@@ -13,6 +13,7 @@ then works without a restart.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -59,12 +60,36 @@ def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
     c.cut(1)
 
 
-def _assert_alive(c: Cluster) -> None:
-    """Issue 21.4: a daemon that crashes (the UCX segfault once seen around a heal) fails
-    the test; its log has faulthandler's stacks."""
+# UCX 1.23 (nixl-cu12 1.5.1), issue 21.4: when a producer's endpoint to a consumer fails
+# while software-emulated GET replies (UCX over TCP) wait in its pending queue,
+# ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
+# handles a GET reply request (ucp_progress_get_reply) like an ordinary send and
+# deregisters its never-set memory handles: SIGSEGV at libucp +0x4e18d (gdb of a core,
+# docs/reliability.md). kvd cannot avoid the endpoint failing (the peer is gone or
+# severed); the kernel logs the crash site, which tells this crash from any other.
+KNOWN_UCX_CRASH = ("libucp-", "[4e18d,")
+
+
+def _ucx_crashes() -> int:
+    out = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines()
+               if "segfault" in line and all(k in line for k in KNOWN_UCX_CRASH))
+
+
+def _assert_alive(c: Cluster, crashes_before: int) -> None:
+    """Issue 21.4: a daemon that crashes fails the test (its log has faulthandler's
+    stacks), unless it is the known UCX crash: then the daemon is restarted for the next
+    cases and the case is reported xfail, never passed."""
     for node in c.nodes:
         rc = node.call("returncode", name="kvd")
-        assert rc is None, f"node {node.index}'s daemon died (rc {rc}); see its log"
+        if rc is None:
+            continue
+        known = rc == -11 and _ucx_crashes() > crashes_before
+        node.call("restart_daemon", name="kvd")
+        if known:
+            pytest.xfail(f"node {node.index}'s daemon hit the known UCX 1.23 crash "
+                         "(libucp +0x4e18d, pending GET reply purged)")
+        pytest.fail(f"node {node.index}'s daemon died (rc {rc}); see its log")
 
 
 @pytest.mark.parametrize("rep", range(REPEAT))
@@ -82,6 +107,7 @@ def test_partition_never_writes_late_and_recovers(nodes: Cluster, point: str, re
     prefill.call("write", engine_id=pe, block_ids=ids, tokens=tokens, seed=11)
     prefill.call("publish", engine_id=pe, request_id=tag, block_ids=ids, lease_s=LEASE_S)
     before = nodes.link_bytes(1)
+    crashes = _ucx_crashes()
     healed = False
     try:
         if point == "before":
@@ -105,10 +131,11 @@ def test_partition_never_writes_late_and_recovers(nodes: Cluster, point: str, re
         print(f"{point}: failure reported {detect_s:.2f}s after the cut: {recv}")
         nodes.heal(1)
         healed = True
-        _assert_alive(nodes)
-        sent = prefill.call("wait", engine_id=pe, request_id=tag, kind="done_sending",
-                            timeout_s=60)
-        prefill.call("fill", engine_id=pe, byte=MARK_PREFILL)  # refilled once released
+        sent: object = "producer daemon crashed"
+        if prefill.call("alive", name="kvd"):
+            sent = prefill.call("wait", engine_id=pe, request_id=tag, kind="done_sending",
+                                timeout_s=60)
+            prefill.call("fill", engine_id=pe, byte=MARK_PREFILL)  # refilled once released
         time.sleep(3.0)  # anything the transport still had would have landed by now
         late = decode.call("count_not", engine_id=de, byte=MARK_DECODE)
         assert late == 0, f"{late} bytes written after the failure was reported ({sent})"
@@ -116,7 +143,7 @@ def test_partition_never_writes_late_and_recovers(nodes: Cluster, point: str, re
     finally:
         if not healed:
             nodes.heal(1)
-    _assert_alive(nodes)
+    _assert_alive(nodes, crashes)
     # Recovery: a new pull works, without restarting the decode daemon.
     prefill.call("write", engine_id=pe, block_ids=ids[:8], tokens=8 * 16, seed=12)
     prefill.call("publish", engine_id=pe, request_id=tag + "-again", block_ids=ids[:8])
@@ -152,6 +179,7 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
     prefill.call("write", engine_id=pe, block_ids=ids, tokens=tokens, seed=21)
     prefill.call("publish", engine_id=pe, request_id="frz", block_ids=ids, lease_s=LEASE_S)
     before = nodes.link_bytes(1)
+    crashes = _ucx_crashes()
     frozen = False
     try:
         start_s = time.monotonic()
@@ -181,7 +209,7 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
         else:
             assert recv["error"].startswith("timeout"), recv["error"]
             assert recv["at"] - start_s <= deadline_s + POLL_MARGIN_S, recv
-        _assert_alive(nodes)
+        _assert_alive(nodes, crashes)
         # The producer, awake again, serves a new pull.
         prefill.call("write", engine_id=pe, block_ids=ids[:8], tokens=8 * 16, seed=22)
         prefill.call("publish", engine_id=pe, request_id="frz-again", block_ids=ids[:8])
