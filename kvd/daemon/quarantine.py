@@ -114,8 +114,9 @@ class Quarantine:
         transport = self.svc.datapath.transport
         shut = await self.svc.datapath.call(transport.sever_peer, agent, hosts, spare_local,
                                             spare_remote)
-        for addr in addrs:  # its NIXL endpoint is failed now: the next pull loads it afresh
-            self.svc.peers.drop_address(addr, "READ connections severed")
+        if shut:  # its NIXL endpoint fails now: the next pull loads the peer afresh
+            for addr in addrs:
+                self.svc.peers.drop_address(addr, "READ connections severed")
         return shut
 
     async def _settle(self, job: PullJob) -> None:
