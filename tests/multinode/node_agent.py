@@ -71,6 +71,7 @@ class Node:
     def restart_daemon(self, name: str) -> dict[str, Any]:
         """Start again on the same addresses; seconds until /livez and the engine face answer."""
         old = self.daemons[name]
+        _keep_log(old.log_path)
         t0 = time.monotonic()
         d = DaemonProcess._spawn(name, self.log_dir, old.extra_args, None, old.engine_address,
                                  old.peer_address, old.metrics_port, old.token)
@@ -101,6 +102,7 @@ class Node:
         old = self.daemons[name]
         self.clients.pop(name).close()
         old.stop()
+        _keep_log(old.log_path)
         for eid in [e for e, v in self.engines.items() if v[0] == name]:
             del self.engines[eid]
         return self.start_daemon(name, old.peer_address, old.token,
@@ -109,6 +111,15 @@ class Node:
 
     def returncode(self, name: str) -> int | None:
         return self.daemons[name].proc.poll()
+
+    def crash_site(self, name: str) -> str:
+        """The innermost Python frame of the crashed thread, from faulthandler's dump in
+        the daemon's log ("" when there is none)."""
+        lines = self.daemons[name].log_path.read_text(errors="replace").splitlines()
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("Current thread") and i + 1 < len(lines):
+                return lines[i + 1].strip()
+        return ""
 
     def alive(self, name: str) -> bool:
         return self.daemons[name].proc.poll() is None
@@ -190,6 +201,12 @@ class Node:
 
     def now(self) -> float:
         return time.monotonic()
+
+
+def _keep_log(path: Path) -> None:
+    """A restarted daemon's log would overwrite its predecessor's (a crash's stacks)."""
+    if path.exists():
+        path.rename(path.with_name(f"{path.stem}.{time.monotonic_ns()}.log"))
 
 
 def main() -> int:
