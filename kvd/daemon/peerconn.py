@@ -58,6 +58,7 @@ class PeerConnection:
         self.lost_s: float | None = None  # when it last disconnected, on the daemon clock
         self._up = asyncio.Event()  # set while connected
         self._on_lost = on_lost
+        self._liveness_s = liveness_timeout_s
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
@@ -150,15 +151,30 @@ class PeerConnection:
                 self.lost_s = self.clock.now()
                 self._up.clear()
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
+                self._fail_waiting()
                 self._on_lost(self.address, "disconnected")
+
+    def _fail_waiting(self) -> None:
+        """Requests sent before the connection dropped get no answer on it (a redialled
+        connection is a new ZMQ session): fail them now, peer_lost, rather than at their
+        timeout. Liveness (or the peer's kernel) dropped it, so a partition, a dead or a
+        frozen peer fails a handshake or an Acquire within peer_liveness_timeout_s."""
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(PeerLostError(
+                    f"peer {self.address} is unreachable: its connection dropped before it "
+                    "answered"))
 
     def send(self, msg: Any, timeout_s: float) -> asyncio.Future[Reply]:
         """Put ``msg`` on the wire now (no await: it leaves before the caller's next step).
 
         The returned future gets the reply; an Error reply as its KvdError class; after
         ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped (the
-        daemon died) or KvdTimeoutError when it is connected, or never was, but silent.
-        No task runs for it: the reader fills it, a timer fails it.
+        daemon died) or KvdTimeoutError when it is connected, or never was, but silent;
+        PeerLostError sooner when the connection drops (`_fail_waiting`) or is not up
+        within the liveness timeout. No task runs for it: the reader fills it, timers
+        fail it.
         """
         msg_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -178,9 +194,22 @@ class PeerConnection:
             if not fut.done() and not s.cancelled() and s.exception() is not None:
                 fut.set_exception(s.exception())  # type: ignore[arg-type]
 
-        timer = self.clock.call_later(timeout_s, expire)
+        def unconnected() -> None:
+            if not fut.done() and self.connected is not True:
+                fut.set_exception(PeerLostError(
+                    f"peer {self.address} is unreachable: no connection to it within "
+                    f"{self._liveness_s}s (peer_liveness_timeout_s)"))
+
+        timers = [self.clock.call_later(timeout_s, expire)]
+        if (self._liveness_s is not None and self.connected is not True
+                and self._liveness_s < timeout_s):
+            # Not connected (yet, or any more): heartbeats cannot judge a connection that
+            # does not exist, so one that is not up within the liveness timeout counts as
+            # lost (a cut link drops the dial's SYNs; a healthy peer connects in ms).
+            timers.append(self.clock.call_later(self._liveness_s, unconnected))
         sending.add_done_callback(sent)
-        fut.add_done_callback(lambda _: (timer.cancel(), self._waiting.pop(msg_id, None)))
+        fut.add_done_callback(lambda _: ([t.cancel() for t in timers],
+                                         self._waiting.pop(msg_id, None)))
         return fut
 
     async def reconnected(self, timeout_s: float) -> bool:
