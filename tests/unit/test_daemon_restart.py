@@ -16,6 +16,7 @@ from support.inprocess import daemon_pair, run, sample, start_daemon, wait_event
 
 from kvd.client import AsyncKvdClient
 from kvd.daemon.peers import RemoteDaemon
+from kvd.tools.localcluster import free_port
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.wire import protocol as P
 
@@ -220,5 +221,22 @@ def test_a_pull_to_a_known_dead_peer_fails_at_once_and_a_restarted_one_works_at_
                 assert _handshakes(p.decode) == 2
             finally:
                 p.pc = pc  # closed by daemon_pair
+
+    run(body())
+
+
+def test_a_peer_never_reached_fails_within_the_liveness_timeout() -> None:
+    """Heartbeats cannot judge a connection that never came up (a cut link drops the
+    dial): a handshake to a peer not connected within peer_liveness_timeout_s fails
+    peer_lost then, not after handshake_timeout_s."""
+    async def body() -> None:
+        async with daemon_pair(handshake_timeout_s=5.0, peer_liveness_timeout_s=1.0) as p:
+            await _register(p.dc, "dec")
+            t0 = p.clock.now()
+            await p.dc.pull("dec", "r1", "pre", f"tcp://127.0.0.1:{free_port()}", [1], [2])
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=3.0)
+            took_s = p.clock.now() - t0
+            assert not ev.ok and ev.error.startswith("peer_lost"), ev.error
+            assert "no connection" in ev.error and 1.0 <= took_s < 1.5, (took_s, ev.error)
 
     run(body())
