@@ -168,10 +168,10 @@ class NixlTransport:
     def sever_peer(self, agent_name: str, hosts: tuple[str, ...],
                    spare_local_ports: tuple[int, ...] = (),
                    spare_remote_ports: tuple[int, ...] = ()) -> int:
-        """Shut the UCX TCP connections to the peer's hosts (kvd.transport.sockets): its
+        """Abort the UCX TCP connections to the peer's hosts (kvd.transport.sockets): its
         READs then fail at their next progress and cannot land. NIXL 1.5 offers no
         forced endpoint close (``ucx_ep_close_force`` came later), so this works under
-        NIXL, on the sockets; 0 when none was found (RDMA: nothing to shut)."""
+        NIXL, on the sockets; 0 when none was found (RDMA: nothing to abort)."""
         shut = sockets.shut_connections_to(hosts, spare_local_ports, spare_remote_ports)
         log.warning("severed %d transport connections to %s (%s)", shut, agent_name,
                     ", ".join(hosts))
