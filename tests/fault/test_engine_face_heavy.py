@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.face_probe import Phase
+from support.face_probe import Phase, within_budget
 
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, blocks_view, layout_spec
@@ -36,6 +36,7 @@ SMALL = P.ModelSpec(name="probe", num_kv_heads=2, num_layers=2, head_dim=16)
 SMALL_SHAPE = EngineShape(tp_size=1, num_blocks=8)
 P99_MAX_S = 0.05
 PULLS = 3
+ATTEMPTS = 2  # a phase is tried again only when the host starved the daemon (within_budget)
 FAULT_PULLS = 8
 
 
@@ -57,42 +58,50 @@ def _fill(handle, seed: int) -> None:
     words[:] = np.arange(len(words), dtype=np.uint64) * np.uint64(2654435761) + np.uint64(seed)
 
 
+def _register_pull_free(prefill: DaemonProcess, decode: DaemonProcess, pc, dc, ph
+                        ) -> list[Phase]:
+    # (d) a registration in progress: a 1 GiB pool allocated and registered
+    with Phase(decode, "d0", "registering a 1 GiB pool") as reg:
+        dh = dc.register("d", BIG, layout_spec(BIG_SHAPE))
+
+    # (c) 1 GiB pulls: assembly, descriptors, prep and post, the READ
+    rng = np.random.default_rng(5)
+    orders = [(rng.permutation(GIB_BLOCKS).tolist(), rng.permutation(GIB_BLOCKS).tolist())
+              for _ in range(PULLS)]
+    events = []
+    with Phase(decode, "d0", f"{PULLS} pulls of 1 GiB") as pulls:
+        for i, (remote, local) in enumerate(orders):
+            rid = f"g{i}-{time.monotonic_ns()}"
+            pc.publish("p", rid, remote, lease_s=120)
+            events.append(dc.pull_and_wait("d", rid, "p", prefill.peer_address, remote, local,
+                                           timeout_s=120))
+    for ev in events:
+        assert ev.ok, ev.error
+        assert ev.nbytes == 1 << 30
+    remote, local = orders[-1]
+    assert np.array_equal(_blocks(ph)[remote], _blocks(dh)[local])
+
+    # the pool freed again: unmapped and unlinked (its pages go back)
+    with Phase(decode, "d0", "freeing a 1 GiB pool") as freeing:
+        dc.deregister(dh)
+        deadline = time.monotonic() + 20
+        while any(r.engine_id == "d" for r in dc.status().engines):
+            assert time.monotonic() < deadline, "the pool was not freed"
+            time.sleep(0.05)
+    return [reg, pulls, freeing]
+
+
 def test_registration_and_1gib_pulls_leave_the_engine_face_fast(tmp_path) -> None:
     prefill, decode = _start_pair(tmp_path)
     try:
         with prefill.client(timeout_s=60) as pc, decode.client(timeout_s=60) as dc:
             ph = pc.register("p", BIG, layout_spec(BIG_SHAPE))
             dc.register("d0", SMALL, layout_spec(SMALL_SHAPE))
-            # (d) a registration in progress: a 1 GiB pool allocated and registered
-            with Phase(decode, "d0", "registering a 1 GiB pool") as reg:
-                dh = dc.register("d", BIG, layout_spec(BIG_SHAPE))
-
-            # (c) 1 GiB pulls: assembly, descriptors, prep and post, the READ
             _fill(ph, 7)
-            rng = np.random.default_rng(5)
-            orders = [(rng.permutation(GIB_BLOCKS).tolist(), rng.permutation(GIB_BLOCKS).tolist())
-                      for _ in range(PULLS)]
-            events = []
-            with Phase(decode, "d0", f"{PULLS} pulls of 1 GiB") as pulls:
-                for i, (remote, local) in enumerate(orders):
-                    pc.publish("p", f"g{i}", remote, lease_s=120)
-                    events.append(dc.pull_and_wait("d", f"g{i}", "p", prefill.peer_address,
-                                                   remote, local, timeout_s=120))
-            for ev in events:
-                assert ev.ok, ev.error
-                assert ev.nbytes == 1 << 30
-            remote, local = orders[-1]
-            assert np.array_equal(_blocks(ph)[remote], _blocks(dh)[local])
-
-            # the pool freed again: unmapped and unlinked (its pages go back)
-            with Phase(decode, "d0", "freeing a 1 GiB pool") as freeing:
-                dc.deregister(dh)
-                deadline = time.monotonic() + 20
-                while any(r.engine_id == "d" for r in dc.status().engines):
-                    assert time.monotonic() < deadline, "the pool was not freed"
-                    time.sleep(0.05)
-        for phase in (reg, pulls, freeing):
-            assert phase.p99() <= P99_MAX_S, phase.line
+            for attempt in range(ATTEMPTS):
+                phases = _register_pull_free(prefill, decode, pc, dc, ph)
+                if within_budget(phases, attempt, ATTEMPTS, P99_MAX_S):
+                    break
     finally:
         prefill.kill()
         decode.stop()
@@ -104,6 +113,14 @@ def test_a_producer_frozen_or_killed_mid_read_leaves_the_engine_face_fast(
     """Eight 128 MiB pulls reading at once when their producer daemon is stopped (SIGSTOP,
     3 s, then SIGCONT) or killed (SIGKILL): every pull ends, none reports wrong bytes,
     and the consumer's engine face answers throughout."""
+    for attempt in range(ATTEMPTS):
+        phase = _fault_mid_read(tmp_path / f"try{attempt}", fault)
+        if within_budget([phase], attempt, ATTEMPTS, P99_MAX_S):
+            break
+
+
+def _fault_mid_read(tmp_path: Path, fault: str) -> Phase:
+    tmp_path.mkdir()
     prefill, decode = _start_pair(tmp_path, ["--set", "handshake_timeout_s=2"])
     try:
         with prefill.client(timeout_s=60) as pc, decode.client(timeout_s=60) as dc:
@@ -141,7 +158,7 @@ def test_a_producer_frozen_or_killed_mid_read_leaves_the_engine_face_fast(
                     assert sorted(ev.invalid_block_ids) == local[i], ev
             print(f"{fault}: {sum(e.ok for e in events)} of {FAULT_PULLS} pulls ok, the "
                   f"rest failed: {sorted({e.error.split(':')[0] for e in events if not e.ok})}")
-        assert phase.p99() <= P99_MAX_S, phase.line
+        return phase
     finally:
         if prefill.proc.poll() is None:
             os.kill(prefill.proc.pid, signal.SIGCONT)

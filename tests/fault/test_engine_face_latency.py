@@ -1,9 +1,11 @@
 """The engine face answers Ping and Poll quickly whatever the pulls are doing (issue 20).
 
 An engine's step may send a Ping or a Poll at any time; the daemon's event loop must
-never be the reason it waits. Measured against real ``kvd serve`` processes: Ping and
-Poll round trips from a probe client while 1,000 pulls wait on a frozen producer, and
-while those pulls fail after the producer is killed (SIGKILL).
+never be the reason it waits. Measured against real ``kvd serve`` processes, by an
+open-loop probe of its own (tests/support/face_probe.py): Ping and Poll round trips
+while 1,000 pulls arrive at once for a frozen producer, while they wait, and while
+they fail after the producer is killed (SIGKILL). Heavier work (1 GiB registrations
+and pulls, a producer lost mid-READ): tests/fault/test_engine_face_heavy.py.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from support.face_probe import Phase
+from support.face_probe import Phase, within_budget
 
 from kvd.client import Messages, NoWaitClient
 from kvd.tools.localcluster import DaemonProcess
@@ -26,10 +29,19 @@ MODEL = P.ModelSpec(name="lat", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, num_blocks=64)
 PULLS = 1000
 P99_MAX_S = 0.05
+ATTEMPTS = 2  # tried again only when the host starved the daemon (within_budget)
 
 
 def test_ping_and_poll_stay_fast_with_1000_pulls_queued_then_their_producer_killed(
         tmp_path) -> None:
+    for attempt in range(ATTEMPTS):
+        phases = _burst_then_kill(tmp_path / f"try{attempt}")
+        if within_budget(phases, attempt, ATTEMPTS, P99_MAX_S):
+            break
+
+
+def _burst_then_kill(tmp_path: Path) -> list[Phase]:
+    tmp_path.mkdir()
     prefill = DaemonProcess.start("latp", tmp_path, metrics=False)
     decode = DaemonProcess.start("latd", tmp_path,
                                  extra_args=["--set", "handshake_timeout_s=3"])
@@ -68,8 +80,7 @@ def test_ping_and_poll_stay_fast_with_1000_pulls_queued_then_their_producer_kill
             while len(events) < PULLS and time.monotonic() < deadline:
                 events += dc.poll("d", timeout_s=1.0)
             assert len(events) == PULLS and not any(e.ok for e in events)
-            for phase in (burst, queued, failing):
-                assert phase.p99() <= P99_MAX_S, phase.line
+            return [burst, queued, failing]
     finally:
         prefill.kill()
         decode.stop()

@@ -135,6 +135,7 @@ def lag_histogram(daemon: Any) -> dict[float, float]:
 
 
 PRIORITY_NICE = -10
+STARVED_SHARE = 0.25
 
 
 def prioritize(pid: int) -> None:
@@ -167,18 +168,19 @@ class Phase:
         self.daemon, self.label = daemon, label
         self.probe = FaceProbe(daemon.engine_address, engine_id, daemon.token)
         self.line = ""
-        self.cpu_wait_s = 0.0
+        self.cpu_wait_s = self.duration_s = 0.0
 
     def __enter__(self) -> Phase:
         prioritize(self.daemon.proc.pid)
         self.before = lag_histogram(self.daemon)
-        self.wait0_s = cpu_wait_s(self.daemon.proc.pid)
+        self.wait0_s, self.t0_s = cpu_wait_s(self.daemon.proc.pid), time.monotonic()
         self.probe.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.probe.__exit__(*exc)
         self.cpu_wait_s = cpu_wait_s(self.daemon.proc.pid) - self.wait0_s
+        self.duration_s = time.monotonic() - self.t0_s
         after = lag_histogram(self.daemon)
         n = after[float("inf")] - self.before.get(float("inf"), 0.0)
         grew = {le: c - self.before.get(le, 0.0) for le, c in after.items() if le >= 0}
@@ -190,11 +192,30 @@ class Phase:
             f" max {max(self.probe.rtts) * 1000:.1f} ms (n={len(self.probe.rtts)}); daemon "
             f"loop lag p99 <= {p99_le * 1000:g} ms, max <= {max_le * 1000:g} ms, sum "
             f"{(after[-1.0] - self.before[-1.0]) * 1000:.0f} ms (n={n:.0f}); its loop thread "
-            f"waited {self.cpu_wait_s * 1000:.0f} ms for a CPU")
+            f"waited {self.cpu_wait_s * 1000:.0f} ms for a CPU in {self.duration_s:.1f} s")
         print("\n" + self.line)
 
     def p99(self) -> float:
         return self.probe.p99()
+
+    @property
+    def starved(self) -> bool:
+        """The host kept the daemon's loop thread off a CPU for a quarter of the phase."""
+        return self.cpu_wait_s >= STARVED_SHARE * self.duration_s
+
+
+def within_budget(phases: list[Phase], attempt: int, attempts: int, p99_max_s: float) -> bool:
+    """True when every phase's p99 is within ``p99_max_s``; False (try the phases again)
+    when one is not but the host starved the daemon's loop thread during it (and tries
+    are left); else fails, naming every phase. A stall kvd causes repeats on every try,
+    so a retry cannot hide it; a busy neighbour rarely starves the daemon twice."""
+    slow = [ph for ph in phases if ph.p99() > p99_max_s]
+    if not slow:
+        return True
+    if attempt + 1 < attempts and all(ph.starved for ph in slow):
+        print(f"\nhost starved the daemon (try {attempt + 1} of {attempts}): trying again")
+        return False
+    raise AssertionError("engine face over budget:\n" + "\n".join(ph.line for ph in phases))
 
 
 if __name__ == "__main__":
