@@ -304,8 +304,10 @@ class DataPath:
         return await self.call_short(self.transport.notifications)
 
     async def send_notif(self, peer: str, msg: bytes) -> None:
-        """Raises TransferError when the notification cannot be sent."""
-        await self.call_short(self.transport.send_notif, peer, msg)
+        """Raises TransferError when the notification cannot be sent. Inline only to a
+        peer whose READs work (as posts: a dead or cut-off one's endpoint may wait)."""
+        inline = peer in self._posted_to
+        await (self.call_short if inline else self.call)(self.transport.send_notif, peer, msg)
 
     async def counts(self) -> TransportCounts:
         return await self.call(self.transport.counts)

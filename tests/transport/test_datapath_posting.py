@@ -92,6 +92,9 @@ def test_reads_to_a_peer_whose_read_failed_go_off_the_event_loop_again() -> None
         [failed] = dp.post_reads_now([post]) or [None]
         assert failed is not None and failed.error is not None
         assert dp.post_reads_now([post]) is None, "a failed peer's READ ran on the loop"
+        threads = dp.thread_calls
+        await dp.send_notif(peer, b"n")
+        assert dp.thread_calls == threads + 1, "a notification to it ran on the loop"
         [ok] = await dp.post_reads([post])
         assert ok.done and dp.post_reads_now([post]) is not None, "inline again once it works"
 
