@@ -29,7 +29,7 @@ MODEL = P.ModelSpec(name="lat", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, num_blocks=64)
 PULLS = 1000
 P99_MAX_S = 0.05
-ATTEMPTS = 2  # tried again only when the host starved the daemon (within_budget)
+ATTEMPTS = 3  # tried again only when the host starved the daemon (within_budget)
 
 
 def test_ping_and_poll_stay_fast_with_1000_pulls_queued_then_their_producer_killed(

@@ -136,6 +136,7 @@ def lag_histogram(daemon: Any) -> dict[float, float]:
 
 PRIORITY_NICE = -10
 STARVED_SHARE = 0.25
+EXPLAINED_LAG_SHARE = 0.8
 
 
 def prioritize(pid: int) -> None:
@@ -168,7 +169,7 @@ class Phase:
         self.daemon, self.label = daemon, label
         self.probe = FaceProbe(daemon.engine_address, engine_id, daemon.token)
         self.line = ""
-        self.cpu_wait_s = self.duration_s = 0.0
+        self.cpu_wait_s = self.duration_s = self.lag_sum_s = 0.0
 
     def __enter__(self) -> Phase:
         prioritize(self.daemon.proc.pid)
@@ -184,6 +185,7 @@ class Phase:
         after = lag_histogram(self.daemon)
         n = after[float("inf")] - self.before.get(float("inf"), 0.0)
         grew = {le: c - self.before.get(le, 0.0) for le, c in after.items() if le >= 0}
+        self.lag_sum_s = after[-1.0] - self.before[-1.0]
         p99_le = min(le for le, c in grew.items() if c >= 0.99 * n)
         max_le = min(le for le, c in grew.items() if c >= n)
         qs = statistics.quantiles(self.probe.rtts, n=100)
@@ -191,7 +193,7 @@ class Phase:
             f"{self.label}: Ping/Poll p50 {qs[49] * 1000:.1f} ms, p99 {qs[98] * 1000:.1f} ms,"
             f" max {max(self.probe.rtts) * 1000:.1f} ms (n={len(self.probe.rtts)}); daemon "
             f"loop lag p99 <= {p99_le * 1000:g} ms, max <= {max_le * 1000:g} ms, sum "
-            f"{(after[-1.0] - self.before[-1.0]) * 1000:.0f} ms (n={n:.0f}); its loop thread "
+            f"{self.lag_sum_s * 1000:.0f} ms (n={n:.0f}); its loop thread "
             f"waited {self.cpu_wait_s * 1000:.0f} ms for a CPU in {self.duration_s:.1f} s")
         print("\n" + self.line)
 
@@ -200,8 +202,11 @@ class Phase:
 
     @property
     def starved(self) -> bool:
-        """The host kept the daemon's loop thread off a CPU for a quarter of the phase."""
-        return self.cpu_wait_s >= STARVED_SHARE * self.duration_s
+        """The host kept the daemon's loop thread off a CPU for a quarter of the phase, or
+        for most of the time the loop ran late: then the lateness was the kernel's
+        scheduling, not a callback of kvd holding the loop (that time runs on a CPU)."""
+        return (self.cpu_wait_s >= STARVED_SHARE * self.duration_s
+                or self.cpu_wait_s >= EXPLAINED_LAG_SHARE * self.lag_sum_s)
 
 
 def within_budget(phases: list[Phase], attempt: int, attempts: int, p99_max_s: float) -> bool:
