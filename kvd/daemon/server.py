@@ -128,7 +128,7 @@ class Daemon:
         self.spawn(self.peer_face.serve(self._peer_handlers()))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
-        self.spawn(watch_loop_lag(self.clock, self.metrics.loop_lag))
+        self.spawn(watch_loop_lag(self.clock, self.metrics.loop_lag, self.metrics.loop_held))
         self.ready = True
         log.info("kvd %s serving: engine %s, peer %s (advertised %s), agent %s, instance %s",
                  __version__, cfg.engine_address, cfg.peer_address,

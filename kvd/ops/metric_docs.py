@@ -175,6 +175,17 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         LOOP_LAG_BUCKETS,
     ),
     MetricDoc(
+        "loop_held",
+        "kvd_event_loop_held_seconds",
+        "histogram",
+        (),
+        "The part of each kvd_event_loop_lag_seconds sample that the daemon caused: the "
+        "lateness less the time the kernel kept the loop's thread waiting for a CPU "
+        "(schedstat run delay; Linux). High lag with low held time: the host or the pod's "
+        "CPU limit starved kvd. High held time: a callback of kvd held the loop (a bug).",
+        LOOP_LAG_BUCKETS,
+    ),
+    MetricDoc(
         "handshakes",
         "kvd_handshakes_total",
         "counter",

@@ -42,6 +42,7 @@ class Metrics:
     post_build_per_descriptor: Histogram
     posting_duration: Histogram
     loop_lag: Histogram
+    loop_held: Histogram
     handshakes: Counter
     handshake_duration: Histogram
     leases_expired: Counter

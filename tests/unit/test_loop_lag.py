@@ -35,33 +35,46 @@ class Recorder:
         self.values.append(amount)
 
 
-def test_loop_lag_records_how_late_the_loop_woke(caplog) -> None:
+def test_loop_lag_records_how_late_the_loop_woke_and_how_long_it_was_held(caplog) -> None:
     async def body() -> None:
-        clock, lag = FakeClock(), Recorder()
-        task = asyncio.ensure_future(watch_loop_lag(clock, lag, interval_s=0.01))
+        clock, lag, held = FakeClock(), Recorder(), Recorder()
+        waited = [0.0]  # the loop thread's run delay: time it waited for a CPU
+        task = asyncio.ensure_future(watch_loop_lag(clock, lag, held, interval_s=0.01,
+                                                    run_delay_s=lambda: waited[0]))
         await asyncio.sleep(0)
         clock.advance(0.01)  # on time
         await asyncio.sleep(0)
-        clock.advance(0.31)  # asked to wake at +0.01, woke at +0.31: held 0.3 s
+        waited[0] = 0.1  # of the next 0.3 s of lateness, 0.1 s waiting for a CPU
+        clock.advance(0.31)  # asked to wake at +0.01, woke at +0.31: late 0.3 s
+        await asyncio.sleep(0)
+        waited[0] = 0.4  # late 0.3 s more, all of it the host's
+        clock.advance(0.31)
         await asyncio.sleep(0)
         task.cancel()
-        assert lag.values[0] == 0.0
-        assert abs(lag.values[1] - 0.3) < 1e-9
+        assert lag.values[0] == 0.0 and held.values[0] == 0.0
+        assert abs(lag.values[1] - 0.3) < 1e-9 and abs(held.values[1] - 0.2) < 1e-9
+        assert abs(lag.values[2] - 0.3) < 1e-9 and held.values[2] == 0.0
 
     with caplog.at_level(logging.WARNING, logger="kvd.daemon"):
         run(body())
-    assert any("event loop stalled 300 ms" in r.getMessage() for r in caplog.records)
+    stalls = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert len(stalls) == 1 and "stalled 300 ms, held by the daemon 200 ms" in stalls[0]
 
 
 def test_loop_lag_sees_a_callback_that_holds_the_real_loop() -> None:
+    """A blocking call on the loop (here a sleep: no CPU used, not waiting for one) is
+    held time; the thread's real run delay is read from /proc (schedstat)."""
     async def body() -> None:
-        lag = Recorder()
-        task = asyncio.ensure_future(watch_loop_lag(MonotonicClock(), lag, interval_s=0.01))
+        lag, held = Recorder(), Recorder()
+        task = asyncio.ensure_future(watch_loop_lag(MonotonicClock(), lag, held,
+                                                    interval_s=0.01))
         await asyncio.sleep(0.05)
         time.sleep(0.2)  # a blocking call on the loop: what the watcher exists to see
         await asyncio.sleep(0.05)
         task.cancel()
+        await asyncio.sleep(0)
         assert max(lag.values) >= 0.15, lag.values
+        assert max(held.values) >= 0.15, held.values
         assert sorted(lag.values)[len(lag.values) // 2] < 0.05  # otherwise on time
 
     run(body())
