@@ -235,6 +235,8 @@ class DataPath:
         for post, res in zip(posts, results, strict=True):
             if res.error is None:
                 self._posted_to.add(post.peer)
+            else:
+                self._suspect(post.peer)
             if res.xfer_id is not None:
                 self._xfer_peer[res.xfer_id] = post.peer
                 self._inflight[post.peer] = self._inflight.get(post.peer, 0) + 1
@@ -262,6 +264,12 @@ class DataPath:
             return PostResult(None, True, timing=timing)
         return PostResult(xfer_id, False, timing=timing)
 
+    def _suspect(self, peer: str) -> None:
+        """A READ to ``peer`` failed: it may be dead, frozen or cut off, and UCX may wait on
+        its endpoint inside a post. Until a READ to it succeeds again, its posts go to
+        the NIXL thread, never inline on the event loop (issue 20.4)."""
+        self._posted_to.discard(peer)
+
     async def poll_many(self, xfer_ids: list[int]) -> dict[int, XferStatus]:
         """States of many transfers in one hop."""
 
@@ -275,7 +283,11 @@ class DataPath:
                     out[xfer_id] = XferStatus(XferState.FAILED, exc)
             return out
 
-        return await self.call_short(run)
+        states = await self.call_short(run)
+        for xfer_id, status in states.items():
+            if status.error is not None and (peer := self._xfer_peer.get(xfer_id)):
+                self._suspect(peer)
+        return states
 
     async def release(self, xfer_ids: list[int]) -> None:
         def run() -> None:
@@ -292,8 +304,10 @@ class DataPath:
         return await self.call_short(self.transport.notifications)
 
     async def send_notif(self, peer: str, msg: bytes) -> None:
-        """Raises TransferError when the notification cannot be sent."""
-        await self.call_short(self.transport.send_notif, peer, msg)
+        """Raises TransferError when the notification cannot be sent. Inline only to a
+        peer whose READs work (as posts: a dead or cut-off one's endpoint may wait)."""
+        inline = peer in self._posted_to
+        await (self.call_short if inline else self.call)(self.transport.send_notif, peer, msg)
 
     async def counts(self) -> TransportCounts:
         return await self.call(self.transport.counts)

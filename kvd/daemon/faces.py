@@ -9,12 +9,14 @@ answered ``internal`` and logged.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hmac
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.daemon")
 
 MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
+SERVE_SLICE_S = 0.002  # longest run of requests answered before the face yields the loop
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,12 @@ class Face:
         self.sock.bind(address)
 
     async def serve(self, handlers: dict[type, Handler]) -> None:
+        """Answer requests in arrival order (per connection), yielding the loop at least
+        every ``SERVE_SLICE_S``: a receive that finds a message waiting does not yield,
+        so a burst (1,000 Pulls) would otherwise be taken in one go, and every task it
+        spawned would take its first step in one loop turn, holding every other reply
+        (Pings and Polls included) for the whole burst (issue 20.4)."""
+        slice_end_s = time.perf_counter() + SERVE_SLICE_S
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
@@ -98,6 +107,9 @@ class Face:
                                                handlers, _fd(frames))
             if reply is not None:
                 self.send(identity, msg_id, reply)
+            if time.perf_counter() >= slice_end_s:
+                await asyncio.sleep(0)  # a turn for the rest of the loop, not a wait
+                slice_end_s = time.perf_counter() + SERVE_SLICE_S
 
     async def _answer(self, payload: list[Any], identity: bytes,
                       handlers: dict[type, Handler], fd: int = -1) -> tuple[Any, int]:
@@ -114,18 +126,32 @@ class Face:
                 raise AuthError("bad or missing token")
             body = P.decode_body(header, payload[1], self.allowed)
             return await handlers[type(body)](body, Request(identity, header, fd)), msg_id
-        except ProtocolError as exc:
-            self.metrics.protocol_error(self.name, exc.reason)
-            if not msg_id and payload:  # reply to the right call even so
-                msg_id = P.peek_id(bytes(payload[0]))
-            return P.Error(code=exc.code, message=str(exc)), msg_id
-        except KvdError as exc:
-            if isinstance(exc, BusyError):
-                self.metrics.busy_rejections.inc()
-            return P.Error(code=exc.code, message=str(exc)), msg_id
         except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the face
-            log.exception("handler failed on the %s face", self.name)
-            return P.Error(code=InternalError.code, message=f"internal error: {exc!r}"), msg_id
+            if isinstance(exc, ProtocolError) and not msg_id and payload:
+                msg_id = P.peek_id(bytes(payload[0]))  # reply to the right call even so
+            return self._error(exc), msg_id
+
+    def _error(self, exc: Exception) -> P.Error:
+        """The one reply to a request that failed, counted and logged as its kind asks."""
+        if isinstance(exc, ProtocolError):
+            self.metrics.protocol_error(self.name, exc.reason)
+        elif isinstance(exc, BusyError):
+            self.metrics.busy_rejections.inc()
+        if isinstance(exc, KvdError):
+            return P.Error(code=exc.code, message=str(exc))
+        log.exception("handler failed on the %s face", self.name, exc_info=exc)
+        return P.Error(code=InternalError.code, message=f"internal error: {exc!r}")
+
+    async def answer_later(self, identity: bytes, msg_id: int, work: Awaitable[Any]) -> None:
+        """Reply to one request with ``work``'s result, or its error as `_answer` would:
+        for a handler that must not hold the face while it waits (a registration: pool
+        allocation and NIXL registration, a second or more per GiB). Meanwhile the face
+        answers every other request, Pings and Polls included."""
+        try:
+            reply = await work
+        except Exception as exc:  # noqa: BLE001 - as in _answer
+            reply = self._error(exc)
+        self.send(identity, msg_id, reply)
 
     def send(self, identity: bytes, msg_id: int, body: Any) -> None:
         try:

@@ -14,8 +14,8 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from kvd.config import Config
 from kvd.daemon.clock import Clock
@@ -43,6 +43,7 @@ from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.registry")
 
+T = TypeVar("T")
 RANK_WAIT_POLL_S = 0.01  # how often a pull re-checks for its engine's missing ranks
 
 
@@ -58,6 +59,8 @@ class EngineRegistry:
         self.table = EngineTable(cfg.max_engines)
         self._gone_listeners: list[Callable[[str], None]] = []
         self._collect_lock = asyncio.Lock()
+        self._register_lock = asyncio.Lock()
+        self._undoing: set[asyncio.Task[None]] = set()  # see _off_loop
         self.pool_owner: PoolOwner | None = None
         self._page_counts: Counter[int] = Counter()  # DRAM pools allocated, by page size
 
@@ -126,12 +129,15 @@ class EngineRegistry:
         if nbytes > self.cfg.max_pool_bytes:
             raise TooLargeError(f"pool of {nbytes} bytes exceeds max_pool_bytes "
                                 f"({self.cfg.max_pool_bytes}); lower num_blocks")
-        pool, mem_type, device_id = self._allocate(msg, nbytes)
-        try:
-            reg_id = await self.datapath.register(pool.addr, pool.nbytes, mem_type, device_id)
-        except BaseException:
-            pool.close()
-            raise
+        async with self._register_lock:  # one at a time: the checks above hold until add()
+            self.table.check_joinable(msg, par)
+            if self.rank_count() >= self.cfg.max_engines:
+                raise BusyError(f"{self.rank_count()} engine ranks registered (max_engines)")
+            pool, mem_type, device_id, reg_id = await self._allocate_registered(msg, nbytes)
+            return self._registered(msg, par, cache, first, pool, mem_type, device_id, reg_id)
+
+    def _registered(self, msg: P.RegisterEngine, par: Any, cache: Any, first: int, pool: Any,
+                    mem_type: str, device_id: int, reg_id: int) -> P.Registered:
         rank = EngineRank(engine_id=msg.engine_id, rank=RankId(msg.tp_rank, msg.pp_rank), msg=msg,
                           cache=cache, first_layer=first, pool=pool, reg_id=reg_id,
                           last_seen_s=self.clock.now(), device_id=device_id)
@@ -145,6 +151,62 @@ class EngineRegistry:
         return P.Registered(pool=pool.handle(cache.shape, msg.model.dtype),
                             daemon_id=self.daemon_id, peer_address=self.cfg.peer_advertise,
                             instance_id=self.instance_id, layout=msg.layout)
+
+    async def _allocate_registered(self, msg: P.RegisterEngine, nbytes: int
+                                   ) -> tuple[Any, str, int, int]:
+        """(pool, memory type, device id, NIXL registration id), made off the event loop.
+
+        Allocating a DRAM pool reserves every page (posix_fallocate: ~0.25 s per GiB here)
+        and NIXL registers it on its own thread; on the loop, either would stall every
+        engine's Ping and Poll as long (issue 20.4). VRAM pools are allocated on the loop
+        (a cudaMalloc, milliseconds) so that CUDA calls stay on one thread, and adopted
+        pools too (mapped, not reserved: their pages exist). Cancelled
+        (daemon stopping) meanwhile: the work finishes on its thread and is undone."""
+        if self.cfg.device == "cuda" or msg.adopt_pool is not None:  # no pages to reserve
+            pool, mem_type, device_id = self._allocate(msg, nbytes)
+        else:
+            async def close(made: tuple[Any, str, int]) -> None:
+                made[0].close()
+
+            pool, mem_type, device_id = await self._off_loop(
+                asyncio.get_running_loop().run_in_executor(None, self._allocate, msg, nbytes),
+                close)
+
+        async def undo(reg_id: int) -> None:
+            try:
+                await self.datapath.deregister(reg_id)
+            finally:
+                pool.close()
+
+        try:
+            reg_id = await self._off_loop(asyncio.ensure_future(self.datapath.register(
+                pool.addr, pool.nbytes, mem_type, device_id)), undo)
+        except asyncio.CancelledError:
+            raise  # the pool goes with the registration, once that ends (undo)
+        except BaseException:
+            pool.close()
+            raise
+        return pool, mem_type, device_id, reg_id
+
+    async def _off_loop(self, work: asyncio.Future[T],
+                        undo: Callable[[T], Coroutine[Any, Any, None]]) -> T:
+        """``work``'s result; if the caller is cancelled first, the work (running on a
+        thread) is left to end and ``undo`` gets what it made, so that nothing leaks
+        (`release_all` waits for those undos)."""
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            async def finish() -> None:
+                try:
+                    made = await work
+                except BaseException:  # noqa: BLE001 - it failed: nothing was made
+                    return
+                await undo(made)
+
+            task = asyncio.get_running_loop().create_task(finish())
+            self._undoing.add(task)
+            task.add_done_callback(self._undoing.discard)
+            raise
 
     def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
         """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU;
@@ -249,7 +311,9 @@ class EngineRegistry:
                 try:
                     await self.datapath.deregister(rank.reg_id)
                 finally:
-                    rank.pool.close()
+                    # Off the loop: unmapping and unlinking a pool frees its pages
+                    # (~0.1 s per GiB here), which would stall every engine's Ping.
+                    await asyncio.get_running_loop().run_in_executor(None, rank.pool.close)
                     self.table.freed(rank)
                     self.metrics.pool_bytes.dec(rank.pool.nbytes)
                     self._pages_changed(rank.pool, -1)
@@ -262,6 +326,8 @@ class EngineRegistry:
         for rank in self.table.retired:
             rank.pins = 0  # nothing can touch them any more
         await self.collect()
+        while self._undoing:  # registrations cancelled midway: deregistered, freed
+            await asyncio.gather(*self._undoing, return_exceptions=True)
 
     def status(self) -> list[P.RankStatus]:
         out = []

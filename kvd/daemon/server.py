@@ -35,6 +35,7 @@ from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.events import EventHub
 from kvd.daemon.faces import Face, Handler, Request
 from kvd.daemon.liveness import ConnectionTracker
+from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.producer import Producer
 from kvd.daemon.registry import EngineRegistry
@@ -127,6 +128,7 @@ class Daemon:
         self.spawn(self.peer_face.serve(self._peer_handlers()))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
+        self.spawn(watch_loop_lag(self.clock, self.metrics.loop_lag, self.metrics.loop_held))
         self.ready = True
         log.info("kvd %s serving: engine %s, peer %s (advertised %s), agent %s, instance %s",
                  __version__, cfg.engine_address, cfg.peer_address,
@@ -252,9 +254,18 @@ class Daemon:
     def _engine_handlers(self) -> dict[type, Handler]:
         reg, producer, consumer = self.registry, self.producer, self.consumer
 
-        async def register(m: P.RegisterEngine, _: Request) -> P.Registered:
+        async def register(m: P.RegisterEngine, req: Request) -> None:
             self._refuse_if_draining("registrations (register with another kvd)")
-            return await reg.register(m)
+
+            async def registered() -> P.Registered:
+                reply = await reg.register(m)
+                self.connections.note(req.identity, req.fd, m.engine_id)
+                return reply
+
+            # Answered when done: a pool's allocation and NIXL registration take a
+            # second or more per GiB, and the face answers every other engine meanwhile.
+            self.spawn(self.engine_face.answer_later(req.identity, req.header.id,
+                                                     registered()))
 
         async def deregister(m: P.Deregister, _: Request) -> P.Ok:
             reg.deregister(m.engine_id, RankId(m.tp_rank, m.pp_rank))

@@ -75,6 +75,12 @@ HANDSHAKE_BUCKETS: tuple[float, ...] = (
     10.0,
 )
 
+# How late the event loop wakes: well under 1 ms when nothing holds it; the engine
+# face's budget for a Ping or Poll is 50 ms (issue 20.4).
+LOOP_LAG_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
 ROLES = ("producer", "consumer")
 TRANSFER_OUTCOMES = ("ok", "failed", "expired", "cancelled")
 HANDSHAKE_OUTCOMES = ("ok", "failed", "timeout", "refused")
@@ -157,6 +163,27 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "Per pull: time spent building its NIXL requests (all its READs). The posting share "
         "of pulls is its _sum over kvd_transfer_duration_seconds_sum{role=\"consumer\"}.",
         POST_BUCKETS,
+    ),
+    MetricDoc(
+        "loop_lag",
+        "kvd_event_loop_lag_seconds",
+        "histogram",
+        (),
+        "How much later than asked the daemon's event loop ran a 10 ms timer: the time a "
+        "callback held the loop, which every engine's Ping and Poll waited too. Its p99 "
+        "should stay well under 50 ms.",
+        LOOP_LAG_BUCKETS,
+    ),
+    MetricDoc(
+        "loop_held",
+        "kvd_event_loop_held_seconds",
+        "histogram",
+        (),
+        "The part of each kvd_event_loop_lag_seconds sample that the daemon caused: the "
+        "lateness less the time the kernel kept the loop's thread waiting for a CPU "
+        "(schedstat run delay; Linux). High lag with low held time: the host or the pod's "
+        "CPU limit starved kvd. High held time: a callback of kvd held the loop (a bug).",
+        LOOP_LAG_BUCKETS,
     ),
     MetricDoc(
         "handshakes",

@@ -41,6 +41,8 @@ class Metrics:
     descriptors_posted: Counter
     post_build_per_descriptor: Histogram
     posting_duration: Histogram
+    loop_lag: Histogram
+    loop_held: Histogram
     handshakes: Counter
     handshake_duration: Histogram
     leases_expired: Counter

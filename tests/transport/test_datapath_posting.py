@@ -75,3 +75,39 @@ def test_a_first_read_to_a_peer_is_posted_off_the_event_loop() -> None:
         b.close()
 
     asyncio.run(run())
+
+
+def test_reads_to_a_peer_whose_read_failed_go_off_the_event_loop_again() -> None:
+    """A failed READ may mean a dead, frozen or unreachable peer, whose UCX endpoint a
+    post could wait on: later READs to it are posted on the NIXL thread until one
+    succeeds again (issue 20.4), whether the failure came at post or at a poll."""
+    async def run() -> None:
+        dp, b, src, dst, peer = await loopback_peer(16 * KiB)
+        post = ReadPost(peer=peer, local_addrs=np.array([int(dst.ctypes.data)], np.int64),
+                        remote_addrs=np.array([int(src.ctypes.data)], np.int64),
+                        nbytes=np.array([4 * KiB], np.int64), mem_type="DRAM", notif=b"")
+        [first] = await dp.post_reads([post])
+        assert first.done and dp.post_reads_now([post]) is not None  # inline from now on
+        dp.transport.fail_next_reads = 1  # fails at the post's own poll
+        [failed] = dp.post_reads_now([post]) or [None]
+        assert failed is not None and failed.error is not None
+        assert dp.post_reads_now([post]) is None, "a failed peer's READ ran on the loop"
+        threads = dp.thread_calls
+        await dp.send_notif(peer, b"n")
+        assert dp.thread_calls == threads + 1, "a notification to it ran on the loop"
+        [ok] = await dp.post_reads([post])
+        assert ok.done and dp.post_reads_now([post]) is not None, "inline again once it works"
+
+        dp.transport.hold_reads = True  # pending at post: the failure comes at a poll
+        [held] = dp.post_reads_now([post]) or [None]
+        assert held is not None and held.xfer_id is not None
+        dp.transport._xfers[held.xfer_id] = False  # it fails while in flight
+        states = await dp.poll_many([held.xfer_id])
+        assert states[held.xfer_id].error is not None
+        assert dp.post_reads_now([post]) is None, "a failed peer's READ ran on the loop"
+        dp.transport.hold_reads = False
+        await dp.release([held.xfer_id])
+        await dp.close()
+        b.close()
+
+    asyncio.run(run())
