@@ -144,11 +144,20 @@ class Daemon:
         self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
 
     def _nixl_factory(self) -> Transport:
+        from kvd.transport import rails
         from kvd.transport.nixl import NixlTransport
 
-        return NixlTransport(name=f"kvd-{self.daemon_id}", backend=self.cfg.nixl_backend,
-                             progress_thread=self.cfg.nixl_progress_thread,
-                             liveness_timeout_s=self.cfg.peer_liveness_timeout_s)
+        def make(index: int, devices: str) -> Transport:
+            suffix = f"-w{index}" if index else ""  # agent 0: the one peers know
+            return NixlTransport(name=f"kvd-{self.daemon_id}{suffix}",
+                                 backend=self.cfg.nixl_backend,
+                                 progress_thread=self.cfg.nixl_progress_thread,
+                                 liveness_timeout_s=self.cfg.peer_liveness_timeout_s,
+                                 devices=devices)
+
+        workers, rail_names = rails.resolve(self.cfg.posting_workers, self.cfg.rails)
+        log.info("posting workers: %d; rails: %s", workers, ",".join(rail_names) or "none")
+        return rails.build(make, workers, rail_names)
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:

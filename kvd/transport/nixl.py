@@ -96,19 +96,26 @@ def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dic
 class NixlTransport:
     def __init__(self, name: str | None = None, backend: str = "UCX",
                  progress_thread: bool = False, telemetry: bool = False,
-                 liveness_timeout_s: float | None = None) -> None:
+                 liveness_timeout_s: float | None = None, devices: str = "") -> None:
         """``telemetry``: NIXL records per-transfer figures, among them the descriptor
         count after merging (``xfer_descriptors``); off by default.
-        ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults)."""
+        ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults).
+        ``devices``: the network devices this agent's UCX may use, comma-separated (the
+        UCX plugin's ``ucx_devices``, UCX_NET_DEVICES for this agent alone: one rail per
+        posting worker, kvd.transport.workers); "" for UCX's choice."""
         if liveness_timeout_s is not None:
             ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
         api = import_nixl()
         self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self._telemetry = telemetry
-        conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
+        conf = api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                     backends=[] if devices else [backend],
                                      capture_telemetry=telemetry)
         logging.getLogger("nixl").setLevel(logging.WARNING)
         self._agent = api.nixl_agent(self.name, conf)
+        if devices:
+            with _nixl_call(f"cannot create {backend} on devices {devices!r}"):
+                self._agent.create_backend(backend, {"ucx_devices": devices})
         self._regs: dict[int, tuple[object, int, int]] = {}  # id -> (descs, addr, nbytes)
         self._xfers: dict[int, object] = {}
         self._peers: set[str] = set()
