@@ -218,10 +218,21 @@ class Daemon:
             self.http.close()
         log.info("kvd stopped")
 
+    def _rails(self) -> list[P.RailStatus]:
+        """Per posting worker counts (none with a single agent); syncs their metrics."""
+        stats = getattr(self.datapath.transport, "stats", None) if self.datapath else None
+        if not stats:
+            return []
+        out = [P.RailStatus(worker=i, rail=s.rail, agent=s.name, reads=s.reads,
+                            nbytes=s.nbytes) for i, s in enumerate(stats)]
+        self.metrics.rails_seen((r.worker, r.rail, r.reads, r.nbytes) for r in out)
+        return out
+
     async def _housekeeping(self) -> None:
         while True:
             await self.clock.sleep(HOUSEKEEPING_INTERVAL_S)
             try:
+                self._rails()
                 now = self.clock.now()
                 self.producer.expire(now)
                 self.events.expire()
@@ -292,10 +303,12 @@ class Daemon:
                              ack=m.ack, ack_instance=m.ack_instance)
 
         async def status(_: P.StatusQuery, __: Request) -> P.Status:
+            rails = self._rails()
             return P.Status(daemon_id=self.daemon_id, version=__version__,
                             draining=self.draining, engines=reg.status(),
                             peers=self.peers.status(), held=producer.status(),
-                            pulls=consumer.status(), instance_id=self.instance_id)
+                            pulls=consumer.status(), instance_id=self.instance_id,
+                            rails=rails)
 
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}
