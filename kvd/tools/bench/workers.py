@@ -1,0 +1,180 @@
+"""Workers x size curve (issue 23): one pull of 32 MiB ... 1 GiB through daemons with 1, 2
+and 4 posting workers, next to the best single-stream raw NIXL READ of the same bytes.
+
+One run, same machine, same memory kind (pools like kvd's, in ``shm_dir``): raw NIXL
+first (one descriptor per size, one posting thread: the single-stream ceiling), then
+for each worker count a fresh daemon pair (``--set posting_workers=N``), random block
+ids of a pool 1.25x the largest request, ``publish`` -> ``done_recving`` at the client
+(median), checked byte for byte at every size. ``plot_workers`` draws GB/s against
+size, one line per worker count, and the raw single stream.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT, DEFAULT_SHM_DIR, Geometry, MiB, fmt_gbps
+from kvd.tools.bench.raw import bench_nixl, fill_test_pattern
+
+WORKERS = (1, 2, 4)
+SIZES_MIB = (32, 64, 128, 256, 512, 1024)
+
+
+def _raw_single_stream(sizes: list[int], block_nbytes: int, repeats: int, shm_dir: str
+                       ) -> dict[int, float]:
+    total = max(sizes) * block_nbytes
+    sets = [(f"one:{n}", "shm", np.array([0]), np.array([0]), np.array([n * block_nbytes]))
+            for n in sizes]
+    res = bench_nixl(total, total, sets, repeats, check_set=f"one:{sizes[-1]}",
+                     shm_dir=shm_dir, kinds=("shm",), timeout_s=900.0)
+    if not res.get("verified"):
+        raise RuntimeError("raw NIXL READ did not deliver the expected bytes")
+    return {n: fmt_gbps(n * block_nbytes, statistics.median(res[f"one:{n}"])) for n in sizes}
+
+
+def run_workers_curve(workers: tuple[int, ...] = WORKERS,
+                      sizes_mib: tuple[int, ...] = SIZES_MIB, repeats: int = 5,
+                      kv_layout: str = DEFAULT_KV_LAYOUT, shm_dir: str = DEFAULT_SHM_DIR,
+                      seed: int = 7) -> dict[str, Any]:
+    from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
+    from kvd.tools.localcluster import DaemonProcess
+    from kvd.tools.sim import layout_spec
+
+    started = time.perf_counter()
+    geom = Geometry(kv_layout=kv_layout)
+    sizes = sorted({max(1, m * MiB // geom.block_nbytes) for m in sizes_mib})
+    pool_blocks = sizes[-1] + max(1, sizes[-1] // 4)
+    rng = random.Random(seed)
+    ids = {n: (rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n))
+           for n in sizes}
+    raw = _raw_single_stream(sizes, geom.block_nbytes, repeats, shm_dir)
+    logs = Path(tempfile.mkdtemp(prefix="kvd-workers-"))
+    rows: list[dict[str, Any]] = []
+    model = geom.model()
+    for w in workers:
+        extra = ["--set", f"shm_dir={shm_dir}", "--set", f"posting_workers={w}"]
+        prefill = DaemonProcess.start(f"workers{w}-prefill", logs, extra_args=extra)
+        decode = DaemonProcess.start(f"workers{w}-decode", logs, extra_args=extra)
+        pc, dc = prefill.client(timeout_s=120), decode.client(timeout_s=120)
+        try:
+            prank = pc.register("prefill", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
+            fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
+            drank = dc.register("decode", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
+            addr = prefill.peer_address
+            for n in sizes:
+                p_ids, d_ids = ids[n]
+                timed_pull(pc, dc, addr, "decode", f"w{w}-s{n}-warm", p_ids, d_ids)
+                ok = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
+                times = [timed_pull(pc, dc, addr, "decode", f"w{w}-s{n}-{i}", p_ids, d_ids)[0]
+                         for i in range(repeats)]
+                nbytes = n * geom.block_nbytes
+                gbps = fmt_gbps(nbytes, statistics.median(times))
+                rows.append({"workers": w, "nbytes": nbytes, "kvd_gbps": gbps,
+                             "kvd_p50_ms": round(statistics.median(times) * 1e3, 2),
+                             "nixl_single_stream_gbps": raw[n],
+                             "ratio_vs_single_stream": round(gbps / raw[n], 3),
+                             "rails": [r.nbytes for r in dc.status().rails],
+                             "verified": ok})
+        finally:
+            pc.close()
+            dc.close()
+            prefill.stop()
+            decode.stop()
+    import os
+
+    return {"geometry": geom.to_json(), "repeats": repeats, "shm_dir": shm_dir,
+            "workers_curve": rows, "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            "logs": str(logs), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1024 * MiB):g} GiB" if n >= 1024 * MiB else f"{n / MiB:g} MiB"
+
+
+def render_workers(result: dict[str, Any]) -> str:
+    rows = result["workers_curve"]
+    workers = sorted({r["workers"] for r in rows})
+    sizes = sorted({r["nbytes"] for r in rows})
+    by = {(r["workers"], r["nbytes"]): r for r in rows}
+    head = ["size", "nixl 1 stream", *(f"{w} workers" for w in workers),
+            *(f"x stream ({w}w)" for w in workers), "ok"]
+    table = [head]
+    for s in sizes:
+        table.append([_fmt(s), str(by[(workers[0], s)]["nixl_single_stream_gbps"]),
+                      *(str(by[(w, s)]["kvd_gbps"]) for w in workers),
+                      *(str(by[(w, s)]["ratio_vs_single_stream"]) for w in workers),
+                      str(all(by[(w, s)]["verified"] for w in workers))])
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = ["kvd pull throughput (GB/s) by posting workers and size; one pull at a time, "
+             "random block ids", ""]
+    lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in table]
+    lines.insert(3, "  ".join("-" * wd for wd in widths))
+    lines += ["", f"x stream: kvd / the best single-stream raw NIXL READ (one descriptor, one "
+              f"thread) of the same bytes on the same memory; medians of {result['repeats']}; "
+              f"load at end {result['loadavg_1m_end']}; {result['seconds']} s"]
+    return "\n".join(lines)
+
+
+def plot_workers(result: dict[str, Any], path: str | Path) -> Path:
+    """GB/s vs size, one line per worker count; needs matplotlib ('kvd[plot]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from kvd.errors import KvdError
+
+        raise KvdError("--plot needs matplotlib: pip install 'kvd[plot]' "
+                       "(or pip install 'matplotlib>=3.7')") from None
+    rows = result["workers_curve"]
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    sizes = sorted({r["nbytes"] for r in rows})
+    x = [s / MiB for s in sizes]
+    first = [r for r in rows if r["workers"] == rows[0]["workers"]]
+    ax.plot(x, [r["nixl_single_stream_gbps"] for r in first], "s--", color="tab:green",
+            label="raw NIXL, one stream")
+    for w in sorted({r["workers"] for r in rows}):
+        mine = sorted((r for r in rows if r["workers"] == w), key=lambda r: r["nbytes"])
+        ax.plot(x, [r["kvd_gbps"] for r in mine], "o-", linewidth=2, label=f"kvd, {w} workers")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [_fmt(s) for s in sizes], rotation=30)
+    ax.set_xlabel("request size (one pull, random block ids)")
+    ax.set_ylabel("GB/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("kvd throughput by posting workers")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(as_json: bool = False, sizes_mib: tuple[int, ...] = SIZES_MIB, repeats: int = 5,
+         kv_layout: str = DEFAULT_KV_LAYOUT, shm_dir: str = DEFAULT_SHM_DIR,
+         plot_path: str | None = None, workers: tuple[int, ...] = WORKERS) -> int:
+    import json
+
+    if plot_path:  # fail before minutes of measuring, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from kvd.errors import KvdError
+
+            raise KvdError("--plot needs matplotlib: pip install 'kvd[plot]' "
+                           "(or pip install 'matplotlib>=3.7')") from None
+    result = run_workers_curve(workers=workers, sizes_mib=sizes_mib, repeats=repeats,
+                               kv_layout=kv_layout, shm_dir=shm_dir)
+    if plot_path:
+        result["plot"] = str(plot_workers(result, plot_path))
+    print(json.dumps(result, indent=2) if as_json else render_workers(result))
+    return 0 if all(r["verified"] for r in result["workers_curve"]) else 1
