@@ -32,9 +32,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from kvd.config import MAX_POSTING_WORKERS as MAX_WORKERS
 from kvd.errors import TransferError
@@ -47,71 +45,14 @@ from kvd.transport.base import (
     TransportCounts,
 )
 from kvd.transport.prepped import PreppedPoster
+from kvd.transport.split import part_of, split_points
 
 log = logging.getLogger("kvd.transport")
 
 # Parts smaller than this are not worth a thread hop (~0.05-0.5 ms on a busy host): a
 # READ is split into at most nbytes // MIN_PART_NBYTES parts, so small pulls stay whole.
 MIN_PART_NBYTES = 4 << 20
-# A cut may move to the nearest boundary between merged runs when that costs at most
-# this share of a part's bytes; otherwise it falls between two descriptors of one run.
-RUN_CUT_SLACK = 0.125
 COMPOSITE_BASE = 1 << 48  # composite transfer ids; worker 0's own ids are far below
-
-
-def split_points(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
-                 parts: int, slack: float = RUN_CUT_SLACK) -> list[int]:
-    """Descriptor indices where a READ is cut into ``parts`` of about equal bytes.
-
-    Returns ``parts + 1`` ascending indices from 0 to ``len(nbytes)``, distinct, so
-    part ``i`` is descriptors ``[cuts[i], cuts[i+1])`` (fewer parts when there are
-    fewer descriptors). Descriptors are never cut. A run of descriptors adjacent in
-    memory on both sides (one descriptor once NIXL merges it) is cut only when no run
-    boundary lies within ``slack`` of a part's bytes of the ideal cut: a READ that is
-    one contiguous run (a whole pool) is still split, a fragmented one only between
-    runs. Pure: no transport, no clock.
-    """
-    n = len(nbytes)
-    parts = max(1, min(parts, n))
-    if parts == 1:
-        return [0, n]
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    ends = np.cumsum(sizes)  # ends[i]: bytes of descriptors [0, i]
-    total = int(ends[-1])
-    la = np.asarray(local_addrs, dtype=np.int64)
-    ra = np.asarray(remote_addrs, dtype=np.int64)
-    joined = (la[1:] == la[:-1] + sizes[:-1]) & (ra[1:] == ra[:-1] + sizes[:-1])
-    # Cut k (1..n-1) falls before descriptor k; bytes before it: ends[k-1].
-    run_cuts = np.flatnonzero(~joined) + 1
-    run_bytes = ends[run_cuts - 1]
-    tolerance = slack * total / parts
-    cuts = [0]
-    for p in range(1, parts):
-        ideal = total * p / parts
-        cut = 0
-        if len(run_cuts):
-            j = int(np.searchsorted(run_bytes, ideal))
-            near = [i for i in (j - 1, j) if 0 <= i < len(run_cuts)]
-            best = min(near, key=lambda i: abs(run_bytes[i] - ideal))
-            if abs(run_bytes[best] - ideal) <= tolerance:
-                cut = int(run_cuts[best])
-        if not cut:
-            k = int(np.searchsorted(ends, ideal))  # first descriptor ending at/after ideal
-            below = k if k >= 1 else 1  # cut before descriptor k: bytes ends[k-1]
-            above = k + 1
-            cut = min((c for c in (below, above) if 1 <= c <= n - 1),
-                      key=lambda c: abs(ends[c - 1] - ideal))
-        cut = min(max(cut, cuts[-1] + 1), n - (parts - p))
-        cuts.append(cut)
-    cuts.append(n)
-    return cuts
-
-
-def _part(post: ReadPost, lo: int, hi: int) -> ReadPost:
-    return replace(post, local_addrs=post.local_addrs[lo:hi],
-                   remote_addrs=post.remote_addrs[lo:hi], nbytes=post.nbytes[lo:hi],
-                   local_devs=None if post.local_devs is None else post.local_devs[lo:hi],
-                   remote_devs=None if post.remote_devs is None else post.remote_devs[lo:hi])
 
 
 @dataclass
@@ -164,6 +105,8 @@ class WorkerSet:
         self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvd-post{i}")
                          for i in range(1, len(transports))]
         self._regs: dict[int, list[int]] = {}
+        # peer -> workers that could not load or post to it (their rail does not reach it)
+        self._unusable: dict[str, set[int]] = {}
         self._composites: dict[int, _Composite] = {}
         self._next_id = COMPOSITE_BASE
         self._last_post: PostTiming | None = None
@@ -205,21 +148,28 @@ class WorkerSet:
             raise error
 
     def add_peer(self, metadata: bytes) -> str:
+        """Worker 0 must load the peer; a worker that cannot (its rail does not reach the
+        peer: the peer has no such rail) is left out of that peer's READs."""
         name = self.workers[0].add_peer(metadata)
+        self._unusable[name] = set()
         for i, t in enumerate(self.workers[1:], start=1):
             try:
                 t.add_peer(metadata)
-            except TransferError:
-                for u in self.workers[:i]:
-                    u.remove_peer(name)
-                raise
+            except TransferError as exc:
+                self._leave_out(name, i, exc)
         return name
+
+    def _leave_out(self, peer: str, worker: int, exc: TransferError) -> None:
+        log.warning("posting worker %d (%s) cannot reach %s: its share goes to the others "
+                    "(%s)", worker, self.stats[worker].rail or "any device", peer, exc)
+        self._unusable.setdefault(peer, set()).add(worker)
 
     def remove_peer(self, agent_name: str) -> None:
         for poster in self.posters:
             poster.forget_peer(agent_name)
         for t in self.workers:
             t.remove_peer(agent_name)
+        self._unusable.pop(agent_name, None)
 
     def forget_peer(self, agent_name: str) -> None:
         """Poster interface (kvd.daemon.datapath): drop every worker's lists of a peer."""
@@ -230,35 +180,59 @@ class WorkerSet:
 
     def parts_for(self, post: ReadPost) -> int:
         """How many workers a READ is spread over (1: worker 0 alone, as without workers)."""
-        if len(self.posting) == 1 or post.notif:
+        posting = self._posting_for(post.peer)
+        if len(posting) <= 1 or post.notif:
             return 1
         total = int(post.nbytes.sum())
-        return max(1, min(len(self.posting), total // self.min_part_nbytes,
-                          len(post.nbytes)))
+        return max(1, min(len(posting), total // self.min_part_nbytes, len(post.nbytes)))
+
+    def _posting_for(self, peer: str) -> list[int]:
+        """The posting workers that reach a peer (worker 0, on every rail, if none)."""
+        unusable = self._unusable.get(peer)
+        posting = [w for w in self.posting if not unusable or w not in unusable]
+        return posting or [0]
 
     def post_read(self, post: ReadPost) -> tuple[int, bool]:
         parts = self.parts_for(post)
-        if parts == 1 and (post.notif or self.posting[0] == 0 or
+        posting = self._posting_for(post.peer)
+        if parts == 1 and (post.notif or posting[0] == 0 or
                            int(post.nbytes.sum()) < self.min_part_nbytes):
             xfer_id, done = self.posters[0].post(post)
             self._last_post = self.workers[0].last_post
             self._count(0, post)
             return xfer_id, done
         cuts = split_points(post.local_addrs, post.remote_addrs, post.nbytes, parts)
-        pieces = [_part(post, lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
-        owners = self.posting[:len(pieces)]
+        pieces = [part_of(post, lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+        owners = posting[:len(pieces)]
         t0 = time.perf_counter()
         futures = {w: self._threads[w - 1].submit(self.posters[w].post, piece)
                    for w, piece in zip(owners, pieces, strict=True) if w != 0}
         results: list[tuple[int, bool] | TransferError] = []
-        for w, piece in zip(owners, pieces, strict=True):  # each post returns before this
-            try:
+        for k, (w, piece) in enumerate(zip(owners, pieces, strict=True)):
+            try:  # each post returns before this one does
                 results.append(self.posters[0].post(piece) if w == 0
                                else futures[w].result())
             except TransferError as exc:
                 results.append(exc)
+                if w != 0 and self._unreachable(exc):
+                    # Nothing of that part was posted: worker 0 (every rail) takes it, and
+                    # if it can, that worker sits out this peer's READs from now on.
+                    try:
+                        results[-1] = self.posters[0].post(piece)
+                    except TransferError:
+                        continue
+                    owners[k] = 0
+                    self._leave_out(post.peer, w, exc)
         wall_s = time.perf_counter() - t0
         return self._compose(owners, pieces, results, wall_s)
+
+    @staticmethod
+    def _unreachable(exc: TransferError) -> bool:
+        """A post refused because the worker's devices do not reach the peer (UCX:
+        UNREACHABLE / no route; loopback tests: peer not loaded), not a failed READ."""
+        text = str(exc).lower()
+        return any(k in text for k in ("unreachable", "not loaded", "no route",
+                                       "not_found", "notfound"))
 
     def _count(self, worker: int, post: ReadPost) -> None:
         s = self.stats[worker]

@@ -14,7 +14,8 @@ from kvd.errors import TransferError
 from kvd.transport import rails
 from kvd.transport.base import PoolSpan, ReadPost
 from kvd.transport.loopback import LoopbackTransport
-from kvd.transport.workers import COMPOSITE_BASE, WorkerSet, split_points
+from kvd.transport.split import split_points
+from kvd.transport.workers import COMPOSITE_BASE, WorkerSet
 
 MiB = 1 << 20
 
@@ -122,12 +123,13 @@ def test_one_failed_worker_fails_the_read_once_all_parts_ended(workers) -> None:
 
 def test_a_part_that_cannot_be_posted_fails_the_read_after_the_others(workers) -> None:
     ws, peer, src, dst = workers
-    ws.workers[2].remove_peer(peer)  # worker 2 cannot post to that peer
+    third = ws._regs[next(iter(ws._regs))][2]
+    ws.workers[2].deregister(third)  # worker 2 has no local memory: its part is refused
     ws.workers[0].hold_reads = True
     xfer, done = ws.post_read(_post(peer, src, dst, np.arange(24), 2 * MiB, pools=False))
-    assert not done and ws.poll(xfer) is False
+    assert not done and ws.poll(xfer) is False  # worker 0's part may still land
     ws.workers[0].hold_reads = False
-    with pytest.raises(TransferError, match="not loaded"):
+    with pytest.raises(TransferError, match="outside registered memory"):
         ws.poll(xfer)
     ws.release(xfer)
     # Every part failing to post: an error at once, nothing in flight.
@@ -136,6 +138,30 @@ def test_a_part_that_cannot_be_posted_fails_the_read_after_the_others(workers) -
     with pytest.raises(TransferError):
         ws.post_read(_post(peer, src, dst, np.arange(24), 2 * MiB, pools=False))
     assert ws.counts().transfers == 0
+
+
+def test_a_worker_that_cannot_reach_the_peer_hands_its_part_to_worker_zero(workers) -> None:
+    """A rail the peer lacks (here: the peer never loaded on worker 2): worker 0, on every
+    rail, reads that part instead, byte-exact, and worker 2 sits out that peer after."""
+    ws, peer, src, dst = workers
+    ws.workers[2].remove_peer(peer)
+    blocks = np.arange(24)
+    xfer, done = ws.post_read(_post(peer, src, dst, blocks, 2 * MiB))
+    assert done and ws.poll(xfer)
+    ws.release(xfer)
+    assert np.array_equal(dst[:48 * MiB], src[:48 * MiB])
+    assert [s.reads for s in ws.stats] == [2, 1, 0]
+    dst[:] = 0
+    xfer, done = ws.post_read(_post(peer, src, dst, blocks, 2 * MiB))
+    ws.release(xfer)
+    assert [s.reads for s in ws.stats] == [3, 2, 0]  # split over workers 0 and 1 only
+    assert np.array_equal(dst[:48 * MiB], src[:48 * MiB])
+    # Reloading the peer gives worker 2 its chance again.
+    ws.remove_peer(peer)
+    ws.add_peer(peer.encode())
+    xfer, _ = ws.post_read(_post(peer, src, dst, blocks, 2 * MiB))
+    ws.release(xfer)
+    assert [s.reads for s in ws.stats] == [4, 3, 1]
 
 
 def test_auto_workers_and_rails() -> None:
