@@ -93,6 +93,27 @@ def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dic
     return set_now
 
 
+@contextmanager
+def _net_devices(devices: str) -> Iterator[None]:
+    """UCX_NET_DEVICES=devices while an agent is created: UCX reads its configuration
+    once, when NIXL creates the backend's UCP context, so each agent keeps its own.
+    (NIXL 1.5's ``ucx_devices`` backend parameter is listed but did not restrict the
+    devices, measured with two veth rails: tests/multinode/test_rails.py.) Agents are
+    created on the daemon's NIXL thread at start, before any other UCX use."""
+    if not devices:
+        yield
+        return
+    old = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+        else:
+            os.environ["UCX_NET_DEVICES"] = old
+
+
 class NixlTransport:
     def __init__(self, name: str | None = None, backend: str = "UCX",
                  progress_thread: bool = False, telemetry: bool = False,
@@ -100,22 +121,19 @@ class NixlTransport:
         """``telemetry``: NIXL records per-transfer figures, among them the descriptor
         count after merging (``xfer_descriptors``); off by default.
         ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults).
-        ``devices``: the network devices this agent's UCX may use, comma-separated (the
-        UCX plugin's ``ucx_devices``, UCX_NET_DEVICES for this agent alone: one rail per
-        posting worker, kvd.transport.workers); "" for UCX's choice."""
+        ``devices``: the network devices this agent's UCX may use, comma-separated
+        (UCX_NET_DEVICES for this agent alone: one rail per posting worker,
+        kvd.transport.workers); "" for UCX's choice (or the process's UCX_NET_DEVICES)."""
         if liveness_timeout_s is not None:
             ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
         api = import_nixl()
         self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self._telemetry = telemetry
-        conf = api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                     backends=[] if devices else [backend],
+        conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
                                      capture_telemetry=telemetry)
         logging.getLogger("nixl").setLevel(logging.WARNING)
-        self._agent = api.nixl_agent(self.name, conf)
-        if devices:
-            with _nixl_call(f"cannot create {backend} on devices {devices!r}"):
-                self._agent.create_backend(backend, {"ucx_devices": devices})
+        with _net_devices(devices):
+            self._agent = api.nixl_agent(self.name, conf)
         self._regs: dict[int, tuple[object, int, int]] = {}  # id -> (descs, addr, nbytes)
         self._xfers: dict[int, object] = {}
         self._peers: set[str] = set()
