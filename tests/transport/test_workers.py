@@ -211,3 +211,30 @@ def test_detect_rails_picks_the_nic_nearest_each_gpu(tmp_path: Path) -> None:
             (net / "device").symlink_to(d)
     assert rails.detect_rails(str(tmp_path)) == ["nicA", "nicB"]
     assert rails.detect_rails(str(tmp_path / "nothing")) == []
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("posting_workers", "0"), ("posting_workers", "17"), ("posting_workers", "many"),
+    ("rails", "eth0,eth0"), ("rails", "eth0;rm -rf"), ("rails", ",".join(f"e{i}"
+                                                                         for i in range(17))),
+])
+def test_bad_worker_and_rail_settings_are_refused_naming_the_field(field: str, value: str
+                                                                  ) -> None:
+    from kvd.config import load
+    from kvd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        load(env={f"KVD_{field.upper()}": value})
+    assert load(env={"KVD_POSTING_WORKERS": "auto", "KVD_RAILS": "none"}).posting_workers == "auto"
+
+
+def test_rail_counters_follow_the_workers_totals() -> None:
+    from kvd.ops.metrics import Metrics
+
+    m = Metrics()
+    m.rails_seen([(0, "", 2, 100), (1, "eth1", 1, 50)])
+    m.rails_seen([(0, "", 3, 160), (1, "eth1", 1, 50)])
+    get = m.registry.get_sample_value
+    assert get("kvd_rail_reads_total", {"worker": "0", "rail": "any"}) == 3
+    assert get("kvd_rail_read_bytes_total", {"worker": "0", "rail": "any"}) == 160
+    assert get("kvd_rail_read_bytes_total", {"worker": "1", "rail": "eth1"}) == 50
