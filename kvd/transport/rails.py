@@ -46,17 +46,27 @@ def _common_depth(a: Path, b: Path) -> int:
 
 
 def detect_rails(sysfs: str = "/sys") -> list[str]:
-    """The NIC nearest each GPU (sysfs), in GPU order, each once; [] without GPUs or NICs."""
+    """The NIC nearest each GPU (sysfs), in GPU order, each once; [] without GPUs or NICs.
+
+    RDMA ports (``/sys/class/infiniband``, named ``mlx5_0:1``) when the host has any,
+    else physical network interfaces."""
     root = Path(sysfs)
     gpus = []
     for dev in sorted((root / "bus/pci/devices").glob("*")):
         if _read(dev / "vendor") == _NVIDIA and _read(dev / "class") in _GPU_CLASSES:
             gpus.append(dev.resolve())
     nics = []
-    for net in sorted((root / "class/net").glob("*")):
-        dev = net / "device"
-        if dev.exists():  # physical (PCI) devices only: not lo, veth, bridges
-            nics.append((net.name, dev.resolve(), _read(dev / "numa_node")))
+    # RDMA ports first, named as UCX_NET_DEVICES wants them (mlx5_0:1); Ethernet only
+    # on a host without any (an IPoIB netdev would be the slow path to the same port).
+    for hca in sorted((root / "class/infiniband").glob("*")):
+        dev = hca / "device"
+        if dev.exists():
+            nics.append((f"{hca.name}:1", dev.resolve(), _read(dev / "numa_node")))
+    if not nics:
+        for net in sorted((root / "class/net").glob("*")):
+            dev = net / "device"
+            if dev.exists():  # physical (PCI) devices only: not lo, veth, bridges
+                nics.append((net.name, dev.resolve(), _read(dev / "numa_node")))
     rails: list[str] = []
     for gpu in gpus:
         numa = _read(gpu / "numa_node")

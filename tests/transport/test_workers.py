@@ -211,6 +211,11 @@ def test_detect_rails_picks_the_nic_nearest_each_gpu(tmp_path: Path) -> None:
             (net / "device").symlink_to(d)
     assert rails.detect_rails(str(tmp_path)) == ["nicA", "nicB"]
     assert rails.detect_rails(str(tmp_path / "nothing")) == []
+    # An RDMA port under gpu1's switch: RDMA ports win, named as UCX wants them.
+    hca = tmp_path / "class/infiniband/mlx5_1"
+    hca.mkdir(parents=True)
+    (hca / "device").symlink_to(pci / layout["nicB"])
+    assert rails.detect_rails(str(tmp_path)) == ["mlx5_1:1"]
 
 
 @pytest.mark.parametrize(("field", "value"), [
