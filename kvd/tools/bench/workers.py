@@ -3,9 +3,11 @@ and 4 posting workers, next to the best single-stream raw NIXL READ of the same 
 
 One run, same machine, same memory kind (pools like kvd's, in ``shm_dir``): raw NIXL
 first (one descriptor per size, one posting thread: the single-stream ceiling), then
-for each worker count a fresh daemon pair (``--set posting_workers=N``), random block
+for each worker count a daemon pair (``--set posting_workers=N``), random block
 ids of a pool 1.25x the largest request, ``publish`` -> ``done_recving`` at the client
-(median), checked byte for byte at every size. ``plot_workers`` draws GB/s against
+(median), checked byte for byte at every size. All pairs run at once and take turns
+pull by pull, so that load from elsewhere on a shared host falls on every worker count
+alike (``ratio_vs_one_worker``). ``plot_workers`` draws GB/s against
 size, one line per worker count, and the raw single stream.
 """
 
@@ -58,35 +60,52 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
     logs = Path(tempfile.mkdtemp(prefix="kvd-workers-"))
     rows: list[dict[str, Any]] = []
     model = geom.model()
-    for w in workers:
-        extra = ["--set", f"shm_dir={shm_dir}", "--set", f"posting_workers={w}"]
-        prefill = DaemonProcess.start(f"workers{w}-prefill", logs, extra_args=extra)
-        decode = DaemonProcess.start(f"workers{w}-decode", logs, extra_args=extra)
-        pc, dc = prefill.client(timeout_s=120), decode.client(timeout_s=120)
-        try:
+    pairs: dict[int, tuple[Any, ...]] = {}
+    try:
+        for w in workers:  # every pair up at once: their pulls interleave (see below)
+            extra = ["--set", f"shm_dir={shm_dir}", "--set", f"posting_workers={w}"]
+            prefill = DaemonProcess.start(f"workers{w}-prefill", logs, extra_args=extra)
+            pairs[w] = (prefill,)
+            decode = DaemonProcess.start(f"workers{w}-decode", logs, extra_args=extra)
+            pc, dc = prefill.client(timeout_s=120), decode.client(timeout_s=120)
+            pairs[w] = (prefill, decode, pc, dc)
             prank = pc.register("prefill", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
             fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
             drank = dc.register("decode", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
-            addr = prefill.peer_address
-            for n in sizes:
-                p_ids, d_ids = ids[n]
-                timed_pull(pc, dc, addr, "decode", f"w{w}-s{n}-warm", p_ids, d_ids)
-                ok = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
-                times = [timed_pull(pc, dc, addr, "decode", f"w{w}-s{n}-{i}", p_ids, d_ids)[0]
-                         for i in range(repeats)]
-                nbytes = n * geom.block_nbytes
-                gbps = fmt_gbps(nbytes, statistics.median(times))
+            pairs[w] = (prefill, decode, pc, dc, prank, drank)
+        for n in sizes:
+            p_ids, d_ids = ids[n]
+            times: dict[int, list[float]] = {w: [] for w in workers}
+            ok: dict[int, bool] = {}
+            for w in workers:
+                _, _, pc, dc, prank, drank = pairs[w]
+                timed_pull(pc, dc, pairs[w][0].peer_address, "decode", f"w{w}-s{n}-warm",
+                           p_ids, d_ids)
+                ok[w] = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
+            # Worker counts take turns, pull by pull: on a shared host, load that comes and
+            # goes lands on every count alike instead of on whichever ran then.
+            for i in range(repeats):
+                for w in workers:
+                    prefill, _, pc, dc, _, _ = pairs[w]
+                    times[w].append(timed_pull(pc, dc, prefill.peer_address, "decode",
+                                               f"w{w}-s{n}-{i}", p_ids, d_ids)[0])
+            nbytes = n * geom.block_nbytes
+            for w in workers:
+                gbps = fmt_gbps(nbytes, statistics.median(times[w]))
                 rows.append({"workers": w, "nbytes": nbytes, "kvd_gbps": gbps,
-                             "kvd_p50_ms": round(statistics.median(times) * 1e3, 2),
+                             "kvd_p50_ms": round(statistics.median(times[w]) * 1e3, 2),
                              "nixl_single_stream_gbps": raw[n],
                              "ratio_vs_single_stream": round(gbps / raw[n], 3),
-                             "rails": [r.nbytes for r in dc.status().rails],
-                             "verified": ok})
-        finally:
-            pc.close()
-            dc.close()
-            prefill.stop()
-            decode.stop()
+                             "ratio_vs_one_worker": round(
+                                 gbps / fmt_gbps(nbytes, statistics.median(times[workers[0]])),
+                                 3),
+                             "verified": ok[w]})
+    finally:
+        for pair in pairs.values():
+            for client in pair[2:4]:
+                client.close()
+            for daemon in pair[:2]:
+                daemon.stop()
     import os
 
     return {"geometry": geom.to_json(), "repeats": repeats, "shm_dir": shm_dir,
@@ -104,20 +123,23 @@ def render_workers(result: dict[str, Any]) -> str:
     sizes = sorted({r["nbytes"] for r in rows})
     by = {(r["workers"], r["nbytes"]): r for r in rows}
     head = ["size", "nixl 1 stream", *(f"{w} workers" for w in workers),
-            *(f"x stream ({w}w)" for w in workers), "ok"]
+            *(f"x stream ({w}w)" for w in workers), *(f"x 1w ({w}w)" for w in workers[1:]),
+            "ok"]
     table = [head]
     for s in sizes:
         table.append([_fmt(s), str(by[(workers[0], s)]["nixl_single_stream_gbps"]),
                       *(str(by[(w, s)]["kvd_gbps"]) for w in workers),
                       *(str(by[(w, s)]["ratio_vs_single_stream"]) for w in workers),
+                      *(str(by[(w, s)]["ratio_vs_one_worker"]) for w in workers[1:]),
                       str(all(by[(w, s)]["verified"] for w in workers))])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = ["kvd pull throughput (GB/s) by posting workers and size; one pull at a time, "
              "random block ids", ""]
     lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in table]
     lines.insert(3, "  ".join("-" * wd for wd in widths))
-    lines += ["", f"x stream: kvd / the best single-stream raw NIXL READ (one descriptor, one "
-              f"thread) of the same bytes on the same memory; medians of {result['repeats']}; "
+    lines += ["", "x stream: kvd / the best single-stream raw NIXL READ (one descriptor, one "
+              "thread) of the same bytes on the same memory; x 1w: kvd / kvd with one worker "
+              f"(the counts take turns, pull by pull); medians of {result['repeats']}; "
               f"load at end {result['loadavg_1m_end']}; {result['seconds']} s"]
     return "\n".join(lines)
 
