@@ -77,3 +77,24 @@ def test_small_pull_stays_on_the_daemons_agent(two_rails: Cluster) -> None:
     after = {r["rail"]: r["reads"] for r in decode.call("status", name="kvd")["rails"]}
     assert after[""] == before[""] + 1
     assert after["eth0"] == before["eth0"] and after["eth1"] == before["eth1"]
+
+
+def test_a_rail_the_producer_lacks_is_left_out(tmp_path_factory: pytest.TempPathFactory
+                                              ) -> None:
+    """The producer's node has rail 1 down (no address on it): the consumer's rail-1
+    worker cannot reach it, so its share goes to the daemon's agent (every rail) and
+    the pull is still byte-exact; nothing crosses rail 1."""
+    import subprocess
+
+    with Cluster(2, tmp_path_factory.mktemp("rails1"), rails=2) as c:
+        prefill, decode = c.nodes
+        subprocess.run(["ip", "-n", prefill.netns, "link", "set", "eth1", "down"], check=True)
+        prefill.start_daemon()
+        decode.start_daemon(args=RAILS)
+        before = c.link_bytes(decode.index, 1)
+        for i in range(2):  # the second pull no longer tries rail 1
+            _pull(c, f"lack{i}", 1, 1, 64)
+        assert c.link_bytes(decode.index, 1) - before < BLOCK_BYTES
+        rails = {r["rail"]: r for r in decode.call("status", name="kvd")["rails"]}
+        assert rails["eth1"]["reads"] == 0
+        assert rails["eth0"]["reads"] >= 1  # rail 0 still carries its share
