@@ -243,3 +243,16 @@ def test_rail_counters_follow_the_workers_totals() -> None:
     assert get("kvd_rail_reads_total", {"worker": "0", "rail": "any"}) == 3
     assert get("kvd_rail_read_bytes_total", {"worker": "0", "rail": "any"}) == 160
     assert get("kvd_rail_read_bytes_total", {"worker": "1", "rail": "eth1"}) == 50
+
+
+def test_status_lists_each_posting_worker_and_its_rail() -> None:
+    from kvd.ops.status import format_status
+    from kvd.wire import protocol as P
+
+    st = P.Status(daemon_id="d", version="v", draining=False, engines=[], peers=[], held=[],
+                  pulls=[], rails=[P.RailStatus(0, "", "kvd-x", 3, 3 << 20),
+                                   P.RailStatus(1, "eth1", "kvd-x-w1", 2, 64 << 20)])
+    text = format_status(st)
+    assert "posting workers (2)" in text
+    assert "eth1" in text and "kvd-x-w1" in text and "64.0 MiB" in text and "(any)" in text
+    assert "posting workers" not in format_status(P.Status("d", "v", False, [], [], [], []))
