@@ -20,7 +20,11 @@ def _result() -> dict:
                          "kvd_p50_ms": 3.0, "nixl_single_stream_gbps": 5.0,
                          "ratio_vs_single_stream": k, "ratio_vs_one_worker": k,
                          "verified": True})
-    return {"workers_curve": rows, "repeats": 3, "loadavg_1m_end": 1.0, "seconds": 2.0}
+    extra = [{"workers": w, "pull_1block_p50_ms": 1.0, "pull_1block_p99_ms": 2.0,
+              "single_pull_gbps": 3.0, "concurrent_pulls": 16, "concurrent_gbps": 3.3,
+              "ratio_concurrent_vs_single": 1.1, "verified": True} for w in (1, 2, 4)]
+    return {"workers_curve": rows, "workers_small_and_concurrent": extra, "repeats": 3,
+            "loadavg_1m_end": 1.0, "seconds": 2.0}
 
 
 def test_table_has_a_column_per_worker_count_and_a_row_per_size() -> None:
@@ -28,6 +32,7 @@ def test_table_has_a_column_per_worker_count_and_a_row_per_size() -> None:
     for needle in ("1 workers", "2 workers", "4 workers", "32 MiB", "1 GiB", "x stream (4w)"):
         assert needle in text
     assert "1.4" in text and "1.5" in text
+    assert "1-block p50 ms" in text and "3.3 (16 pulls)" in text
 
 
 def test_png_is_written(tmp_path: Path) -> None:

@@ -100,6 +100,7 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
                                  gbps / fmt_gbps(nbytes, statistics.median(times[workers[0]])),
                                  3),
                              "verified": ok[w]})
+        extra_rows = _latency_and_concurrency(pairs, workers, geom, pool_blocks, repeats)
     finally:
         for pair in pairs.values():
             for client in pair[2:4]:
@@ -109,8 +110,66 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
     import os
 
     return {"geometry": geom.to_json(), "repeats": repeats, "shm_dir": shm_dir,
-            "workers_curve": rows, "loadavg_1m_end": round(os.getloadavg()[0], 2),
+            "workers_curve": rows, "workers_small_and_concurrent": extra_rows,
+            "loadavg_1m_end": round(os.getloadavg()[0], 2),
             "logs": str(logs), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _latency_and_concurrency(pairs: dict[int, tuple[Any, ...]], workers: tuple[int, ...],
+                             geom: Geometry, pool_blocks: int, repeats: int,
+                             latency_pulls: int = 200, concurrent: int = 16
+                             ) -> list[dict[str, Any]]:
+    """Per worker count, taking turns like the curve: 1-block pull latency (pull call
+    to its answer; small READs stay on the daemon's agent, so this shows what the
+    workers cost them) and ``concurrent`` 32 MiB pulls at once against one."""
+    from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
+
+    per = max(1, 32 * MiB // geom.block_nbytes)
+    concurrent = max(1, min(concurrent, pool_blocks // per))
+    src = random.Random(3).sample(range(pool_blocks), per)
+    dst = [list(range(i * per, (i + 1) * per)) for i in range(concurrent)]
+    lat: dict[int, list[float]] = {w: [] for w in workers}
+    single: dict[int, list[float]] = {w: [] for w in workers}
+    conc: dict[int, list[float]] = {w: [] for w in workers}
+    for i in range(latency_pulls + 20):
+        for w in workers:
+            prefill, _, pc, dc, _, _ = pairs[w]
+            t = timed_pull(pc, dc, prefill.peer_address, "decode", f"w{w}-lat{i}",
+                           [i % pool_blocks], [(i * 7) % pool_blocks])[1]
+            if i >= 20:  # warm-up
+                lat[w].append(t)
+    for rep in range(max(3, repeats)):
+        for w in workers:
+            prefill, _, pc, dc, _, _ = pairs[w]
+            addr = prefill.peer_address
+            single[w].append(timed_pull(pc, dc, addr, "decode", f"w{w}-one{rep}", src,
+                                        dst[0])[1])
+            rids = [f"w{w}-conc{rep}-{i}" for i in range(concurrent)]
+            receipts = [pc.publish("prefill", rid, src) for rid in rids]
+            t0 = time.perf_counter()
+            for rid, d, receipt in zip(rids, dst, receipts, strict=True):
+                dc.pull("decode", rid, "prefill", addr, src, d, publish_receipt=receipt)
+            for rid in rids:
+                ev = dc.wait("decode", rid, "done_recving", timeout_s=120)
+                if not ev.ok:
+                    raise RuntimeError(f"pull {rid} failed: {ev.error}")
+            conc[w].append(time.perf_counter() - t0)
+            for rid in rids:
+                pc.wait("prefill", rid, "done_sending", timeout_s=30)
+    out = []
+    nbytes = per * geom.block_nbytes
+    for w in workers:
+        _, _, _, _, prank, drank = pairs[w]
+        q = statistics.quantiles(lat[w], n=100)
+        one = fmt_gbps(nbytes, statistics.median(single[w]))
+        many = fmt_gbps(concurrent * nbytes, statistics.median(conc[w]))
+        out.append({"workers": w, "pull_1block_p50_ms": round(statistics.median(lat[w]) * 1e3, 3),
+                    "pull_1block_p99_ms": round(q[98] * 1e3, 3),
+                    "single_pull_gbps": one, "concurrent_pulls": concurrent,
+                    "concurrent_gbps": many, "ratio_concurrent_vs_single": round(many / one, 3),
+                    "verified": all(check_pulled_blocks(prank.kv, [drank.kv], geom, src, d)
+                                    for d in dst)})
+    return out
 
 
 def _fmt(n: int) -> str:
@@ -137,6 +196,19 @@ def render_workers(result: dict[str, Any]) -> str:
              "random block ids", ""]
     lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in table]
     lines.insert(3, "  ".join("-" * wd for wd in widths))
+    extra = result.get("workers_small_and_concurrent") or []
+    if extra:
+        table = [["workers", "1-block p50 ms", "p99 ms", "one 32 MiB pull", "concurrent",
+                  "x one", "ok"]]
+        table += [[str(r["workers"]), str(r["pull_1block_p50_ms"]), str(r["pull_1block_p99_ms"]),
+                   str(r["single_pull_gbps"]),
+                   f"{r['concurrent_gbps']} ({r['concurrent_pulls']} pulls)",
+                   str(r["ratio_concurrent_vs_single"]), str(r["verified"])] for r in extra]
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines += ["", "small pulls and concurrent 32 MiB pulls (GB/s), the counts taking turns",
+                  ""]
+        lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True))
+                  for r in table]
     lines += ["", "x stream: kvd / the best single-stream raw NIXL READ (one descriptor, one "
               "thread) of the same bytes on the same memory; x 1w: kvd / kvd with one worker "
               f"(the counts take turns, pull by pull); medians of {result['repeats']}; "
@@ -199,4 +271,5 @@ def main(as_json: bool = False, sizes_mib: tuple[int, ...] = SIZES_MIB, repeats:
     if plot_path:
         result["plot"] = str(plot_workers(result, plot_path))
     print(json.dumps(result, indent=2) if as_json else render_workers(result))
-    return 0 if all(r["verified"] for r in result["workers_curve"]) else 1
+    return 0 if all(r["verified"] for r in result["workers_curve"]
+                    + result["workers_small_and_concurrent"]) else 1
