@@ -61,6 +61,8 @@ def test_large_pull_moves_bytes_over_both_rails(two_rails: Cluster, ptp: int, dt
     crossed = [c.link_bytes(decode.index, rail) - b for rail, b in zip((0, 1), before,
                                                                        strict=True)]
     total = n * BLOCK_BYTES
+    print(f"\n{total >> 20} MiB pull TP{ptp}->TP{dtp}: rail 0 {crossed[0] >> 20} MiB, "
+          f"rail 1 {crossed[1] >> 20} MiB through the decode node's switch ports")
     assert sum(crossed) >= total, crossed
     for rail in (0, 1):  # each rail carried a fair share, not a trickle
         assert crossed[rail] >= total // 4, f"rail {rail} moved only {crossed}"
