@@ -9,6 +9,7 @@ source it came from.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ class Config:
     max_quarantined_bytes: int = 16 << 30
     nixl_progress_thread: bool = False
     nixl_backend: str = "UCX"
+    posting_workers: str = "auto"
+    rails: str = "auto"
     log_format: str = "text"
     log_level: str = "info"
     auth_token_file: str = ""
@@ -105,6 +108,13 @@ FIELD_HELP: dict[str, str] = {
                              "it fails busy before posting.",
     "nixl_progress_thread": "Run NIXL's progress thread (off by default: it spins a core).",
     "nixl_backend": "NIXL backend plugin to create.",
+    "posting_workers": "NIXL agents that post a large pull's READs in parallel, each with its "
+                       "own thread and UCX worker, the pull split between them by bytes: "
+                       "1..16, or auto (one per rail; without rails the cores available, at "
+                       "most 4; 1 on a 1-core host: a single agent).",
+    "rails": "Network devices the posting workers are spread over, one UCX device list "
+             "each (comma-separated, e.g. mlx5_0:1,mlx5_1:1 or eth1,eth2), 'none', or auto "
+             "(the NIC nearest each GPU by PCIe distance; none on a host without GPUs).",
     "log_format": "'text' or 'json' (one JSON object per line).",
     "log_level": "debug, info, warning or error.",
     "auth_token_file": "File holding a shared token that engines and peers must present.",
@@ -210,6 +220,40 @@ def client_engine_address(given: str | None, env: dict[str, str] | None = None,
     return value
 
 
+MAX_POSTING_WORKERS = 16
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")
+
+
+def parse_rails(setting: str) -> list[str] | None:
+    """The ``rails`` field: device names, [] for none, None for "auto" (kvd.transport.rails
+    detects them). Raises ValueError naming a malformed device."""
+    text = setting.strip()
+    if text == "auto":
+        return None
+    if text in ("", "none"):
+        return []
+    names = [n.strip() for n in text.split(",")]
+    for n in names:
+        if not _DEVICE_NAME.match(n):
+            raise ValueError(f"rail {n!r} is not a device name (e.g. mlx5_0:1, eth1)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"rails {names} name a device twice")
+    if len(names) > MAX_POSTING_WORKERS:
+        raise ValueError(f"at most {MAX_POSTING_WORKERS} rails, got {len(names)}")
+    return names
+
+
+def parse_workers(setting: str) -> int | None:
+    """The ``posting_workers`` field: a count in 1..16, or None for "auto"."""
+    text = setting.strip()
+    if text == "auto":
+        return None
+    n = int(text)
+    if not 1 <= n <= MAX_POSTING_WORKERS:
+        raise ValueError(f"must be auto or 1..{MAX_POSTING_WORKERS}, got {n}")
+    return n
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError for the first invalid field; return cfg unchanged otherwise."""
     for name, choices in _CHOICES.items():
@@ -231,6 +275,11 @@ def validate(cfg: Config) -> Config:
         )
     if not Path(cfg.shm_dir).is_absolute() or not Path(cfg.shm_dir).is_dir():
         raise ConfigError(f"shm_dir: {cfg.shm_dir!r} is not an existing absolute directory")
+    for name, parse in (("posting_workers", parse_workers), ("rails", parse_rails)):
+        try:
+            parse(getattr(cfg, name))
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r}: {exc}") from None
     if cfg.auth_token_file and not Path(cfg.auth_token_file).is_file():
         raise ConfigError(f"auth_token_file: {cfg.auth_token_file!r} does not exist")
     return cfg

@@ -28,7 +28,7 @@ from typing import TypeVar
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.errors import TransferError
 from kvd.transport.base import PostTiming, ReadPost, Transport, TransportCounts
-from kvd.transport.prepped import PreppedPoster
+from kvd.transport.workers import poster_for
 
 T = TypeVar("T")
 log = logging.getLogger("kvd.datapath")
@@ -91,8 +91,9 @@ class DataPath:
         # wait cannot freeze the event loop (polls, other pulls' Acquires, housekeeping).
         self._posted_to: set[str] = set()
         # READs go through prepared lists per (peer, pools) when a post names its pools:
-        # validated once, adjacent blocks merged by NIXL (issue 12.1).
-        self._poster = PreppedPoster(transport)
+        # validated once, adjacent blocks merged by NIXL (issue 12.1); a large READ is
+        # split over the transport's posting workers when it has several (issue 23).
+        self._poster = poster_for(transport)
 
     @property
     def agent_name(self) -> str:

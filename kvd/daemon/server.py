@@ -146,11 +146,20 @@ class Daemon:
         self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
 
     def _nixl_factory(self) -> Transport:
+        from kvd.transport import rails
         from kvd.transport.nixl import NixlTransport
 
-        return NixlTransport(name=f"kvd-{self.daemon_id}", backend=self.cfg.nixl_backend,
-                             progress_thread=self.cfg.nixl_progress_thread,
-                             liveness_timeout_s=self.cfg.peer_liveness_timeout_s)
+        def make(index: int, devices: str) -> Transport:
+            suffix = f"-w{index}" if index else ""  # agent 0: the one peers know
+            return NixlTransport(name=f"kvd-{self.daemon_id}{suffix}",
+                                 backend=self.cfg.nixl_backend,
+                                 progress_thread=self.cfg.nixl_progress_thread,
+                                 liveness_timeout_s=self.cfg.peer_liveness_timeout_s,
+                                 devices=devices)
+
+        workers, rail_names = rails.resolve(self.cfg.posting_workers, self.cfg.rails)
+        log.info("posting workers: %d; rails: %s", workers, ",".join(rail_names) or "none")
+        return rails.build(make, workers, rail_names)
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:
@@ -211,10 +220,21 @@ class Daemon:
             self.http.close()
         log.info("kvd stopped")
 
+    def _rails(self) -> list[P.RailStatus]:
+        """Per posting worker counts (none with a single agent); syncs their metrics."""
+        stats = getattr(self.datapath.transport, "stats", None) if self.datapath else None
+        if not stats:
+            return []
+        out = [P.RailStatus(worker=i, rail=s.rail, agent=s.name, reads=s.reads,
+                            nbytes=s.nbytes) for i, s in enumerate(stats)]
+        self.metrics.rails_seen((r.worker, r.rail, r.reads, r.nbytes) for r in out)
+        return out
+
     async def _housekeeping(self) -> None:
         while True:
             await self.clock.sleep(HOUSEKEEPING_INTERVAL_S)
             try:
+                self._rails()
                 now = self.clock.now()
                 self.producer.expire(now)
                 self.events.expire()
@@ -294,10 +314,12 @@ class Daemon:
                              ack=m.ack, ack_instance=m.ack_instance)
 
         async def status(_: P.StatusQuery, __: Request) -> P.Status:
+            rails = self._rails()
             return P.Status(daemon_id=self.daemon_id, version=__version__,
                             draining=self.draining, engines=reg.status(),
                             peers=self.peers.status(), held=producer.status(),
-                            pulls=consumer.status(), instance_id=self.instance_id)
+                            pulls=consumer.status(), instance_id=self.instance_id,
+                            rails=rails)
 
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}

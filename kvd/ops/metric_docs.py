@@ -262,6 +262,21 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "Pulls accepted and not yet finished (queued, handshaking or reading).",
     ),
     MetricDoc(
+        "rail_reads",
+        "kvd_rail_reads_total",
+        "counter",
+        ("worker", "rail"),
+        "READs (parts of pulls) posted by each posting worker; rail: its network device, "
+        "'any' for UCX's choice. Absent with a single agent (posting_workers=1, no rails).",
+    ),
+    MetricDoc(
+        "rail_bytes",
+        "kvd_rail_read_bytes_total",
+        "counter",
+        ("worker", "rail"),
+        "Bytes of the READs each posting worker posted (kvd_rail_reads_total's).",
+    ),
+    MetricDoc(
         "quarantined_pulls",
         "kvd_quarantined_pulls",
         "gauge",

@@ -53,6 +53,8 @@ class Metrics:
     busy_rejections: Counter
     events_dropped: Counter
     inflight_transfers: Gauge
+    rail_reads: Counter
+    rail_bytes: Counter
     quarantined_pulls: Gauge
     quarantined_bytes: Gauge
     held_requests: Gauge
@@ -80,6 +82,7 @@ class Metrics:
             for reason in PROTOCOL_REASONS:
                 self.protocol_errors.labels(face=face, reason=reason)
         self.build_info.labels(version=kvd.__version__).set(1)
+        self._rails_seen: dict[tuple[int, str], tuple[int, int]] = {}
 
     def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float) -> None:
         """Record one finished request in the three transfer metrics at once.
@@ -104,6 +107,21 @@ class Metrics:
                 self.post_build_per_descriptor.observe(t.build_s / t.descriptors)
         self.posting_duration.observe(total_s)
         return total_s
+
+    def rails_seen(self, totals: Iterable[tuple[int, str, int, int]]) -> None:
+        """Bring the per-worker counters up to the workers' running totals (worker, rail,
+        reads, bytes): the transport counts on the NIXL thread, this runs on the loop."""
+        for worker, rail, reads, nbytes in totals:
+            labels = {"worker": str(worker), "rail": rail or "any"}
+            key = (worker, rail)
+            seen_reads, seen_bytes = self._rails_seen.get(key, (0, 0))
+            if reads > seen_reads:
+                self.rail_reads.labels(**labels).inc(reads - seen_reads)
+            else:
+                self.rail_reads.labels(**labels)
+            if nbytes > seen_bytes:
+                self.rail_bytes.labels(**labels).inc(nbytes - seen_bytes)
+            self._rails_seen[key] = (max(reads, seen_reads), max(nbytes, seen_bytes))
 
     def protocol_error(self, face: str, reason: str) -> None:
         """Count a rejected message; an unexpected reason is folded into 'decode'

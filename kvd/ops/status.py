@@ -53,6 +53,10 @@ def format_status(st: Status, as_json: bool = False) -> str:
     lines += ["", f"pulls in flight ({len(st.pulls)})"]
     lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} "
               f"age {p.age_s:.3f}s" for p in st.pulls]
+    if st.rails:
+        lines += ["", f"posting workers ({len(st.rails)})"]
+        lines += [f"  {r.worker:<3} {r.rail or '(any)':<16} {r.agent:<28} reads={r.reads} "
+                  f"{r.nbytes / 2**20:.1f} MiB" for r in st.rails]
     return "\n".join(lines)
 
 

@@ -60,6 +60,13 @@ def bench(
                                   "(pip install 'kvd[plot]')."),
     max_mib: int = typer.Option(1024, "--max-mib",
                                 help="With --curves: the largest request size in MiB."),
+    posting_workers: str = typer.Option("auto", "--posting-workers",
+                                        help="posting_workers of both daemons (auto or "
+                                             "1..16), to compare worker counts."),
+    workers_curve: bool = typer.Option(False, "--workers-curve",
+                                       help="Throughput by posting workers (1, 2, 4) x size "
+                                            "(32 MiB .. --max-mib) against one raw NIXL "
+                                            "stream; with --plot, its PNG."),
 ) -> None:
     """memcpy vs raw NIXL vs kvd end to end (same bytes), and 1-block pull latency.
 
@@ -73,9 +80,19 @@ def bench(
     if nbytes_mib < 1 or repeats < 1 or max_mib < 1:
         _fail("--nbytes-mib, --repeats and --max-mib must be >= 1")
     _check_layout(kv_layout)
-    if plot and not curves:
-        _fail("--plot needs --curves")
+    if plot and not (curves or workers_curve):
+        _fail("--plot needs --curves or --workers-curve")
+    if curves and workers_curve:
+        _fail("--curves and --workers-curve are separate runs: pick one")
     try:
+        if workers_curve:
+            from kvd.tools.bench.workers import SIZES_MIB
+            from kvd.tools.bench.workers import main as workers_main
+
+            sizes = tuple(m for m in SIZES_MIB if m <= max_mib) or (max_mib,)
+            raise typer.Exit(workers_main(as_json=as_json, sizes_mib=sizes, repeats=repeats,
+                                          kv_layout=kv_layout, shm_dir=shm_dir,
+                                          plot_path=plot or None))
         if curves:
             from kvd.tools.bench.curves import main as curves_main
 
@@ -86,7 +103,7 @@ def bench(
 
         raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
                                     skip_hetero=skip_hetero, kv_layout=kv_layout,
-                                    shm_dir=shm_dir))
+                                    shm_dir=shm_dir, posting_workers=posting_workers))
     except KvdError as exc:
         _fail(str(exc))
 

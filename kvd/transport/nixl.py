@@ -94,13 +94,37 @@ def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dic
     return set_now
 
 
+@contextmanager
+def _net_devices(devices: str) -> Iterator[None]:
+    """UCX_NET_DEVICES=devices while an agent is created: UCX reads its configuration
+    once, when NIXL creates the backend's UCP context, so each agent keeps its own.
+    (NIXL 1.5's ``ucx_devices`` backend parameter is listed but did not restrict the
+    devices, measured with two veth rails: tests/multinode/test_rails.py.) Agents are
+    created on the daemon's NIXL thread at start, before any other UCX use."""
+    if not devices:
+        yield
+        return
+    old = os.environ.get("UCX_NET_DEVICES")
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+        else:
+            os.environ["UCX_NET_DEVICES"] = old
+
+
 class NixlTransport:
     def __init__(self, name: str | None = None, backend: str = "UCX",
                  progress_thread: bool = False, telemetry: bool = False,
-                 liveness_timeout_s: float | None = None) -> None:
+                 liveness_timeout_s: float | None = None, devices: str = "") -> None:
         """``telemetry``: NIXL records per-transfer figures, among them the descriptor
         count after merging (``xfer_descriptors``); off by default.
-        ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults)."""
+        ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults).
+        ``devices``: the network devices this agent's UCX may use, comma-separated
+        (UCX_NET_DEVICES for this agent alone: one rail per posting worker,
+        kvd.transport.workers); "" for UCX's choice (or the process's UCX_NET_DEVICES)."""
         if liveness_timeout_s is not None:
             ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
         api = import_nixl()
@@ -109,7 +133,8 @@ class NixlTransport:
         conf = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend],
                                      capture_telemetry=telemetry)
         logging.getLogger("nixl").setLevel(logging.WARNING)
-        self._agent = api.nixl_agent(self.name, conf)
+        with _net_devices(devices):
+            self._agent = api.nixl_agent(self.name, conf)
         self._regs: dict[int, tuple[object, int, int]] = {}  # id -> (descs, addr, nbytes)
         self._xfers: dict[int, object] = {}
         self._peers: set[str] = set()

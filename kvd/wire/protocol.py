@@ -377,6 +377,17 @@ class PullStatus(msgspec.Struct, frozen=True):
     nbytes: int
 
 
+class RailStatus(msgspec.Struct, frozen=True):
+    """One posting worker (kvd.transport.workers): its rail ("" for UCX's choice) and the
+    READs (parts of pulls) it posted, and their bytes, since the daemon started."""
+
+    worker: int
+    rail: str
+    agent: str
+    reads: int
+    nbytes: int
+
+
 class Status(msgspec.Struct, frozen=True):
     daemon_id: str
     version: str
@@ -386,6 +397,7 @@ class Status(msgspec.Struct, frozen=True):
     held: list[HeldStatus]
     pulls: list[PullStatus]
     instance_id: str = ""
+    rails: list[RailStatus] = []  # empty with a single agent (one posting worker)
 
 
 # ---------------------------------------------------------------- peer face

@@ -83,7 +83,8 @@ def _check_shm_dir(shm_dir: str) -> None:
 
 def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False,
               latency_pulls: int = 200, seed: int = 7, kv_layout: str = DEFAULT_KV_LAYOUT,
-              shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, Any]:
+              shm_dir: str = DEFAULT_SHM_DIR, posting_workers: str = "auto",
+              concurrent_pulls: int = 16) -> dict[str, Any]:
     _check_shm_dir(shm_dir)
     started = time.perf_counter()
     machine = machine_info(shm_dir)
@@ -124,7 +125,10 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
 
     logs = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     kvd = bench_kvd(geom, scenarios, blocks, pool_blocks, p_ids, d_ids, repeats, latency_pulls,
-                    logs, shm_dir=shm_dir)
+                    logs, shm_dir=shm_dir, concurrent_pulls=concurrent_pulls,
+                    daemon_args=("--set", f"posting_workers={posting_workers}"))
+    machine["posting_workers"] = posting_workers
+    machine["posting_workers_used"] = max(1, len(kvd.get("rails", [])))
     if latency_pulls > 0 and "latency" in kvd:
         # the same pulls' messages and READ without kvd's work: what the machine gives
         kvd["latency"].update(bench_floor(geom.block_nbytes, latency_pulls, shm_dir))
@@ -134,8 +138,8 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
 
 def main(as_json: bool = False, nbytes_mib: int = 512, repeats: int = 5,
          skip_hetero: bool = False, kv_layout: str = DEFAULT_KV_LAYOUT,
-         shm_dir: str = DEFAULT_SHM_DIR) -> int:
+         shm_dir: str = DEFAULT_SHM_DIR, posting_workers: str = "auto") -> int:
     result = run_bench(nbytes_mib=nbytes_mib, repeats=repeats, skip_hetero=skip_hetero,
-                       kv_layout=kv_layout, shm_dir=shm_dir)
+                       kv_layout=kv_layout, shm_dir=shm_dir, posting_workers=posting_workers)
     print(json.dumps(result, indent=2) if as_json else render(result))
     return 0 if all(s["verified"] for s in result["scenarios"]) else 1

@@ -13,11 +13,15 @@ import numpy as np
 
 from kvd.tools.bench.geometry import (
     DEFAULT_SHM_DIR,
+    TARGET_FLOOR_P50,
+    TARGET_FLOOR_P99,
     TARGET_P50_MS,
     TARGET_P99_MS,
+    TARGET_RATIO_CONCURRENT,
     TARGET_RATIO_HETERO_MEMCPY,
     TARGET_RATIO_KVD_MEMCPY,
     TARGET_RATIO_KVD_NIXL,
+    TARGET_RATIO_SINGLE_STREAM,
     Geometry,
     MiB,
     Scenario,
@@ -158,13 +162,24 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
         "ratio_pull_1block_floor": (
             round(lat["pull_1block_p50_ms"] / lat["floor_1block_p50_ms"], 2)
             if lat.get("floor_1block_p50_ms") else None),
+        "ratio_pull_1block_floor_p99": (
+            round(lat["pull_1block_p99_ms"] / lat["floor_1block_p99_ms"], 2)
+            if lat.get("floor_1block_p99_ms") else None),
+        # Issue 23: N concurrent 32 MiB pulls against one at a time, same run.
+        **kvd.get("concurrency", {}),
+        # READs and bytes per posting worker on the decode daemon over the whole run.
+        "posting_worker_stats": kvd.get("rails", []),
         "geometry": geom.to_json(),
         "repeats": repeats,
         "targets": {"ratio_kvd_memcpy_min": TARGET_RATIO_KVD_MEMCPY,
                     "ratio_hetero_memcpy_min": TARGET_RATIO_HETERO_MEMCPY,
                     "ratio_kvd_nixl_min": TARGET_RATIO_KVD_NIXL,
                     "pull_1block_p50_ms_max": TARGET_P50_MS,
-                    "pull_1block_p99_ms_max": TARGET_P99_MS},
+                    "pull_1block_p99_ms_max": TARGET_P99_MS,
+                    "ratio_kvd_nixl_single_stream_min": TARGET_RATIO_SINGLE_STREAM,
+                    "ratio_concurrent_vs_single_min": TARGET_RATIO_CONCURRENT,
+                    "ratio_pull_1block_floor_p50_max": TARGET_FLOOR_P50,
+                    "ratio_pull_1block_floor_p99_max": TARGET_FLOOR_P99},
         "machine": machine,
         "logs": str(logs),
         "seconds": round(time.perf_counter() - started, 1),
@@ -182,6 +197,19 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
                                and result["pull_1block_p50_ms"] <= TARGET_P50_MS),
         "pull_1block_p99_ms": (result["pull_1block_p99_ms"] is not None
                                and result["pull_1block_p99_ms"] <= TARGET_P99_MS),
+        # issue 23 (ratio_kvd_nixl_shm: kvd / one descriptor, one posting thread, same
+        # memory kind: the best single stream)
+        "ratio_kvd_nixl_single_stream": all(s["ratio_kvd_nixl_shm"] >= TARGET_RATIO_SINGLE_STREAM
+                                            for s in out_scn),
+        "ratio_concurrent_vs_single": (result.get("ratio_concurrent_vs_single") is not None
+                                       and result["ratio_concurrent_vs_single"]
+                                       >= TARGET_RATIO_CONCURRENT),
+        "ratio_pull_1block_floor_p50": (result["ratio_pull_1block_floor"] is not None
+                                        and result["ratio_pull_1block_floor"]
+                                        <= TARGET_FLOOR_P50),
+        "ratio_pull_1block_floor_p99": (result["ratio_pull_1block_floor_p99"] is not None
+                                        and result["ratio_pull_1block_floor_p99"]
+                                        <= TARGET_FLOOR_P99),
     }
     return result
 
@@ -229,6 +257,13 @@ def render(result: dict[str, Any]) -> str:
         f"nixl {m.get('nixl')}; shm_dir {m.get('shm_dir')} ({m.get('shm_mount')}); pools: "
         f"{result['scenarios'][0].get('shm_buffers_backing')}, "
         f"{(result['scenarios'][0].get('kvd_pool_page_bytes') or 0) // 1024} KiB pages",
+        f"posting workers: {m.get('posting_workers_used')} ({m.get('posting_workers')}); "
+        f"{result.get('concurrent_pulls')} concurrent "
+        f"{(result.get('concurrent_pull_nbytes') or 0) // MiB} MiB pulls "
+        f"{result.get('concurrent_gbps')} GB/s vs one {result.get('single_pull_gbps')}: "
+        f"x{result.get('ratio_concurrent_vs_single')}; 1-block kvd/floor p50 "
+        f"x{result.get('ratio_pull_1block_floor')}, p99 "
+        f"x{result.get('ratio_pull_1block_floor_p99')}",
         "targets: " + "; ".join(
             f"{label}: {'met' if result['targets']['met'][key] else 'MISSED'}"
             for label, key in (
@@ -236,7 +271,13 @@ def render(result: dict[str, Any]) -> str:
                 (f"hetero >= {TARGET_RATIO_HETERO_MEMCPY}x memcpy", "ratio_hetero_memcpy"),
                 (f"kvd >= {TARGET_RATIO_KVD_NIXL}x nixl shm", "ratio_kvd_nixl_shm"),
                 (f"1-block p50 <= {TARGET_P50_MS} ms", "pull_1block_p50_ms"),
-                (f"p99 <= {TARGET_P99_MS} ms", "pull_1block_p99_ms"))),
+                (f"p99 <= {TARGET_P99_MS} ms", "pull_1block_p99_ms"),
+                (f"each >= {TARGET_RATIO_SINGLE_STREAM}x one nixl stream",
+                 "ratio_kvd_nixl_single_stream"),
+                (f"concurrent >= {TARGET_RATIO_CONCURRENT}x one pull",
+                 "ratio_concurrent_vs_single"),
+                (f"1-block p50 <= {TARGET_FLOOR_P50}x floor", "ratio_pull_1block_floor_p50"),
+                (f"p99 <= {TARGET_FLOOR_P99}x floor", "ratio_pull_1block_floor_p99"))),
         f"({result['seconds']} s; daemon logs in {result['logs']})",
     ]
     return "\n".join(lines)

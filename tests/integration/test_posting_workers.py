@@ -1,0 +1,165 @@
+"""Posting workers through real NIXL between daemon processes (issue 23): byte-exact
+pulls split over 1, 2 and 4 workers, homogeneous and hetero TP, and a producer killed
+mid-pull while a consumer's READs run on two workers."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.cluster import (
+    deregister_and_check_freed,
+    register,
+    run_transfer,
+    start_daemon,
+    stop_and_check_clean,
+)
+
+from kvd.client import KvdClient
+from kvd.pool.shm import SHM_DIR, kvd_segments
+from kvd.tools.localcluster import DaemonProcess
+from kvd.tools.sim import EngineShape
+from kvd.wire.protocol import ModelSpec
+
+pytestmark = pytest.mark.nixl
+
+# 32 KiB per token: 1024 tokens are 32 MiB, split in 8 MiB parts over 4 workers.
+MODEL = ModelSpec(name="workers-model", num_kv_heads=8, num_layers=8, head_dim=128)
+
+
+@dataclass
+class Pair:
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    pc: KvdClient
+    dc: KvdClient
+
+
+def shape(tp: int) -> EngineShape:
+    return EngineShape(tp_size=tp, block_size_tokens=16, num_blocks=96)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"workers{n}")
+def wpair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[int, Pair]]:
+    n = request.param
+    logs = tmp_path_factory.mktemp(f"kvd-w{n}")
+    args = ["--set", f"posting_workers={n}", "--set", "handshake_timeout_s=2"]
+    prefill = start_daemon(logs, "p", args)
+    try:
+        decode = start_daemon(logs, "d", args)
+    except BaseException:
+        prefill.kill()
+        raise
+    pc, dc = prefill.client(), decode.client()
+    try:
+        yield n, Pair(prefill, decode, pc, dc)
+    finally:
+        pc.close()
+        dc.close()
+        try:
+            stop_and_check_clean(prefill)
+        finally:
+            stop_and_check_clean(decode)
+
+
+def _reads(pair: Pair) -> list[int]:
+    return [r.reads for r in pair.dc.status().rails]
+
+
+@pytest.mark.parametrize("tps", [(1, 1), (1, 2), (4, 2)], ids=lambda t: f"tp{t[0]}-tp{t[1]}")
+def test_byte_exact_split_over_workers(wpair, tps: tuple[int, int]) -> None:
+    n, pair = wpair
+    before = _reads(pair)
+    res = run_transfer(pair.prefill, pair.decode, pair.pc, pair.dc, MODEL, shape(tps[0]),
+                       shape(tps[1]), 1024, seed=11)
+    assert res.recv.ok, res.recv.error
+    assert res.recv.nbytes == 32 << 20
+    assert res.mismatches == 0 and res.stray == 0
+    assert res.sent.ok, res.sent.error
+    after = _reads(pair)
+    if n == 1:
+        assert after == [] == before  # one agent, no workers: as before issue 23
+    else:
+        assert len(after) == n
+        assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_small_pull_stays_on_worker_zero(wpair) -> None:
+    n, pair = wpair
+    before = _reads(pair)
+    res = run_transfer(pair.prefill, pair.decode, pair.pc, pair.dc, MODEL, shape(1), shape(1),
+                       16)
+    assert res.recv.ok and res.mismatches == 0 and res.stray == 0
+    after = _reads(pair)
+    if n > 1:
+        assert after[0] == before[0] + 1 and after[1:] == before[1:]
+
+
+BIG = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=512)  # 512 KiB/block
+REQUESTS = 8  # 64 blocks = 32 MiB each
+
+
+def test_producer_killed_mid_pull_with_two_workers(wpair, tmp_path: Path) -> None:
+    """Pulls split over two workers when the producer dies: each fails once with every
+    local block invalid (or, finished before the kill, is exact), nothing stays pinned,
+    and the consumer keeps serving."""
+    n, pair = wpair
+    if n != 2:
+        pytest.skip("the failure case runs with two workers")
+    victim = start_daemon(tmp_path, "victim")
+    try:
+        with victim.client() as vc:
+            p = register(vc, "pre", MODEL, BIG)
+            d = register(pair.dc, "dec", MODEL, BIG)
+            src = p.ranks[0].kv
+            words = src.view(np.uint64).reshape(-1)
+            words[:] = np.arange(words.size, dtype=np.uint64)
+            rng = random.Random(7)
+            p_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
+            d_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
+            per = BIG.num_blocks // REQUESTS
+            reqs = []
+            for i in range(REQUESTS):
+                rid = f"wkill-{i}"
+                pi, di = p_ids[i * per:(i + 1) * per], d_ids[i * per:(i + 1) * per]
+                vc.publish(p.engine_id, rid, pi)
+                reqs.append((rid, pi, di))
+            for rid, pi, di in reqs:
+                pair.dc.pull(d.engine_id, rid, p.engine_id, victim.peer_address, pi, di)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any(
+                    j.state == "reading" for j in pair.dc.status().pulls):
+                pass
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait(10)
+            outcomes = []
+            dst = d.ranks[0].kv
+            for rid, pi, di in reqs:
+                ev = pair.dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
+                outcomes.append(ev.ok)
+                if ev.ok:
+                    assert np.array_equal(dst[:, :, di], src[:, :, pi]), rid
+                else:
+                    assert ev.invalid_block_ids == di, ev
+                    assert ev.nbytes == 0
+            assert not all(outcomes), "the kill landed after every transfer had finished"
+            # Each pull was reported once: no second completion for any of them.
+            extra = pair.dc.poll(d.engine_id, timeout_s=0.5)
+            assert not [e for e in extra if e.request_id.startswith("wkill-")], extra
+            assert not pair.dc.status().pulls
+            deregister_and_check_freed(pair.dc, d)
+    finally:
+        victim.kill()
+        for name in kvd_segments(f"kvd-{victim.name}"):
+            (SHM_DIR / name).unlink(missing_ok=True)
+    res = run_transfer(pair.prefill, pair.decode, pair.pc, pair.dc, MODEL, shape(1), shape(2),
+                       1024, seed=13)
+    assert res.recv.ok and res.mismatches == 0 and res.stray == 0
