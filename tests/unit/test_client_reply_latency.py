@@ -206,3 +206,34 @@ def test_nowait_client_hands_back_a_reply_on_the_next_look(server: Server) -> No
         c.close()
     assert len(lat) == 400
     _check("nowait, 8 in flight", lat)
+
+
+async def _edge_taken_by_a_send(address: str, rounds: int) -> list[float]:
+    """A's reply arrives while the loop is held; in that same loop step, before the loop
+    polls its descriptors again, B is sent, and the send has libzmq process the socket's
+    pending commands, A's wake-up among them (the descriptor is read empty). A must
+    still be seen at once, not when B's reply (60 ms later) raises the next edge."""
+    lat: list[float] = []
+    async with AsyncKvdClient(address, ping_interval_s=0) as c:
+        loop = asyncio.get_running_loop()
+        await c.call(_publish(0))  # connected, reader task running
+        for _ in range(rounds):
+            a = loop.create_task(c.call(_publish(0)))
+            await asyncio.sleep(0)  # A is on the wire
+            a_done: list[float] = []
+            a.add_done_callback(lambda _, done=a_done: done.append(time.monotonic()))
+            time.sleep(0.005)  # the loop is held: A's reply comes meanwhile
+            sent_b = time.monotonic()
+            await c.call(_publish(0.06))  # B's send runs in this step, before any poll
+            await a
+            lat.append(a_done[0] - sent_b)
+    return lat
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_async_client_reply_whose_wakeup_a_send_consumed_is_seen(server: Server,
+                                                                 loop: str) -> None:
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    lat = run(_edge_taken_by_a_send(server.address, 30))
+    _summary(f"async ({loop}), wake-up taken by a send", lat)
+    assert max(lat) < 0.03, f"a reply waited for the next edge: {sorted(lat)[-3:]}"
