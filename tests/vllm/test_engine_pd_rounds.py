@@ -34,10 +34,11 @@ BLOCK = 32
 MAX_TOKENS = 4
 ROUNDS = 20
 STEP_MAX_S = 1.0
-# Up to 8 prompts of at most this many tokens: the prefill engine's step that computes a
-# whole batch took 0.6-0.85 s at 300 tokens on this loaded 2-core host, too close to the
-# bound for a step that does nothing but compute; this keeps compute well under it.
-PROMPT_MAX = 240
+PROMPT_MAX = 240  # tokens; 3-8 prompts of 40 to this many per round
+# The prefill engine computes at most this many tokens a step (chunked prefill): a step
+# computing a whole batch at once took 0.6-1.2 s on this loaded 2-core host, by its own
+# compute, so the step bound would measure the host, not kvd.
+PREFILL_STEP_TOKENS = 512
 # A small model's step on this host takes 5-30 ms; a step that waits on a round trip
 # to the daemon took seconds (10 s per request timeout, issue 25).
 
@@ -76,7 +77,8 @@ def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
     pd, dd = daemons
     tag = uuid.uuid4().hex[:6]
     prefill = start_engine("rounds-prefill",  # type: ignore[operator]
-                           kv_transfer_config=_kv_config(f"prefill-{tag}", pd), block_size=BLOCK)
+                           kv_transfer_config=_kv_config(f"prefill-{tag}", pd), block_size=BLOCK,
+                           llm_kwargs={"max_num_batched_tokens": PREFILL_STEP_TOKENS})
     try:
         decode = start_engine("rounds-decode",  # type: ignore[operator]
                               kv_transfer_config=_kv_config(f"decode-{tag}", dd),
