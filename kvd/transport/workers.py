@@ -171,6 +171,15 @@ class WorkerSet:
             t.remove_peer(agent_name)
         self._unusable.pop(agent_name, None)
 
+    def sever_peer(self, agent_name: str, hosts: tuple[str, ...],
+                   spare_local_ports: tuple[int, ...] = (),
+                   spare_remote_ports: tuple[int, ...] = ()) -> int:
+        """Every worker's READs to the peer must become unable to land, not only worker
+        0's: a split pull has parts on each. (NIXL's sever works on the process's sockets,
+        so the workers after the first usually find nothing left to abort.)"""
+        return sum(t.sever_peer(agent_name, hosts, spare_local_ports, spare_remote_ports)
+                   for t in self.workers)
+
     def forget_peer(self, agent_name: str) -> None:
         """Poster interface (kvd.daemon.datapath): drop every worker's lists of a peer."""
         for poster in self.posters:

@@ -121,6 +121,25 @@ def test_one_failed_worker_fails_the_read_once_all_parts_ended(workers) -> None:
     assert ws.counts().transfers == 0
 
 
+def test_sever_ends_every_workers_part_so_no_byte_lands_after(workers) -> None:
+    """The quarantine severs a stuck split READ (kvd.daemon.quarantine): every part must
+    end in failure and none of its copies may happen afterwards, on whichever worker."""
+    ws, peer, src, dst = workers
+    for t in ws.workers:
+        t.hold_reads = True
+        t.severable = True
+    xfer, done = ws.post_read(_post(peer, src, dst, np.arange(24), 2 * MiB))
+    assert not done and ws.poll(xfer) is False
+    assert ws.sever_peer(peer, ("198.18.0.2",)) == len(ws.workers)
+    for t in ws.workers:
+        t.hold_reads = False
+    with pytest.raises(TransferError):
+        ws.poll(xfer)
+    ws.release(xfer)
+    assert not dst.any()  # nothing landed, on any worker
+    assert ws.counts().transfers == 0
+
+
 def test_a_part_that_cannot_be_posted_fails_the_read_after_the_others(workers) -> None:
     ws, peer, src, dst = workers
     third = ws._regs[next(iter(ws._regs))][2]
