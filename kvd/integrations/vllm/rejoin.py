@@ -1,8 +1,9 @@
 """Registering a rank again after its daemon restarted, off vLLM's step.
 
 When ``kvd serve`` restarts (crash, OOM kill, upgrade) the engine keeps running and
-keeps its KV memory: the pool file stays (the engine's shared flock keeps the new
-daemon's crash-leftover reaping off it) and the new daemon adopts it
+keeps its KV memory: a pool file stays (the engine's shared flock keeps the new
+daemon's crash-leftover reaping off it), a memfd pool lives on in the worker's own fd
+of it (handed back as ``/proc/<worker pid>/fd/<n>``), and the new daemon adopts it
 (``KvdClient.adopt_rank``, docs/operations.md). This thread makes that call; the step
 only kicks it (never waits) and later reads the handle it left. What was in flight on
 the old daemon has already failed (``EventBook.daemon_restarted``); until the rank is
@@ -66,7 +67,7 @@ class Rejoin:
                 if self._own is None and self._make_client is not None:
                     self._own = self._make_client()
                 new = self._client.adopt_rank(old, via=self._own)
-            except InvalidRequestError as exc:  # refused for good (memfd, VRAM, size)
+            except InvalidRequestError as exc:  # refused for good (VRAM, size, checks)
                 self.gave_up = str(exc)
                 log.error("%s: the restarted kvd refused to take over this engine's KV "
                           "pool (%s); prompts are computed locally until the engine "
