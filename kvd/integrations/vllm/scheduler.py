@@ -89,6 +89,8 @@ class KvdScheduler:
         return self._client
 
     def set_handshake(self, metadata: dict[Any, Any]) -> None:
+        self.client  # noqa: B018 - made now, at start-up: a ZMQ context (and its I/O
+        # thread) made in the first publish's step would cost that step ~1 ms
         for meta in metadata.values():
             if isinstance(meta, KvdHandshake) and meta.peer_address:
                 self.peer_address = meta.peer_address
