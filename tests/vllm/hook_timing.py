@@ -32,6 +32,7 @@ STEP_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
               "build_connector_worker_meta", "get_kv_connector_stats",
               "update_connector_output")
 HOOK_MAX_S = 0.001  # issue 20: each hook returns within 1 ms whatever the daemon does
+SLEPT_MAX_S = 0.002  # a call may wait this long for the GIL another thread holds
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,6 @@ class Call:
     def slept_s(self) -> float:
         """Neither running nor runnable: the GIL held by another thread, or a wait."""
         return max(0.0, self.wall_s - self.cpu_s - self.runq_s)
-
-    @property
-    def own_s(self) -> float:
-        """The call's time less what the OS and the collector took: what kvd answers
-        for (its work, and any wait for a lock, the GIL or a socket)."""
-        return self.wall_s - self.runq_s - self.gc_s
 
 
 _local = threading.local()
@@ -93,7 +88,9 @@ class HookTimes:
             w = sorted(c.wall_s for c in cs)
             lines.append(f"{name:<32}{len(w):>7}{statistics.median(w) * 1e3:>9.3f}"
                          f"{p99(w) * 1e3:>9.3f}{w[-1] * 1e3:>9.3f}")
-        for name, c in self.slow()[:10]:
+        slow = self.slow()
+        for name, c in slow[:10] + [x for x in slow[10:]
+                                    if x[1].cpu_s > HOOK_MAX_S or x[1].slept_s > SLEPT_MAX_S]:
             lines.append(f"  over 1 ms: {name} wall {c.wall_s * 1e3:.2f} = cpu "
                          f"{c.cpu_s * 1e3:.2f} (gc {c.gc_s * 1e3:.2f}) + run queue "
                          f"{c.runq_s * 1e3:.2f} + slept {c.slept_s * 1e3:.2f} ms")
@@ -102,15 +99,21 @@ class HookTimes:
 
 def check_hooks(times: HookTimes, what: str, min_n: int = 100) -> None:
     """Issue 20 point 1: each hook's p99 within HOOK_MAX_S (hooks called at least
-    ``min_n`` times; below that a p99 is the max), and every call over HOOK_MAX_S
-    owes the excess to the host: its own time (``Call.own_s``) within HOOK_MAX_S."""
+    ``min_n`` times; below that a p99 is the max). A call over HOOK_MAX_S must owe the
+    excess to the host: its own work (CPU less the collector's) within HOOK_MAX_S, and
+    asleep (the GIL held by another thread of the process, or a wait) at most
+    SLEPT_MAX_S; the rest is the OS run queue. A background thread that the step
+    starts, or that keeps the GIL for long, shows up as sleep (a connector that
+    started a thread in the step slept 1.6 to 4.7 ms per such call)."""
     for name, calls in times.calls.items():
         if len(calls) >= min_n:
             assert p99([c.wall_s for c in calls]) <= HOOK_MAX_S, \
                 f"{name}: p99 over 1 ms {what}\n{times.table()}"
     for name, c in times.slow():
-        assert c.own_s <= HOOK_MAX_S, \
-            f"{name} took {c.own_s * 1e3:.2f} ms of its own {what}\n{times.table()}"
+        assert c.cpu_s - c.gc_s <= HOOK_MAX_S, \
+            f"{name} worked {c.cpu_s * 1e3:.2f} ms {what}\n{times.table()}"
+        assert c.slept_s <= SLEPT_MAX_S, \
+            f"{name} slept {c.slept_s * 1e3:.2f} ms {what}\n{times.table()}"
 
 
 def p99(values: list[float]) -> float:

@@ -172,15 +172,18 @@ def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
         stop_daemon(d_daemon)
 
 
+@pytest.mark.parametrize("backing", ["shm", "memfd"])
 def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
-        engines: MakeEngine, tmp_path: Path) -> None:
+        backing: str, engines: MakeEngine, tmp_path: Path) -> None:
     """D's daemon is killed with a pull in flight and a new one starts on the same
     address: the worker hears a new incarnation and fails the pull within a step
     (recompute: the request is answered), rather than after kvd_pull_timeout_s. Then
     (issue 20 point 6) the worker registers again in the background, the new daemon
     adopts the pool the engine kept, the scheduler hears the new instance, and a new
-    request goes P->D through the new daemon, byte-exact, with no engine restart."""
-    args = [*DAEMON_ARGS, "--set", "pool_backing=shm"]  # adoptable: a file in shm_dir
+    request goes P->D through the new daemon, byte-exact, with no engine restart. Both
+    pool kinds a restarted daemon adopts: a file in shm_dir, and a memfd the worker
+    hands back through its own fd (kvd.pool.adopt)."""
+    args = [*DAEMON_ARGS, "--set", f"pool_backing={backing}"]
     p_daemon = start_daemon(tmp_path, "p", args)
     d_daemon = start_daemon(tmp_path, "d", args)
     restarted = None
@@ -223,7 +226,11 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
         assert generated(d, "dec-r2") == [SAMPLED_TOKEN] * 2
         assert d.connector._scheduler.daemon_instance not in ("", old_instance), \
             "the scheduler never heard of the new daemon instance"
-        print(f"decode daemon restart -> workers registered again: {rejoined_s:.2f} s, "
+        if backing == "memfd":
+            assert all(w._worker.handle.pool.handle.directory
+                       == f"/proc/{restarted.proc.pid}/fd" for w in d.workers)
+        print(f"[{backing}] decode daemon restart -> workers registered again: "
+              f"{rejoined_s:.2f} s, "
               f"-> first P->D request through it: {first_pd_s:.2f} s")
         assert max(d.step_s) < 0.5, "a step waited on the re-registration"
         drain([p, d], timeout_s=30)
