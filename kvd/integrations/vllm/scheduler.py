@@ -281,7 +281,7 @@ class KvdScheduler:
             else:
                 log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
                 if not sent.quiet:
-                    self._meta.failed[sent.request_id] = list(sent.local_block_ids)
+                    self._meta.refused[sent.request_id] = list(sent.local_block_ids)
         self._client.forget_older(self._now(), FORGET_REPLY_S)
 
     def _start(self, request_id: str, pull: _Pull) -> None:
