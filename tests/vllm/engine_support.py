@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,10 +115,32 @@ def random_prompts(n: int, length: int, seed: int, step: int = 7) -> list[list[i
     return [[rng.randrange(3, 500) for _ in range(length + i * step)] for i in range(n)]
 
 
-def prefill_params(prefill: EngineProc, prompts: list[list[int]]) -> list[dict]:
-    """Prefill each prompt (one token) for a remote decode; its kv_transfer_params."""
+def prefill_outputs(prefill: EngineProc, prompts: list[list[int]]
+                    ) -> tuple[list[dict], list[dict]]:
+    """The router's first half, as vLLM's toy proxy does it: prefill each prompt with
+    max_tokens=1 and do_remote_decode; the outputs and their kv_transfer_params."""
     first = prefill.generate(prompts, max_tokens=1,
                              kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
     params = [r["kv_transfer_params"] for r in first]
     assert all(p and p.get("do_remote_prefill") for p in params), params
-    return params
+    return first, params
+
+
+def prefill_params(prefill: EngineProc, prompts: list[list[int]]) -> list[dict]:
+    """Prefill each prompt (one token) for a remote decode; its kv_transfer_params."""
+    return prefill_outputs(prefill, prompts)[1]
+
+
+def wait_nothing_held(prefill_daemon: DaemonProcess, decode_daemon: DaemonProcess,
+                      timeout_s: float = 15.0) -> None:
+    """Until the prefill daemon holds nothing and the decode daemon has no pull left:
+    every published prefill was read and released."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with prefill_daemon.client(ping_interval_s=0) as pc, \
+                decode_daemon.client(ping_interval_s=0) as dc:
+            held, pulls = len(pc.status().held), len(dc.status().pulls)
+        if held == 0 and pulls == 0:
+            return
+        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
+        time.sleep(0.2)

@@ -19,13 +19,19 @@ enable_prefix_caching=False.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
-from engine_support import StartEngine, daemon_pair, random_prompts, start_plain_pd
+from engine_support import (
+    StartEngine,
+    daemon_pair,
+    prefill_params,
+    random_prompts,
+    start_plain_pd,
+    wait_nothing_held,
+)
 from tiny_hybrid_models import mamba_matters
 
 from kvd.tools.localcluster import DaemonProcess
@@ -72,10 +78,7 @@ def test_hybrid_decode_through_kvd_equals_a_plain_engine(
     prompts = random_prompts(3, 150, seed=61) + [random_prompts(1, 700, seed=62)[0]]
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
     nbytes0 = dd.metric("kvd_transferred_bytes_total", role="consumer")
-    first = prefill.generate(prompts, max_tokens=1,
-                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
-    params = [r["kv_transfer_params"] for r in first]
-    assert all(p and p.get("do_remote_prefill") for p in params), params
+    params = prefill_params(prefill, prompts)
     # one block list per KV-cache group: Mamba (the running slot), full attention
     assert all(len(p["remote_block_ids"]) == 2 for p in params), params
     got = decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
@@ -96,13 +99,6 @@ def test_hybrid_daemons_hold_nothing_once_the_engines_are_done(
     prefill.generate(random_prompts(1, 40, seed=71), max_tokens=2)
     decode.generate(random_prompts(1, 40, seed=72), max_tokens=2)
     pd, dd = daemons
-    deadline = time.monotonic() + 15
-    while True:
-        with pd.client(ping_interval_s=0) as pc, dd.client(ping_interval_s=0) as dc:
-            held, pulls = len(pc.status().held), len(dc.status().pulls)
-        if held == 0 and pulls == 0:
-            break
-        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
-        time.sleep(0.2)
+    wait_nothing_held(pd, dd)
     assert pd.metric("kvd_transfers_total", role="producer", outcome="ok") >= 4
     assert pd.metric("kvd_leases_expired_total") == 0

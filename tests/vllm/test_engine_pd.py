@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
-from engine_support import BLOCK, StartEngine, daemon_pair, random_prompts, start_pd
+from engine_support import (
+    BLOCK,
+    StartEngine,
+    daemon_pair,
+    prefill_outputs,
+    random_prompts,
+    start_pd,
+    wait_nothing_held,
+)
 
 from kvd.tools.localcluster import DaemonProcess
 
@@ -63,11 +70,7 @@ def _disaggregated(
 ) -> tuple[list[dict], list[dict]]:
     """The router's job, as vLLM's toy proxy does it: prefill with max_tokens=1 and
     do_remote_decode, then decode with the prefill response's params copied over."""
-    first = prefill.generate(
-        prompts, max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}] * len(prompts)
-    )
-    params = [r["kv_transfer_params"] for r in first]
-    assert all(p and p.get("do_remote_prefill") for p in params), params
+    first, params = prefill_outputs(prefill, prompts)
     return first, decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
 
 
@@ -130,13 +133,6 @@ def test_daemons_hold_nothing_once_the_engines_are_done(
     prefill.generate(random_prompts(1, 40, seed=31), max_tokens=2)
     decode.generate(random_prompts(1, 40, seed=32), max_tokens=2)
     pd, dd = daemons
-    deadline = time.monotonic() + 15
-    while True:
-        with pd.client(ping_interval_s=0) as pc, dd.client(ping_interval_s=0) as dc:
-            held, pulls = len(pc.status().held), len(dc.status().pulls)
-        if held == 0 and pulls == 0:
-            break
-        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
-        time.sleep(0.2)
+    wait_nothing_held(pd, dd)
     assert pd.metric("kvd_transfers_total", role="producer", outcome="ok") >= 3
     assert pd.metric("kvd_leases_expired_total") == 0
