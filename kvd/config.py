@@ -77,7 +77,8 @@ FIELD_HELP: dict[str, str] = {
                "huge=always) for faster READs; engines must see the same directory.",
     "pool_backing": "Where DRAM pool pages come from: auto (hugetlbfs, then memfd_hugetlb, then "
                     "a huge tmpfs, else 4 KiB shm with a warning), or force one of hugetlbfs, "
-                    "memfd_hugetlb, tmpfs_huge, shm (registration fails if the host lacks it).",
+                    "memfd_hugetlb, tmpfs_huge, shm (registration fails if the host lacks it), "
+                    "or memfd (4 KiB pages without a file; never picked by auto).",
     "lease_s": "Default lease of a published request before its blocks are released.",
     "handshake_timeout_s": "Bound on a peer handshake round trip.",
     "transfer_timeout_s": "Bound on one pull from posting the READs to their completion.",
@@ -123,7 +124,7 @@ FIELD_HELP: dict[str, str] = {
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("cpu", "cuda"),
-    "pool_backing": ("auto", "hugetlbfs", "memfd_hugetlb", "tmpfs_huge", "shm"),
+    "pool_backing": ("auto", "hugetlbfs", "memfd_hugetlb", "tmpfs_huge", "shm", "memfd"),
     "log_format": ("text", "json"),
     "log_level": ("debug", "info", "warning", "error"),
 }

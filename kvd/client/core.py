@@ -106,7 +106,8 @@ class Messages:
         pool it still maps instead of allocating a new one."""
         if old.registration is None:
             raise KvdError("this rank handle does not carry its registration")
-        return msgspec.structs.replace(old.registration, adopt_pool=old.pool.handle)
+        return msgspec.structs.replace(old.registration,
+                                       adopt_pool=old.pool.adoption_handle())
 
     @staticmethod
     def adopted(old: RankHandle, reply: P.Registered) -> RankHandle:

@@ -37,6 +37,7 @@ from kvd.errors import (
 )
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
+from kvd.pool.adopt import adopt_memfd, file_id, is_memfd_handle
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool
 from kvd.wire import protocol as P
@@ -235,14 +236,21 @@ class EngineRegistry:
             return InvalidRequestError(f"cannot adopt pool {old.name!r}: {why}")
 
         if self.cfg.device != "cpu" or old.kind != "shm" or self.pool_owner is None:
-            raise refuse("only DRAM pools in shm_dir can be adopted; VRAM pools are not "
-                         "yet (docs/operations.md)")
+            raise refuse("only DRAM pools (files in shm_dir, memfds) can be adopted; VRAM "
+                         "pools are not yet (docs/operations.md)")
         if old.nbytes != nbytes:
             raise refuse(f"its handle says {old.nbytes} bytes; this geometry needs {nbytes}")
+        if is_memfd_handle(old.directory):  # the engine hands back its fd (kvd.pool.adopt)
+            taken = [file_id(r.pool.fd) for e in self.engines.values()
+                     for r in e.ranks.values() if getattr(r.pool, "fd", None) is not None]
+            try:
+                return adopt_memfd(old.directory, old.name, nbytes, self.pool_owner, taken,
+                                   max_nbytes=self.cfg.max_pool_bytes)
+            except KvdError:
+                raise
+            except (OSError, ValueError) as exc:
+                raise refuse(str(exc)) from None
         if os.path.realpath(old.directory) != os.path.realpath(self.cfg.shm_dir):
-            if old.directory.startswith("/proc/"):
-                raise refuse("memfd pools cannot be adopted yet (only shm files in "
-                             "shm_dir; docs/operations.md)")
             raise refuse(f"it lives in {old.directory}, not in this daemon's shm_dir "
                          f"{self.cfg.shm_dir}")
         if any(r.pool.name == old.name for e in self.engines.values() for r in e.ranks.values()):

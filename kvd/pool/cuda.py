@@ -68,6 +68,11 @@ class MappedCudaPool:
     def tensor(self) -> Any:
         return self.array
 
+    def adoption_handle(self) -> PoolHandle:
+        """As is: a restarted daemon refuses VRAM adoption (designed only,
+        docs/operations.md)."""
+        return self.handle
+
     def close(self) -> None:
         self.array = None
         self.storage = None

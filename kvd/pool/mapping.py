@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvd.errors import KvdError
@@ -59,6 +60,17 @@ class MappedPool:
             raise KvdError("tensor() is only available for shm pools here")
         flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=self.handle.nbytes)
         return flat.view(getattr(torch, self.handle.dtype)).view(self.handle.shape)
+
+    def adoption_handle(self) -> PoolHandle:
+        """What to ask a restarted daemon to adopt: the handle as is for a file pool
+        (the new daemon opens it by name); for a memfd pool, whose daemon and its
+        ``/proc/<pid>/fd`` are gone, this process's own fd of it (``lock_fd``), which
+        the new daemon opens the way this process opened the old one's
+        (kvd.pool.adopt)."""
+        if not self.handle.directory.startswith("/proc/") or self.lock_fd is None:
+            return self.handle
+        return msgspec.structs.replace(self.handle, directory=f"/proc/{os.getpid()}/fd",
+                                       name=str(self.lock_fd))
 
     def close(self) -> None:
         self.array = np.empty(0, dtype=np.uint8)

@@ -77,6 +77,8 @@ class PoolBacking(str, enum.Enum):
     HUGETLBFS = "hugetlbfs"  # a file in shm_dir, a hugetlbfs mount (reserved huge pages)
     MEMFD_HUGETLB = "memfd_hugetlb"  # memfd_create(MFD_HUGETLB): reserved 2 MiB pages, no
     # mount needed; engines open /proc/<kvd pid>/fd/<fd> (same PID namespace and uid)
+    MEMFD = "memfd"  # memfd_create without huge pages: 4 KiB pages, no file, no mount
+    # (never picked by auto); opened like memfd_hugetlb
     TMPFS_HUGE = "tmpfs_huge"  # a file in shm_dir, a tmpfs mounted huge=always|within_size
     SHM = "shm"  # a file in shm_dir as it is (4 KiB pages on a plain /dev/shm): no checks
 
@@ -139,7 +141,7 @@ def page_nbytes_of_dir(directory: Path, mount: MountInfo | None) -> int:
     return SMALL_PAGE_NBYTES
 
 
-def _check_nbytes(nbytes: object, max_nbytes: int | None) -> int:
+def check_nbytes(nbytes: object, max_nbytes: int | None) -> int:
     cap = MAX_POOL_NBYTES if max_nbytes is None else min(max_nbytes, MAX_POOL_NBYTES)
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
         raise PoolSizeError(f"pool size must be an int, got {type(nbytes).__name__}")
@@ -199,7 +201,7 @@ class ShmPool:
         puts a 4 KiB pool when ``directory`` is a hugetlbfs mount out of pages.
         Any failure leaves nothing behind (no file, no fd, no mapping).
         """
-        nbytes = _check_nbytes(nbytes, max_nbytes)
+        nbytes = check_nbytes(nbytes, max_nbytes)
         directory = Path(directory)
         backing = PoolBacking(backing)
         name = owner.pool_name() if owner is not None else (
@@ -240,8 +242,9 @@ class ShmPool:
                 return KvdError(f"pool_backing={backing.value}: {why}")
             return _NoPages(why)
 
-        if backing is PoolBacking.MEMFD_HUGETLB:
-            return cls._create_memfd(name, nbytes, unavailable)
+        if backing in (PoolBacking.MEMFD_HUGETLB, PoolBacking.MEMFD):
+            return cls._create_memfd(name, nbytes, unavailable,
+                                     huge=backing is PoolBacking.MEMFD_HUGETLB)
         mount = mount_of(directory)
         if backing is PoolBacking.HUGETLBFS and not (mount and mount.is_hugetlbfs):
             raise unavailable(f"{directory} is not a hugetlbfs mount")
@@ -264,15 +267,17 @@ class ShmPool:
                    backing=backing, page_nbytes=page)
 
     @classmethod
-    def _create_memfd(cls, name: str, nbytes: int, unavailable: Any) -> ShmPool:
-        flags = os.MFD_CLOEXEC | os.MFD_HUGETLB | getattr(os, "MFD_HUGE_2MB", 21 << 26)
+    def _create_memfd(cls, name: str, nbytes: int, unavailable: Any, huge: bool) -> ShmPool:
+        flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB | getattr(os, "MFD_HUGE_2MB", 21 << 26)
+                                  if huge else 0)
         try:
             fd = os.memfd_create(name, flags)
         except (OSError, AttributeError) as exc:
-            raise unavailable(f"memfd_create(MFD_HUGETLB) failed: {exc}") from None
+            what = "memfd_create(MFD_HUGETLB)" if huge else "memfd_create"
+            raise unavailable(f"{what} failed: {exc}") from None
         size = mapped_nbytes(nbytes, HUGE_PAGE_NBYTES)
         try:
-            _reserve(fd, size, Path("memfd"), unavailable)
+            _reserve(fd, size, Path("memfd"), unavailable if huge else None)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -280,7 +285,8 @@ class ShmPool:
         array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
         return cls(name=str(fd), nbytes=nbytes, mm=mm, array=array,
                    directory=Path(f"/proc/{os.getpid()}/fd"),
-                   backing=PoolBacking.MEMFD_HUGETLB, page_nbytes=HUGE_PAGE_NBYTES, fd=fd)
+                   backing=PoolBacking.MEMFD_HUGETLB if huge else PoolBacking.MEMFD,
+                   page_nbytes=HUGE_PAGE_NBYTES if huge else SMALL_PAGE_NBYTES, fd=fd)
 
     @classmethod
     def adopt(cls, name: str, nbytes: int, directory: str | Path, owner: PoolOwner,
@@ -294,15 +300,14 @@ class ShmPool:
         the next crash's reaping finds it under the new owner); the bytes never move.
         Raises InvalidRequestError with one line saying why otherwise.
         """
-        nbytes = _check_nbytes(nbytes, max_nbytes)
+        nbytes = check_nbytes(nbytes, max_nbytes)
         directory = Path(directory)
 
         def refuse(why: str) -> InvalidRequestError:
             return InvalidRequestError(f"cannot adopt pool {name!r}: {why}")
 
         if directory.name == "fd" and directory.parent.parent == Path("/proc"):
-            raise refuse("memfd pools cannot be adopted yet (only shm files in shm_dir; "
-                         "docs/operations.md)")
+            raise refuse("a memfd pool: adopt it with kvd.pool.adopt.adopt_memfd")
         old_owner = owner_of(name, owner.prefix)
         if old_owner is None:
             raise refuse(f"not a pool file named {owner.prefix}-<owner>-<token>")

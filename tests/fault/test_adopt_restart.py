@@ -58,7 +58,7 @@ def test_decode_daemon_restarted_adopts_the_engines_pool(tmp_path: Path) -> None
             with pytest.raises(KvdError, match="already registered"):
                 dc.adopt_rank(dec)  # once only
             memfd = msgspec.structs.replace(dec2.pool.handle, name="7", directory="/proc/1/fd")
-            with pytest.raises(InvalidRequestError, match="memfd pools cannot be adopted yet"):
+            with pytest.raises(InvalidRequestError, match="cannot adopt memfd pool"):
                 dc.call(msgspec.structs.replace(dec.registration, engine_id="other",
                                                 adopt_pool=memfd))
 

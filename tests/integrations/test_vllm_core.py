@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvd.errors import LayoutError
-from kvd.integrations.vllm_core.events import EventBook
+from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
 from kvd.integrations.vllm_core.params import (
     ParamsError,
@@ -159,6 +159,36 @@ def test_refused_submission_fails_at_once() -> None:
     book.announce_failed_submit("d1", [1, 2])
     report = book.take()
     assert report.finished_recving == {"d1"} and report.invalid_block_ids == {1, 2}
+
+
+def test_a_refusal_after_a_restart_failed_the_pull_is_not_reported_again() -> None:
+    """Seen in a whole engine: the pull reached the restarted daemon (ZMQ queued it
+    across the restart) and was refused, "not registered", after the restart had
+    already failed it; reporting it twice killed vLLM's engine core (it asserts that a
+    finished receive belongs to a request waiting for remote KV)."""
+    book = EventBook()
+    book.announce_recv("d1", [3, 4], deadline_s=10.0)
+    book.announce_send("p1", deadline_s=20.0)
+    assert sorted(book.daemon_restarted()) == ["d1", "p1"]
+    book.vllm_finished({"p1"})
+    report = book.take()
+    assert report.finished_recving == {"d1"} and report.invalid_block_ids == {3, 4}
+    assert report.finished_sending == {"p1"}
+    book.pull_refused("d1", [3, 4])
+    book.send_refused("p1")
+    assert book.take() == StepReport()
+    assert not book.waiting_on_daemon
+    assert book.totals.pulls_failed == 1 and book.totals.sends_expired == 1
+
+
+def test_a_refusal_before_anything_else_fails_the_pull_once() -> None:
+    book = EventBook()
+    book.announce_recv("d1", [3], deadline_s=10.0)
+    book.pull_refused("d1", [3])
+    assert book.take().finished_recving == {"d1"}
+    assert book.daemon_restarted() == []
+    assert book.expire(11.0) == []
+    assert book.take() == StepReport()
 
 
 def test_a_daemon_that_never_answers_times_out_both_ways() -> None:

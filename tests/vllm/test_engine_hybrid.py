@@ -19,83 +19,45 @@ enable_prefix_caching=False.
 
 from __future__ import annotations
 
-import random
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
+from engine_support import (
+    StartEngine,
+    daemon_pair,
+    prefill_params,
+    random_prompts,
+    start_plain_pd,
+    wait_nothing_held,
+)
 from tiny_hybrid_models import mamba_matters
 
 from kvd.tools.localcluster import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BLOCK = 32
 MAX_TOKENS = 8
 
 
-def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
-    return {
-        "kv_connector": "KvdConnector",
-        "kv_connector_module_path": "kvd.integrations.vllm",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"kvd_address": daemon.engine_address},
-    }
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    yield from daemon_pair(tmp_path_factory, ("hp", "hd"))
 
 
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
-    logs = tmp_path_factory.mktemp("hybrid-daemons")
-    tag = uuid.uuid4().hex[:6]
-    pd = DaemonProcess.start(f"hp{tag}", logs)
-    try:
-        dd = DaemonProcess.start(f"hd{tag}", logs)
-    except BaseException:
-        pd.kill()
-        raise
-    try:
-        yield pd, dd
-    finally:
-        for d in (pd, dd):
-            rc = d.stop()
-            assert rc == 0, d.log_path.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def engines(daemons: tuple[DaemonProcess, ...], start_engine: object, tiny_hybrid_dir: Path
+def engines(daemons: list[DaemonProcess], start_engine: StartEngine, tiny_hybrid_dir: Path
             ) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
     """Prefill, decode (each on its daemon) and a plain engine, all on the hybrid model."""
-    pd, dd = daemons
-    tag = uuid.uuid4().hex[:6]
-    started: list[EngineProc] = []
-    try:
-        for name, cfg in (("hybrid-plain", None),
-                          ("hybrid-prefill", _kv_config(f"hprefill-{tag}", pd)),
-                          ("hybrid-decode", _kv_config(f"hdecode-{tag}", dd))):
-            started.append(start_engine(name, model_dir=tiny_hybrid_dir,  # type: ignore[operator]
-                                        kv_transfer_config=cfg, block_size=BLOCK,
-                                        enable_prefix_caching=False))
-        plain, prefill, decode = started
-        yield prefill, decode, plain
-    finally:
-        for e in reversed(started):
-            e.close()
-
-
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(length + i * 7)] for i in range(n)]
+    yield from start_plain_pd(start_engine, daemons, "hybrid", tiny_hybrid_dir)
 
 
 def test_plain_hybrid_model_depends_on_the_whole_prompt(engines: tuple[EngineProc, ...]) -> None:
     """The guard: without it, equal outputs below could mean the state was ignored."""
     _, _, plain = engines
-    base = _prompts(1, 150, seed=51)[0]
-    early = _prompts(1, 16, seed=52)[0] + base[16:]  # only the first 16 tokens differ
+    base = random_prompts(1, 150, seed=51)[0]
+    early = random_prompts(1, 16, seed=52)[0] + base[16:]  # only the first 16 tokens differ
     outs = plain.generate([base, early, base], max_tokens=MAX_TOKENS)
     assert outs[0]["token_ids"] == outs[2]["token_ids"], "plain engine is not deterministic"
     differ = sum(a != b for a, b in zip(outs[0]["token_ids"], outs[1]["token_ids"], strict=True))
@@ -113,13 +75,10 @@ def test_hybrid_decode_through_kvd_equals_a_plain_engine(
         engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
     prefill, decode, plain = engines
     _, dd = daemons
-    prompts = _prompts(3, 150, seed=61) + [_prompts(1, 700, seed=62)[0]]
+    prompts = random_prompts(3, 150, seed=61) + [random_prompts(1, 700, seed=62)[0]]
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
     nbytes0 = dd.metric("kvd_transferred_bytes_total", role="consumer")
-    first = prefill.generate(prompts, max_tokens=1,
-                             kv_transfer_params=[{"do_remote_decode": True}] * len(prompts))
-    params = [r["kv_transfer_params"] for r in first]
-    assert all(p and p.get("do_remote_prefill") for p in params), params
+    params = prefill_params(prefill, prompts)
     # one block list per KV-cache group: Mamba (the running slot), full attention
     assert all(len(p["remote_block_ids"]) == 2 for p in params), params
     got = decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
@@ -137,16 +96,9 @@ def test_hybrid_decode_through_kvd_equals_a_plain_engine(
 def test_hybrid_daemons_hold_nothing_once_the_engines_are_done(
         engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
     prefill, decode, _ = engines
-    prefill.generate(_prompts(1, 40, seed=71), max_tokens=2)
-    decode.generate(_prompts(1, 40, seed=72), max_tokens=2)
+    prefill.generate(random_prompts(1, 40, seed=71), max_tokens=2)
+    decode.generate(random_prompts(1, 40, seed=72), max_tokens=2)
     pd, dd = daemons
-    deadline = time.monotonic() + 15
-    while True:
-        with pd.client(ping_interval_s=0) as pc, dd.client(ping_interval_s=0) as dc:
-            held, pulls = len(pc.status().held), len(dc.status().pulls)
-        if held == 0 and pulls == 0:
-            break
-        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
-        time.sleep(0.2)
+    wait_nothing_held(pd, dd)
     assert pd.metric("kvd_transfers_total", role="producer", outcome="ok") >= 4
     assert pd.metric("kvd_leases_expired_total") == 0

@@ -19,13 +19,12 @@ that, see test_engine_hybrid.py).
 
 from __future__ import annotations
 
-import random
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
+from engine_support import StartEngine, daemon_pair, random_prompts, start_plain_pd
 from tiny_hybrid_models import build_tiny_family, mamba_matters
 
 from kvd.tools.localcluster import DaemonProcess
@@ -33,32 +32,12 @@ from kvd.tools.localcluster import DaemonProcess
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 FAMILIES = ["granitemoehybrid", "falcon_h1", "mamba2", "zamba2"]
-BLOCK = 32
 MAX_TOKENS = 6
 
 
-def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
-    return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
-            "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {"kvd_address": daemon.engine_address}}
-
-
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
-    logs = tmp_path_factory.mktemp("family-daemons")
-    tag = uuid.uuid4().hex[:6]
-    pd = DaemonProcess.start(f"fp{tag}", logs)
-    try:
-        dd = DaemonProcess.start(f"fd{tag}", logs)
-    except BaseException:
-        pd.kill()
-        raise
-    try:
-        yield pd, dd
-    finally:
-        for d in (pd, dd):
-            rc = d.stop()
-            assert rc == 0, d.log_path.read_text()[-3000:]
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    yield from daemon_pair(tmp_path_factory, ("fp", "fd"))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -69,29 +48,15 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="module")
-def engines(family: tuple[str, Path], daemons: tuple[DaemonProcess, ...],
-            start_engine: object) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
+def engines(family: tuple[str, Path], daemons: list[DaemonProcess],
+            start_engine: StartEngine) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
     """Prefill, decode (each on its daemon) and a plain engine of one family."""
     name, model_dir = family
-    pd, dd = daemons
-    tag = uuid.uuid4().hex[:6]
-    started: list[EngineProc] = []
-    try:
-        for role, cfg in (("plain", None), ("prefill", _kv_config(f"{name}-p-{tag}", pd)),
-                          ("decode", _kv_config(f"{name}-d-{tag}", dd))):
-            started.append(start_engine(f"{name}-{role}", model_dir=model_dir,  # type: ignore
-                                        kv_transfer_config=cfg, block_size=BLOCK,
-                                        enable_prefix_caching=False))
-        plain, prefill, decode = started
-        yield prefill, decode, plain
-    finally:
-        for e in reversed(started):
-            e.close()
+    yield from start_plain_pd(start_engine, daemons, name, model_dir)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(length + i * 37)] for i in range(n)]
+    return random_prompts(n, length, seed, step=37)
 
 
 def test_the_prefix_reaches_the_output_through_the_mamba_state(family: tuple[str, Path]

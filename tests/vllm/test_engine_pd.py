@@ -11,70 +11,39 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_proc import EngineProc
+from engine_support import (
+    BLOCK,
+    StartEngine,
+    daemon_pair,
+    prefill_outputs,
+    random_prompts,
+    start_pd,
+    wait_nothing_held,
+)
 
 from kvd.tools.localcluster import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BLOCK = 32
 MAX_TOKENS = 8
 
 
-def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:
-    return {
-        "kv_connector": "KvdConnector",
-        "kv_connector_module_path": "kvd.integrations.vllm",
-        "kv_role": "kv_both",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {"kvd_address": daemon.engine_address},
-    }
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    yield from daemon_pair(tmp_path_factory, ("vp", "vd"))
 
 
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
-    logs = tmp_path_factory.mktemp("pd-daemons")
-    tag = uuid.uuid4().hex[:6]
-    pd = DaemonProcess.start(f"vp{tag}", logs)
-    try:
-        dd = DaemonProcess.start(f"vd{tag}", logs)
-    except BaseException:
-        pd.kill()
-        raise
-    try:
-        yield pd, dd
-    finally:
-        for d in (pd, dd):
-            rc = d.stop()
-            assert rc == 0, d.log_path.read_text()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
+def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
             reference_engine: EngineProc) -> Iterator[tuple[EngineProc, EngineProc, EngineProc]]:
     """Prefill and decode engines on their own daemons, and the plain reference engine."""
-    pd, dd = daemons
-    tag = uuid.uuid4().hex[:6]
-    prefill = start_engine("prefill", kv_transfer_config=_kv_config(f"prefill-{tag}", pd),  # type: ignore[operator]
-                           block_size=BLOCK)
-    try:
-        decode = start_engine("decode", kv_transfer_config=_kv_config(f"decode-{tag}", dd),  # type: ignore[operator]
-                              block_size=BLOCK)
-    except BaseException:
-        prefill.close()
-        raise
-    try:
+    for prefill, decode in start_pd(start_engine, daemons, ("prefill", "decode")):
         yield prefill, decode, reference_engine
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_engine_workers_are_not_pinned_to_one_core(engines: tuple[EngineProc, ...]) -> None:
@@ -96,27 +65,18 @@ def test_engine_workers_are_not_pinned_to_one_core(engines: tuple[EngineProc, ..
                                          f"to CPUs {sorted(allowed)} of {sorted(cpus)}")
 
 
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(length + i * 7)] for i in range(n)]
-
-
 def _disaggregated(
     prefill: EngineProc, decode: EngineProc, prompts: list[list[int]]
 ) -> tuple[list[dict], list[dict]]:
     """The router's job, as vLLM's toy proxy does it: prefill with max_tokens=1 and
     do_remote_decode, then decode with the prefill response's params copied over."""
-    first = prefill.generate(
-        prompts, max_tokens=1, kv_transfer_params=[{"do_remote_decode": True}] * len(prompts)
-    )
-    params = [r["kv_transfer_params"] for r in first]
-    assert all(p and p.get("do_remote_prefill") for p in params), params
+    first, params = prefill_outputs(prefill, prompts)
     return first, decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
 
 
 def test_decode_through_kvd_equals_a_plain_engine(engines: tuple[EngineProc, ...]) -> None:
     prefill, decode, plain = engines
-    prompts = _prompts(3, 150, seed=11)
+    prompts = random_prompts(3, 150, seed=11)
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
     first, got = _disaggregated(prefill, decode, prompts)
     for p, w, f, g in zip(prompts, want, first, got, strict=True):
@@ -130,10 +90,10 @@ def test_decode_through_kvd_equals_a_plain_engine(engines: tuple[EngineProc, ...
 
 def test_prefix_hit_on_decode_pulls_only_the_tail(engines: tuple[EngineProc, ...]) -> None:
     prefill, decode, plain = engines
-    shared = _prompts(1, 4 * BLOCK, seed=21)[0]
+    shared = random_prompts(1, 4 * BLOCK, seed=21)[0]
     # Warm the decode engine's prefix cache with the first 4 blocks (a plain request).
     decode.generate([shared + [7] * 5], max_tokens=1)
-    prompt = shared + _prompts(1, 70, seed=22)[0]
+    prompt = shared + random_prompts(1, 70, seed=22)[0]
     want = plain.generate([prompt], max_tokens=MAX_TOKENS)[0]
     _, got = _disaggregated(prefill, decode, [prompt])
     assert got[0]["token_ids"] == want["token_ids"]
@@ -151,7 +111,7 @@ def test_long_prompt_pull_moves_exactly_the_prompt_blocks(
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg["torch_dtype"]]
     block_nbytes = (cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
                     * 2 * elem * BLOCK)
-    prompt = _prompts(1, 3500, seed=41)[0]
+    prompt = random_prompts(1, 3500, seed=41)[0]
     want = plain.generate([prompt], max_tokens=MAX_TOKENS)[0]
     nbytes0 = dd.metric("kvd_transferred_bytes_total", role="consumer")
     seconds0 = dd.metric("kvd_transfer_duration_seconds_sum", role="consumer")
@@ -170,16 +130,9 @@ def test_daemons_hold_nothing_once_the_engines_are_done(
     """Every published prefill was read and released; no pull is left in flight."""
     prefill, decode, _ = engines
     # One more step on each engine lets the rank-0 workers report their last events.
-    prefill.generate(_prompts(1, 40, seed=31), max_tokens=2)
-    decode.generate(_prompts(1, 40, seed=32), max_tokens=2)
+    prefill.generate(random_prompts(1, 40, seed=31), max_tokens=2)
+    decode.generate(random_prompts(1, 40, seed=32), max_tokens=2)
     pd, dd = daemons
-    deadline = time.monotonic() + 15
-    while True:
-        with pd.client(ping_interval_s=0) as pc, dd.client(ping_interval_s=0) as dc:
-            held, pulls = len(pc.status().held), len(dc.status().pulls)
-        if held == 0 and pulls == 0:
-            break
-        assert time.monotonic() < deadline, f"prefill still holds {held}, decode pulls {pulls}"
-        time.sleep(0.2)
+    wait_nothing_held(pd, dd)
     assert pd.metric("kvd_transfers_total", role="producer", outcome="ok") >= 3
     assert pd.metric("kvd_leases_expired_total") == 0

@@ -21,7 +21,10 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, list[int]] = field(default_factory=dict)  # pulls queued: local blocks
     quiet: list[str] = field(default_factory=list)  # notify-only pulls vLLM does not track
-    failed: dict[str, list[int]] = field(default_factory=dict)  # pulls the daemon refused
+    failed: dict[str, list[int]] = field(default_factory=dict)  # pulls that could not go
+    # Pulls the daemon refused, announced (recv) in an earlier step: failed unless their
+    # outcome was already reported (a daemon restart fails them too, exactly once).
+    refused: dict[str, list[int]] = field(default_factory=dict)
     sent: dict[str, float] = field(default_factory=dict)  # published: give-up time in seconds
     send_refused: list[str] = field(default_factory=list)  # publishes kvd refused: free now
     # kvd said this engine is not registered (it restarted): workers register again

@@ -1,8 +1,9 @@
 """Registering a rank again after its daemon restarted, off vLLM's step.
 
 When ``kvd serve`` restarts (crash, OOM kill, upgrade) the engine keeps running and
-keeps its KV memory: the pool file stays (the engine's shared flock keeps the new
-daemon's crash-leftover reaping off it) and the new daemon adopts it
+keeps its KV memory: a pool file stays (the engine's shared flock keeps the new
+daemon's crash-leftover reaping off it), a memfd pool lives on in the worker's own fd
+of it (handed back as ``/proc/<worker pid>/fd/<n>``), and the new daemon adopts it
 (``KvdClient.adopt_rank``, docs/operations.md). This thread makes that call; the step
 only kicks it (never waits) and later reads the handle it left. What was in flight on
 the old daemon has already failed (``EventBook.daemon_restarted``); until the rank is
@@ -28,7 +29,8 @@ ALREADY = "already registered"  # the daemon still knows the rank: it did not re
 
 
 class Rejoin:
-    """One background attempt at a time to register a rank again with adoption."""
+    """One background attempt at a time to register a rank again with adoption, on a
+    thread that waits for kicks."""
 
     def __init__(self, client: KvdClient, get_handle: Callable[[], RankHandle | None],
                  set_handle: Callable[[RankHandle], None], what: str,
@@ -41,20 +43,31 @@ class Rejoin:
         self._get = get_handle
         self._set = set_handle
         self._what = what
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._kicked = threading.Event()
+        self._why = ""
         self.rejoined = 0  # successful adoptions (tests, logs)
         self.gave_up = ""  # the refusal that ended the last attempt, if any
+        # Started here, outside vLLM's step: ``kick`` only sets an event.
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"kvd-rejoin-{what}")
+        self._thread.start()
 
     def kick(self, why: str) -> None:
-        """Start an attempt unless one is running; returns at once."""
-        with self._lock:
-            if self._stop.is_set() or (self._thread is not None and self._thread.is_alive()):
+        """Ask for an attempt; returns at once. It only sets an event: starting a thread
+        here would wait, inside vLLM's step, for the new thread to run (and then for the
+        GIL it took, up to the 5 ms switch interval)."""
+        if not self._stop.is_set():
+            self._why = why
+            self._kicked.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._kicked.wait()
+            if self._stop.is_set():
                 return
-            self._thread = threading.Thread(target=self._run, args=(why,), daemon=True,
-                                            name=f"kvd-rejoin-{self._what}")
-            self._thread.start()
+            self._kicked.clear()  # kicks during the attempt are answered by it
+            self._run(self._why)
 
     def _run(self, why: str) -> None:
         warned = False
@@ -66,7 +79,7 @@ class Rejoin:
                 if self._own is None and self._make_client is not None:
                     self._own = self._make_client()
                 new = self._client.adopt_rank(old, via=self._own)
-            except InvalidRequestError as exc:  # refused for good (memfd, VRAM, size)
+            except InvalidRequestError as exc:  # refused for good (VRAM, size, checks)
                 self.gave_up = str(exc)
                 log.error("%s: the restarted kvd refused to take over this engine's KV "
                           "pool (%s); prompts are computed locally until the engine "
@@ -92,10 +105,8 @@ class Rejoin:
 
     def close(self) -> None:
         self._stop.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=5)
+        self._kicked.set()
+        self._thread.join(timeout=5)
         if self._own is not None:
             self._own.close()  # it registered nothing of its own: nothing to deregister
             self._own = None

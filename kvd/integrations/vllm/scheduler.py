@@ -89,6 +89,8 @@ class KvdScheduler:
         return self._client
 
     def set_handshake(self, metadata: dict[Any, Any]) -> None:
+        self.client  # noqa: B018 - made now, at start-up: a ZMQ context (and its I/O
+        # thread) made in the first publish's step would cost that step ~1 ms
         for meta in metadata.values():
             if isinstance(meta, KvdHandshake) and meta.peer_address:
                 self.peer_address = meta.peer_address
@@ -279,7 +281,7 @@ class KvdScheduler:
             else:
                 log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
                 if not sent.quiet:
-                    self._meta.failed[sent.request_id] = list(sent.local_block_ids)
+                    self._meta.refused[sent.request_id] = list(sent.local_block_ids)
         self._client.forget_older(self._now(), FORGET_REPLY_S)
 
     def _start(self, request_id: str, pull: _Pull) -> None:

@@ -61,6 +61,7 @@ class KvdWorker:
 
     def _rejoined(self, handle: RankHandle) -> None:
         self.handle = handle  # same mapping; the step's next worker_meta tells the scheduler
+        self.cursor.note_instance(handle.instance_id)  # (a restart, if no poll said so yet)
 
     # ------------------------------------------------------------ memory
 
@@ -74,6 +75,10 @@ class KvdWorker:
                 tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
                 layer_partition=g.layer_partition)
             self._announced = self.handle.instance_id  # the handshake tells the scheduler
+            # The incarnation we registered with, before any poll reply: a daemon that
+            # restarts before the first one answers is then a restart too (its pulls in
+            # flight fail at once, not after kvd_pull_timeout_s).
+            self.cursor.note_instance(self.handle.instance_id)
             if self.reports:
                 self.pump = EventPump(self.settings, self.cursor, self._now)
                 self.poller = EventPoller(self.settings, self.cursor)
@@ -126,6 +131,8 @@ class KvdWorker:
             self.book.announce_quiet(rid)
         for rid, blocks in meta.failed.items():
             self.book.announce_failed_submit(rid, blocks)
+        for rid, blocks in meta.refused.items():
+            self.book.pull_refused(rid, blocks)
         for rid, give_up_s in meta.sent.items():
             self.book.announce_send(rid, now_s + give_up_s)
         for rid in meta.send_refused:

@@ -90,6 +90,14 @@ class EventBook:
         self._recving.pop(request_id, None)
         self._fail_recv(request_id, block_ids)
 
+    def pull_refused(self, request_id: str, block_ids: list[int]) -> None:
+        """The daemon refused a pull announced earlier: fail it, unless its outcome was
+        reported already (the restart that made the daemon refuse it also failed it,
+        or it expired). vLLM must hear of each receive once: a second report for a
+        request it has rescheduled kills its engine core (an assertion)."""
+        if self._recving.pop(request_id, None) is not None:
+            self._fail_recv(request_id, block_ids)
+
     def announce_send(self, request_id: str, deadline_s: float) -> None:
         if request_id in self._closed_send:
             self._closed_send.discard(request_id)
@@ -107,7 +115,10 @@ class EventBook:
 
     def send_refused(self, request_id: str) -> None:
         """The daemon refused the publish (the scheduler heard it a step later): the
-        blocks are the engine's again once vLLM has finished the request."""
+        blocks are the engine's again once vLLM has finished the request. Ignored once
+        the send's outcome is known (a daemon restart or its deadline settled it)."""
+        if request_id not in self._sending or request_id in self._sent_done:
+            return
         self.on_event(Event(kind="done_sending", request_id=request_id, ok=False,
                             error="publish refused"))
 
