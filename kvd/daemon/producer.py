@@ -74,7 +74,7 @@ class Producer:
         self._plans = PlanCache()
         self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
         # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
-        self._unpublished: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
+        self._unpublished: dict[tuple[str, str], list[tuple[str, asyncio.Future[bool]]]] = {}
         self._last_expire_s = svc.clock.now()  # housekeeping's last look at the leases
         svc.registry.on_engine_gone(self.engine_gone)
 
@@ -110,7 +110,7 @@ class Producer:
         self._pinned[(held.engine_id, held.request_id)] = ranks
         self.svc.metrics.held_requests.set(len(self.held))
         self.wake()
-        for fut in self._unpublished.pop((held.engine_id, held.request_id), ()):
+        for _, fut in self._unpublished.pop((held.engine_id, held.request_id), ()):
             _resolve(fut, True)
         return P.Published(receipt=P.receipt(self.svc.instance_id, held.hold_id))
 
@@ -131,25 +131,39 @@ class Producer:
                             agent_metadata=await dp.metadata(), engine=engine.desc(),
                             engine_daemons=list(engine.engine_daemons))
 
+    def acquire_must_wait(self, msg: P.Acquire) -> bool:
+        """Whether an Acquire arrived before its Publish (the engine is registered here,
+        the request unknown): the peer face then answers it later, never holding every
+        other peer message (heartbeats, notices, other Acquires) while it waits."""
+        return ((msg.producer_engine_id, msg.request_id) not in self.held.items
+                and msg.producer_engine_id in self.svc.registry.engines)
+
     async def acquire_when_published(self, msg: P.Acquire, consumer_instance: str
                                      ) -> P.Acquired:
         """``acquire``, after waiting up to ACQUIRE_WAITS_FOR_PUBLISH_S for a Publish that
-        has not come yet (the engine is registered here, the request unknown)."""
+        has not come yet. An Abandon from the same consumer meanwhile (it gave up the pull)
+        ends the wait with a refusal: answered out of order, the Acquire must not take a
+        hold that its consumer has already let go."""
         key = (msg.producer_engine_id, msg.request_id)
-        if key not in self.held.items and msg.producer_engine_id in self.svc.registry.engines:
+        if self.acquire_must_wait(msg):
             fut = asyncio.get_running_loop().create_future()
             waiting = self._unpublished.setdefault(key, [])
-            waiting.append(fut)
+            entry = (msg.consumer_engine_id, fut)
+            waiting.append(entry)
             try:
                 await self.svc.clock.wait_for(fut, min(
                     ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
             except (asyncio.TimeoutError, TimeoutError):
                 pass  # acquire() refuses it: never published, or released already
             finally:
-                if fut in waiting:
-                    waiting.remove(fut)
+                if entry in waiting:
+                    waiting.remove(entry)
                 if not waiting:
                     self._unpublished.pop(key, None)
+            if fut.done() and not fut.cancelled() and fut.result() is False:
+                raise NotFoundError(f"request {msg.request_id!r}: its consumer "
+                                    f"{msg.consumer_engine_id!r} abandoned it before it "
+                                    "was published")
         return self.acquire(msg, consumer_instance)
 
     def acquire(self, msg: P.Acquire, consumer_instance: str) -> P.Acquired:
@@ -169,6 +183,10 @@ class Producer:
                           hold_id=held.hold_id)
 
     def abandon(self, msg: P.Abandon) -> P.Ok:
+        for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
+                                                   ()):
+            if consumer == msg.consumer_engine_id:
+                _resolve(fut, False)  # its Acquire, still waiting, is refused
         held = self.held.get(msg.producer_engine_id, msg.request_id)
         if held.abandon(msg.consumer_engine_id):
             self.finish(held, "cancelled")

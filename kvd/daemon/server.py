@@ -330,8 +330,15 @@ class Daemon:
         async def hello(m: P.Hello, _: Request) -> P.HelloReply:
             return await producer.hello(m)
 
-        async def acquire(m: P.Acquire, req: Request) -> P.Acquired:
-            return await producer.acquire_when_published(m, req.header.instance)
+        async def acquire(m: P.Acquire, req: Request) -> P.Acquired | None:
+            if not producer.acquire_must_wait(m):
+                return producer.acquire(m, req.header.instance)
+            # Before its Publish: answered when it comes (up to a second), while the face
+            # answers everything else (heartbeats, notices, other Acquires) meanwhile.
+            self.spawn(self.peer_face.answer_later(
+                req.identity, req.header.id,
+                producer.acquire_when_published(m, req.header.instance)))
+            return None
 
         async def heartbeat(m: P.Heartbeat, _: Request) -> P.HeartbeatAck:
             return producer.heartbeat(m)
