@@ -159,8 +159,8 @@ REALTIME_PRIORITY = 1  # the lowest real-time priority: above every ordinary thr
 
 def prioritize(pid: int, whole: bool = False) -> None:
     """Renice every thread of ``pid``, and put its event loop and ZMQ I/O threads (every
-    thread, with ``whole``) in the real-time round-robin class (threads made later
-    inherit both from their maker).
+    thread, with ``whole``) in the real-time round-robin class. Threads made later
+    inherit the nice value but not the real-time class (``SCHED_RESET_ON_FORK``).
 
     The phases measure what kvd does to its own loop; on a host shared with other
     work (2 cores, several test suites at once, load 5-18) the kernel would otherwise
@@ -173,7 +173,11 @@ def prioritize(pid: int, whole: bool = False) -> None:
             os.setpriority(os.PRIO_PROCESS, int(tid), PRIORITY_NICE)
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
             if whole or int(tid) == pid or comm.startswith("ZMQbg"):
-                os.sched_setscheduler(int(tid), os.SCHED_RR, os.sched_param(REALTIME_PRIORITY))
+                # RESET_ON_FORK: threads the daemon makes later (its posting and pool
+                # threads, which copy GiBs) stay ordinary; at real-time priority they
+                # would starve every other process on the host for seconds.
+                os.sched_setscheduler(int(tid), os.SCHED_RR | os.SCHED_RESET_ON_FORK,
+                                      os.sched_param(REALTIME_PRIORITY))
 
 
 def cpu_wait_s(pid: int) -> float:
