@@ -41,10 +41,18 @@ from kvd.errors import (
     TooLargeError,
 )
 from kvd.planner import Parallelism, RankId
-from kvd.planner.assembly import ProducerReads, RankPool, assemble_pull, match_tail
+from kvd.planner.assembly import (
+    PreparedPull,
+    ProducerReads,
+    RankPool,
+    match_tail,
+    prepare_pull,
+)
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
+
+MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
 
 
 class Consumer:
@@ -52,6 +60,9 @@ class Consumer:
         self.svc = svc
         self.jobs: dict[tuple[str, str], PullJob] = {}
         self.plans = PlanCache()
+        # (engine, peer engine) -> (prepared assembly, the handshake, parallelism, model)
+        self._ready: dict[tuple[str, str], tuple[PreparedPull, RemoteEngine, Parallelism,
+                                                 P.ModelSpec]] = {}
         self.reads = PullReads(svc)
 
     def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
@@ -151,30 +162,35 @@ class Consumer:
             svc.spawn(self._abandon(msg, job.acquired))
         job.state = PullState.DONE if ok else PullState.FAILED
         self.jobs.pop(job.key, None)
-        m = svc.metrics
-        m.inflight_transfers.dec()
         duration_s = svc.clock.now() - job.started_s
-        m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
         invalid = [] if ok else list(msg.local_block_ids)
-        if invalid:
-            m.invalid_blocks.inc(len(invalid))
-            log.warning("pull failed: %s", error,
-                        extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
-                               "peer": msg.remote_address})
         event = P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok, invalid_block_ids=invalid,
             error=error, nbytes=job.nbytes if ok else 0, duration_s=duration_s,
             invalid_group_block_ids=[] if ok else list(msg.local_group_block_ids or []),
             descriptors=job.descriptors)
-        if job.reply_to is not None:
-            svc.events.answer(*job.reply_to, event)
-        else:
-            svc.events.push(msg.engine_id, event)
+        self._deliver(job, event)
+        # Metrics and the log after the engine's answer (issue 23.4: off its path); in the
+        # same loop turn, so no later request sees them stale.
+        m = svc.metrics
+        m.inflight_transfers.dec()
+        m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
+        if invalid:
+            m.invalid_blocks.inc(len(invalid))
+            log.warning("pull failed: %s", error,
+                        extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
+                               "peer": msg.remote_address})
         # The producers count our reads only now, after the engine heard (a notice is not
         # on the pull's path): every READ is done and every Acquire answered.
         notices, job.notices = job.notices, []
         for send in notices if ok else ():
             send()
+
+    def _deliver(self, job: PullJob, event: P.Event) -> None:
+        if job.reply_to is not None:
+            self.svc.events.answer(*job.reply_to, event)
+        else:
+            self.svc.events.push(job.msg.engine_id, event)
 
     async def _pull(self, job: PullJob) -> None:
         msg, svc = job.msg, self.svc
@@ -225,13 +241,32 @@ class Consumer:
 
     def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
                   ) -> dict[str, ProducerReads]:
-        local = [RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
-                 for r in engine.live_ranks()]
+        return self._prepared(engine, remote).assemble(local_ids, remote_ids)
+
+    def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
+        """The assembly's inputs, bound once per (engine, peer engine) and reused while
+        they stay the same: the local pools (compared, so a rank that re-registered or
+        left is seen), the handshake (identity: a new one is a new object) and the
+        engine's geometry (issue 23.4: a small pull rebuilt them every time)."""
+        local = tuple(RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
+                      for r in engine.live_ranks())
+        owners = tuple(d.agent for d in remote.daemons.values())
+        key = (engine.engine_id, remote.desc.engine_id)
+        hit = self._ready.get(key)
+        m = self.svc.metrics
+        if (hit is not None and hit[1] is remote and hit[2] == engine.par
+                and hit[3] == engine.model and hit[0].local_ranks == local
+                and hit[0].owners == owners):
+            m.plan_cache_hits.inc()
+            return hit[0]
         rpar, remote_pools = self._remote_pools(remote)
-        plan, hit = self.plans.get(geometry(engine.model), rpar, engine.par)
-        (self.svc.metrics.plan_cache_hits if hit else self.svc.metrics.plan_cache_misses).inc()
-        return assemble_pull(plan, local, remote_pools, local_ids, remote_ids,
-                             owners=[d.agent for d in remote.daemons.values()])
+        plan, cached = self.plans.get(geometry(engine.model), rpar, engine.par)
+        (m.plan_cache_hits if cached else m.plan_cache_misses).inc()
+        prepared = prepare_pull(plan, local, remote_pools, owners)
+        if len(self._ready) >= MAX_PREPARED:
+            self._ready.clear()
+        self._ready[key] = (prepared, remote, engine.par, engine.model)
+        return prepared
 
     @staticmethod
     def _remote_pools(remote: RemoteEngine) -> tuple[Parallelism, dict[RankId, RankPool]]:

@@ -35,6 +35,8 @@ from kvd.planner.descriptors import Descriptors, build_read_descriptors
 from kvd.planner.layout import CacheLayout
 from kvd.planner.plan import RankId, Read, TransferPlan
 
+SMALL_IDS = 8  # id lists up to this long are checked in Python, not numpy
+
 
 @dataclass(frozen=True)
 class RankPool:
@@ -61,6 +63,11 @@ class ProducerReads:
         n = len(nbytes)
         self._parts.append((local, remote, nbytes, np.full(n, local_dev, dtype=np.int64),
                             np.full(n, remote_dev, dtype=np.int64)))
+
+    def add_rows(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray,
+                 local_devs: np.ndarray, remote_devs: np.ndarray) -> None:
+        """`add`, with the device columns ready (read-only arrays may be shared)."""
+        self._parts.append((local, remote, nbytes, local_devs, remote_devs))
 
     def _column(self, i: int) -> np.ndarray:
         if not self._parts:
@@ -100,7 +107,12 @@ class ProducerReads:
 
 def _ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     arr = np.asarray(values, dtype=np.int64).reshape(-1)
-    if arr.size and arr.min() < 0:
+    if arr.size <= SMALL_IDS and isinstance(values, list):
+        # a small pull's ids: a Python min is several times faster than numpy's
+        negative = bool(values) and min(values) < 0
+    else:
+        negative = bool(arr.size) and arr.min() < 0
+    if negative:
         raise BlockIdError(f"{what} block ids {arr[arr < 0][:8].tolist()} are negative")
     return arr
 
@@ -255,3 +267,88 @@ def assemble_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
             g.add(d.local_offsets + lr.base_addr, d.remote_offsets + rr.base_addr, d.nbytes,
                   lr.device_id, rr.device_id)
     return groups
+
+
+@dataclass(frozen=True)
+class _ReadRows:
+    """One plan read of one local rank, ready for one-block pulls: its template's
+    descriptors at blocks (0, 0) with both pools' base addresses already added."""
+
+    owner: str
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: np.ndarray
+    local_devs: np.ndarray
+    remote_devs: np.ndarray
+    template: _BlockTemplate
+
+
+@dataclass(frozen=True)
+class PreparedPull:
+    """`assemble_pull` with its inputs bound once per (engine, peer engine): what a
+    small pull would otherwise rebuild every time (issue 23.4). A one-block pull takes
+    its rows from the ready templates (a shift per read, no planning, no lookups);
+    any other pull, or one whose reads have no template, goes through
+    `assemble_pull` itself. Same descriptors either way (tests/unit/test_assembly.py)."""
+
+    plan: TransferPlan
+    local_ranks: tuple[RankPool, ...]
+    remote_ranks: Mapping[RankId, RankPool]
+    owners: tuple[str, ...]
+    rows: tuple[_ReadRows, ...] | None  # None: some read has no one-block template
+    local_blocks: int = 0  # block ids every row's template covers: [0, n) on each side
+    remote_blocks: int = 0
+
+    def assemble(self, local_ids: np.ndarray, remote_ids: np.ndarray
+                 ) -> dict[str, ProducerReads]:
+        if self.rows is None or len(local_ids) != 1 or len(remote_ids) != 1:
+            return assemble_pull(self.plan, self.local_ranks, self.remote_ranks, local_ids,
+                                 remote_ids, self.owners)
+        lid, rid = int(local_ids[0]), int(remote_ids[0])
+        if not (0 <= lid < self.local_blocks and 0 <= rid < self.remote_blocks):
+            # out of some pool: assemble_pull raises what it always raises
+            return assemble_pull(self.plan, self.local_ranks, self.remote_ranks, local_ids,
+                                 remote_ids, self.owners)
+        groups: dict[str, ProducerReads] = {o: ProducerReads(o) for o in self.owners}
+        for r in self.rows:
+            t = r.template
+            g = groups.get(r.owner)
+            if g is None:
+                g = groups[r.owner] = ProducerReads(r.owner)
+            g.reads += 1
+            g.add_rows(r.local + lid * t.local_stride, r.remote + rid * t.remote_stride,
+                       r.nbytes, r.local_devs, r.remote_devs)
+        return groups
+
+
+def prepare_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
+                 remote_ranks: Mapping[RankId, RankPool], owners: Iterable[str] = ()
+                 ) -> PreparedPull:
+    """Bind `assemble_pull`'s inputs and build the one-block rows (LayoutError as
+    `assemble_pull` would raise it for a remote rank the plan names but nobody has)."""
+    local = tuple(local_ranks)
+    rows: list[_ReadRows] | None = []
+    for lr in local:
+        for read in plan.reads_for(lr.rank):
+            rr = remote_ranks.get(read.remote)
+            if rr is None:
+                raise LayoutError(f"plan reads remote rank {read.remote.key}, which is not known")
+            try:
+                t = _block_template(read, lr.cache, lr.first_layer, rr.cache, rr.first_layer)
+            except LayoutError:  # a refused read: assemble_pull refuses it per pull
+                t = None
+            if t is None or rows is None:
+                rows = None
+                continue
+            n = len(t.nbytes)
+            cols = (t.local + lr.base_addr, t.remote + rr.base_addr,
+                    np.full(n, lr.device_id, dtype=np.int64),
+                    np.full(n, rr.device_id, dtype=np.int64))
+            for a in cols:
+                a.setflags(write=False)
+            rows.append(_ReadRows(rr.owner, cols[0], cols[1], t.nbytes, cols[2], cols[3], t))
+    if not rows:  # no read at all (nothing to shift), or one without a template
+        return PreparedPull(plan, local, remote_ranks, tuple(owners), None)
+    return PreparedPull(plan, local, remote_ranks, tuple(owners), tuple(rows),
+                        min(r.template.local_blocks for r in rows),
+                        min(r.template.remote_blocks for r in rows))

@@ -423,3 +423,38 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read() -> Non
             assert ev.ok, ev.error
 
     run(body())
+
+
+def test_one_block_pulls_follow_a_rank_that_registers_again() -> None:
+    """The consumer keeps a pull's assembly ready per (engine, peer engine) (issue 23.4):
+    a decode rank that registers again (a new pool) or a producer that does (a new
+    handshake) must be read into / from where they are now, byte for byte."""
+    async def body() -> None:
+        async with daemon_pair() as p:
+            pr = await register(p.pc, "pre")
+            dr = await register(p.dc, "dec")
+            g = global_kv(MODEL, 16 * 16)
+            write_shard(pr.kv, g, MODEL, SHAPE, 0, 0, list(range(16)))
+            addr = p.prefill.cfg.peer_address
+
+            async def pull(rid: str, src: int, dst: int, kv, shape: EngineShape) -> None:
+                await p.pc.publish("pre", rid, [src])
+                await p.dc.pull("dec", rid, "pre", addr, [src], [dst])
+                recv = await wait_event(p.dc, p.clock, "dec", rid, "done_recving")
+                assert recv.ok, recv.error
+                # block src of the prefill pool holds tokens src*16..: compare that shard
+                assert check_shard(kv, g, MODEL, shape, 0, 0, [dst], first_token=src * 16) == 0
+                assert (await wait_event(p.pc, p.clock, "pre", rid, "done_sending")).ok
+
+            await pull("r1", 2, 3, dr.kv, SHAPE)
+            await pull("r2", 9, 5, dr.kv, SHAPE)  # the ready assembly, reused
+            await p.dc.deregister(dr)
+            bigger = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=24)
+            dr2 = await register(p.dc, "dec", bigger)
+            await pull("r3", 4, 20, dr2.kv, bigger)  # a block the old pool did not have
+            await p.pc.deregister(pr)
+            pr2 = await register(p.pc, "pre")
+            write_shard(pr2.kv, g, MODEL, SHAPE, 0, 0, list(range(16)))
+            await pull("r4", 11, 7, dr2.kv, bigger)
+
+    run(body())
