@@ -162,8 +162,9 @@ def test_partition_never_writes_late_and_recovers(nodes: Cluster, point: str, re
     assert decode.call("check", engine_id=de, block_ids=ids[:8], tokens=8 * 16, seed=12) == 0
 
 
+@pytest.mark.parametrize("rep", range(REPEAT))
 @pytest.mark.parametrize("rule", ["liveness", "deadline"])
-def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
+def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str, rep: int) -> None:
     """A producer daemon frozen (SIGSTOP) mid-READ keeps its TCP connections (the kernel
     still acknowledges) and its READ would resume when it wakes (NIXL PR #2047: a READ
     stuck in progress). ``liveness``: the consumer's ZMTP heartbeats lose it within
@@ -177,19 +178,19 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
     if rule == "deadline":
         decode.call("replace_daemon", name="kvd", args=ARGS + [
             "--set", f"transfer_timeout_s={deadline_s}", "--set", "peer_liveness_timeout_s=30"])
-    pe, de = f"pre-frz-{rule}", f"dec-frz-{rule}"
+    pe, de = f"pre-frz-{rule}{rep}", f"dec-frz-{rule}{rep}"
     prefill.call("register", daemon="kvd", engine_id=pe, model=MODEL, tp_size=1,
                  num_blocks=NUM_BLOCKS)
     decode.call("register", daemon="kvd", engine_id=de, model=MODEL, tp_size=1,
                 num_blocks=NUM_BLOCKS)
     tokens, ids = PULL_BLOCKS * 16, list(range(PULL_BLOCKS))
     prefill.call("write", engine_id=pe, block_ids=ids, tokens=tokens, seed=21)
-    prefill.call("publish", engine_id=pe, request_id="frz", block_ids=ids, lease_s=LEASE_S)
+    prefill.call("publish", engine_id=pe, request_id=f"frz{rep}", block_ids=ids, lease_s=LEASE_S)
     before = nodes.link_bytes(1)
     frozen = False
     try:
         start_s = time.monotonic()
-        decode.call("pull", engine_id=de, request_id="frz", remote_engine_id=pe,
+        decode.call("pull", engine_id=de, request_id=f"frz{rep}", remote_engine_id=pe,
                     remote_address=prefill.peer_address, remote_block_ids=ids,
                     local_block_ids=ids, num_tokens=tokens)
         while nodes.link_bytes(1) - before < 0.4 * PULL_BLOCKS * BLOCK_BYTES:
@@ -197,7 +198,7 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
             time.sleep(0.002)
         prefill.call("signal_daemon", name="kvd", sig="SIGSTOP")
         frozen, freeze_s = True, time.monotonic()
-        recv = decode.call("wait", engine_id=de, request_id="frz", kind="done_recving",
+        recv = decode.call("wait", engine_id=de, request_id=f"frz{rep}", kind="done_recving",
                            timeout_s=60)
         detect_s = recv["at"] - freeze_s
         assert not recv["ok"], "the frozen producer's READ completed"
@@ -218,11 +219,11 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str) -> None:
         _assert_alive(nodes)
         # The producer, awake again, serves a new pull.
         prefill.call("write", engine_id=pe, block_ids=ids[:8], tokens=8 * 16, seed=22)
-        prefill.call("publish", engine_id=pe, request_id="frz-again", block_ids=ids[:8])
-        decode.call("pull", engine_id=de, request_id="frz-again", remote_engine_id=pe,
+        prefill.call("publish", engine_id=pe, request_id=f"frz{rep}-again", block_ids=ids[:8])
+        decode.call("pull", engine_id=de, request_id=f"frz{rep}-again", remote_engine_id=pe,
                     remote_address=prefill.peer_address, remote_block_ids=ids[:8],
                     local_block_ids=ids[:8], num_tokens=8 * 16)
-        again = decode.call("wait", engine_id=de, request_id="frz-again", kind="done_recving",
+        again = decode.call("wait", engine_id=de, request_id=f"frz{rep}-again", kind="done_recving",
                             timeout_s=30)
         assert again["ok"], again["error"]
         assert decode.call("check", engine_id=de, block_ids=ids[:8], tokens=8 * 16,
