@@ -7,7 +7,7 @@ set to a marker) and the prefill engine, once released, refills its pool; after 
 heal every byte of the decode's pool must still be the marker: 0 late bytes. A new pull
 then works without a restart.
 
-``KVD_MULTINODE_REPEAT=10`` runs every cut point that many times.
+``KVD_MULTINODE_REPEAT=10`` runs every cut point and frozen-producer rule that many times.
 """
 
 from __future__ import annotations
@@ -64,11 +64,10 @@ def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
 # UCX 1.23 (nixl-cu12 1.5.1), issue 21.4: when a producer's endpoint to a consumer fails
 # while software-emulated GET replies (UCX over TCP) wait in its pending queue,
 # ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
-# handles a GET reply request (ucp_progress_get_reply) like an ordinary send and
-# deregisters its never-set memory handles: SIGSEGV at libucp +0x4e18d (gdb of a core,
-# docs/reliability.md). kvd cannot avoid the endpoint failing (the peer is gone or
-# severed). faulthandler's dump names the crashed thread's frame: inside NIXL's Python
-# API (the progress a NIXL call makes) is this crash; anywhere else fails the test.
+# deregisters memory by the reply request's never-set datatype: SIGSEGV at libucp
+# +0x4e18d when the pool's recycled bytes read as an IOV. kvd.transport.ucx_heap makes
+# malloc hand UCX zeroed memory (docs/reliability.md), so this fails the test like any
+# other crash; faulthandler's dump inside NIXL's Python API names it in the message.
 KNOWN_UCX_CRASH = "nixl_cu12/_api.py"
 
 
@@ -80,19 +79,18 @@ def _revive(c: Cluster) -> None:
 
 
 def _assert_alive(c: Cluster) -> None:
-    """Issue 21.4: a daemon that crashes fails the test (its log has faulthandler's
-    stacks), unless it is the known UCX crash: then the daemon is restarted for the next
-    cases and the case is reported xfail, never passed."""
+    """Issue 21.4: a daemon that crashed fails the test (its log has faulthandler's
+    stacks); it is restarted first, so that the next cases run."""
     for node in c.nodes:
         rc = node.call("returncode", name="kvd")
         if rc is None:
             continue
         site = node.call("crash_site", name="kvd")
         node.call("restart_daemon", name="kvd")
-        if rc == -11 and KNOWN_UCX_CRASH in site:
-            pytest.xfail(f"node {node.index}'s daemon hit the known UCX 1.23 crash in a NIXL "
-                         f"call (pending GET reply purged; {site})")
-        pytest.fail(f"node {node.index}'s daemon died (rc {rc}) at {site!r}; see its log")
+        known = (" (the UCX 1.23 pending GET reply purge: kvd.transport.ucx_heap did not "
+                 "prevent it)") if rc == -11 and KNOWN_UCX_CRASH in site else ""
+        pytest.fail(f"node {node.index}'s daemon died (rc {rc}) at {site!r}{known}; "
+                    "see its log")
 
 
 @pytest.mark.parametrize("rep", range(REPEAT))

@@ -110,6 +110,8 @@ def main() -> int:
     ap.add_argument("--freeze", action="store_true", help="SIGSTOP the producer around the sever")
     ap.add_argument("--zero-heap", action="store_true",
                     help="the producer applies kvd.transport.ucx_heap (kvd's workaround)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="every other round with --zero-heap: both arms in one run")
     ap.add_argument("--producer-env", action="append", default=[],
                     help="NAME=VALUE for the producer only (e.g. GLIBC_TUNABLES=...)")
     a = ap.parse_args()
@@ -121,12 +123,14 @@ def main() -> int:
                        int(os.environ.get("REPRO_FREEZE_PID", "0"))), flush=True)
         return 0
     env = {**os.environ, "UCX_TLS": os.environ.get("UCX_TLS", "tcp")}
-    crashes = 0
+    crashes = {False: 0, True: 0}
+    rounds = {False: 0, True: 0}
     for i in range(a.rounds):
+        zero = a.zero_heap or (a.alternate and i % 2 == 1)
         meta = f"/tmp/ucx_purge_repro.{os.getpid()}.{i}"
         penv = dict(env, **dict(kv.split("=", 1) for kv in a.producer_env))
         p = subprocess.Popen([sys.executable, __file__, "--role", "producer", "--meta", meta,
-                              "--mib", str(a.mib)] + ["--zero-heap"] * a.zero_heap, env=penv,
+                              "--mib", str(a.mib)] + ["--zero-heap"] * zero, env=penv,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             while not os.path.exists(meta):
@@ -140,8 +144,9 @@ def main() -> int:
                                env=cenv, capture_output=True, text=True, timeout=120)
             time.sleep(0.5)  # the producer's progress meets the failed endpoint
             rc = p.poll()
-            crashes += rc == -signal.SIGSEGV
-            print(f"round {i}: producer rc {rc}; consumer: "
+            crashes[zero] += rc == -signal.SIGSEGV
+            rounds[zero] += 1
+            print(f"round {i}{' (zero heap)' * zero}: producer rc {rc}; consumer: "
                   f"{(c.stdout.strip().splitlines() or [c.stderr.strip()[-300:]])[-1]}", flush=True)
         finally:
             if p.poll() is None:
@@ -150,7 +155,10 @@ def main() -> int:
             for path in (meta, meta + ".tmp"):
                 if os.path.exists(path):
                     os.unlink(path)
-    print(f"producer crashed in {crashes}/{a.rounds} rounds")
+    for zero in (False, True):
+        if rounds[zero]:
+            print(f"{'with' if zero else 'without'} kvd.transport.ucx_heap: producer crashed "
+                  f"in {crashes[zero]}/{rounds[zero]} rounds")
     return 0
 
 
