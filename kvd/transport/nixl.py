@@ -27,6 +27,7 @@ import numpy as np
 from kvd.errors import KvdError, TransferError
 from kvd.transport import sockets
 from kvd.transport.base import DescRows, PostTiming, PreppedRead, ReadPost, TransportCounts
+from kvd.transport.ucx_heap import zero_fresh_heap
 
 log = logging.getLogger("kvd.transport")
 
@@ -127,6 +128,7 @@ class NixlTransport:
         kvd.transport.workers); "" for UCX's choice (or the process's UCX_NET_DEVICES)."""
         if liveness_timeout_s is not None:
             ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
+        zero_fresh_heap()  # before UCX's request pool grows: kvd.transport.ucx_heap
         api = import_nixl()
         self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self._telemetry = telemetry
