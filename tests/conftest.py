@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,41 +33,15 @@ def _register_support() -> None:
 
 _register_support()
 
-from support.cluster import start_daemon, stop_and_check_clean  # noqa: E402
-
-from kvd.client import KvdClient  # noqa: E402
-from kvd.tools.localcluster import DaemonProcess  # noqa: E402
-
-
-@dataclass
-class Pair:
-    prefill: DaemonProcess
-    decode: DaemonProcess
-    pc: KvdClient
-    dc: KvdClient
+from support.cluster import Pair, running_pair  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Pair]:
     logs = tmp_path_factory.mktemp("kvd-logs")
-    args = list(getattr(request.module, "DAEMON_ARGS", []))
-    prefill = start_daemon(logs, "p", args)
-    try:
-        decode = start_daemon(logs, "d", args)
-    except BaseException:
-        prefill.kill()
-        raise
-    pc, dc = prefill.client(), decode.client()
-    try:
-        yield Pair(prefill, decode, pc, dc)
-    finally:
-        pc.close()
-        dc.close()
-        try:
-            stop_and_check_clean(prefill)
-        finally:
-            stop_and_check_clean(decode)
+    with running_pair(logs, list(getattr(request.module, "DAEMON_ARGS", []))) as p:
+        yield p
 
 
 def _reap_test_leftovers(shm_dir: Path = Path("/dev/shm")) -> list[str]:

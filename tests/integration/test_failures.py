@@ -6,20 +6,17 @@ that the daemons keep serving: a byte-exact transfer afterwards still works.
 
 from __future__ import annotations
 
-import os
-import random
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import zmq
 from support.cluster import (
     deregister_and_check_freed,
+    kill_producer_mid_pulls,
     metric,
     register,
     run_transfer,
@@ -361,46 +358,9 @@ def test_prefill_daemon_killed_mid_transfer(pair, tmp_path: Path) -> None:
     that did complete holds exactly the right bytes; the decode daemon keeps serving."""
     victim = start_daemon(tmp_path, "victim")
     try:
-        with victim.client() as vc:
-            p = register(vc, "pre", BIG_MODEL, BIG)
-            d = register(pair.dc, "dec", BIG_MODEL, BIG)
-            src = p.ranks[0].kv
-            words = src.view(np.uint64).reshape(-1)
-            words[:] = np.arange(words.size, dtype=np.uint64)  # every 8 bytes distinct
-            rng = random.Random(5)
-            p_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
-            d_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
-            per = BIG.num_blocks // REQUESTS
-            reqs = []
-            for i in range(REQUESTS):
-                rid = f"kill-{i}"
-                pi, di = p_ids[i * per:(i + 1) * per], d_ids[i * per:(i + 1) * per]
-                vc.publish(p.engine_id, rid, pi)
-                reqs.append((rid, pi, di))
-            for rid, pi, di in reqs:
-                pair.dc.pull(d.engine_id, rid, p.engine_id, victim.peer_address, pi, di)
-            # Best effort: kill while a READ is in flight (failing earlier is accepted too).
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not any(
-                    j.state == "reading" for j in pair.dc.status().pulls):
-                pass
-            os.kill(victim.proc.pid, signal.SIGKILL)
-            victim.proc.wait(10)
-            outcomes = []
-            dst = d.ranks[0].kv
-            for rid, pi, di in reqs:
-                ev = pair.dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
-                outcomes.append(ev.ok)
-                if ev.ok:  # finished before the kill: must be exact
-                    # pool (L, kv, block, H, T, D): compare whole blocks
-                    assert np.array_equal(dst[:, :, di], src[:, :, pi]), rid
-                else:
-                    assert ev.invalid_block_ids == di, ev
-                    assert ev.nbytes == 0
-            assert not all(outcomes), "the kill landed after every transfer had finished"
-            st = pair.dc.status()
-            assert not st.pulls
-            deregister_and_check_freed(pair.dc, d)  # nothing stays pinned
+        d, _ = kill_producer_mid_pulls(pair.dc, victim, BIG_MODEL, BIG, REQUESTS, "kill", 5)
+        assert not pair.dc.status().pulls
+        deregister_and_check_freed(pair.dc, d)  # nothing stays pinned
     finally:
         victim.kill()
         for name in kvd_segments(f"kvd-{victim.name}"):  # SIGKILL leaves its pools behind

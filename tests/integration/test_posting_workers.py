@@ -4,27 +4,20 @@ mid-pull while a consumer's READs run on two workers."""
 
 from __future__ import annotations
 
-import os
-import random
-import signal
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from support.cluster import (
+    Pair,
     deregister_and_check_freed,
-    register,
+    kill_producer_mid_pulls,
     run_transfer,
+    running_pair,
     start_daemon,
-    stop_and_check_clean,
 )
 
-from kvd.client import KvdClient
 from kvd.pool.shm import SHM_DIR, kvd_segments
-from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec
 
@@ -32,14 +25,6 @@ pytestmark = pytest.mark.nixl
 
 # 32 KiB per token: 1024 tokens are 32 MiB, split in 8 MiB parts over 4 workers.
 MODEL = ModelSpec(name="workers-model", num_kv_heads=8, num_layers=8, head_dim=128)
-
-
-@dataclass
-class Pair:
-    prefill: DaemonProcess
-    decode: DaemonProcess
-    pc: KvdClient
-    dc: KvdClient
 
 
 def shape(tp: int) -> EngineShape:
@@ -51,23 +36,9 @@ def wpair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
           ) -> Iterator[tuple[int, Pair]]:
     n = request.param
     logs = tmp_path_factory.mktemp(f"kvd-w{n}")
-    args = ["--set", f"posting_workers={n}", "--set", "handshake_timeout_s=2"]
-    prefill = start_daemon(logs, "p", args)
-    try:
-        decode = start_daemon(logs, "d", args)
-    except BaseException:
-        prefill.kill()
-        raise
-    pc, dc = prefill.client(), decode.client()
-    try:
-        yield n, Pair(prefill, decode, pc, dc)
-    finally:
-        pc.close()
-        dc.close()
-        try:
-            stop_and_check_clean(prefill)
-        finally:
-            stop_and_check_clean(decode)
+    with running_pair(logs, ["--set", f"posting_workers={n}",
+                             "--set", "handshake_timeout_s=2"]) as pair:
+        yield n, pair
 
 
 def _reads(pair: Pair) -> list[int]:
@@ -116,46 +87,12 @@ def test_producer_killed_mid_pull_with_two_workers(wpair, tmp_path: Path) -> Non
         pytest.skip("the failure case runs with two workers")
     victim = start_daemon(tmp_path, "victim")
     try:
-        with victim.client() as vc:
-            p = register(vc, "pre", MODEL, BIG)
-            d = register(pair.dc, "dec", MODEL, BIG)
-            src = p.ranks[0].kv
-            words = src.view(np.uint64).reshape(-1)
-            words[:] = np.arange(words.size, dtype=np.uint64)
-            rng = random.Random(7)
-            p_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
-            d_ids = rng.sample(range(BIG.num_blocks), BIG.num_blocks)
-            per = BIG.num_blocks // REQUESTS
-            reqs = []
-            for i in range(REQUESTS):
-                rid = f"wkill-{i}"
-                pi, di = p_ids[i * per:(i + 1) * per], d_ids[i * per:(i + 1) * per]
-                vc.publish(p.engine_id, rid, pi)
-                reqs.append((rid, pi, di))
-            for rid, pi, di in reqs:
-                pair.dc.pull(d.engine_id, rid, p.engine_id, victim.peer_address, pi, di)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not any(
-                    j.state == "reading" for j in pair.dc.status().pulls):
-                pass
-            os.kill(victim.proc.pid, signal.SIGKILL)
-            victim.proc.wait(10)
-            outcomes = []
-            dst = d.ranks[0].kv
-            for rid, pi, di in reqs:
-                ev = pair.dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
-                outcomes.append(ev.ok)
-                if ev.ok:
-                    assert np.array_equal(dst[:, :, di], src[:, :, pi]), rid
-                else:
-                    assert ev.invalid_block_ids == di, ev
-                    assert ev.nbytes == 0
-            assert not all(outcomes), "the kill landed after every transfer had finished"
-            # Each pull was reported once: no second completion for any of them.
-            extra = pair.dc.poll(d.engine_id, timeout_s=0.5)
-            assert not [e for e in extra if e.request_id.startswith("wkill-")], extra
-            assert not pair.dc.status().pulls
-            deregister_and_check_freed(pair.dc, d)
+        d, _ = kill_producer_mid_pulls(pair.dc, victim, MODEL, BIG, REQUESTS, "wkill", 7)
+        # Each pull was reported once: no second completion for any of them.
+        extra = pair.dc.poll(d.engine_id, timeout_s=0.5)
+        assert not [e for e in extra if e.request_id.startswith("wkill-")], extra
+        assert not pair.dc.status().pulls
+        deregister_and_check_freed(pair.dc, d)
     finally:
         victim.kill()
         for name in kvd_segments(f"kvd-{victim.name}"):

@@ -12,10 +12,13 @@ rank and waits until the daemons have freed the pools.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +64,36 @@ def stop_and_check_clean(d: DaemonProcess) -> None:
         (SHM_DIR / name).unlink(missing_ok=True)
     assert rc == 0, f"{d.name} exited with {rc}:\n{d.log_path.read_text()[-3000:]}"
     assert not leftovers, f"{d.name} left shm segments {leftovers}"
+
+
+@dataclass
+class Pair:
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    pc: KvdClient
+    dc: KvdClient
+
+
+@contextmanager
+def running_pair(logs: Path, args: list[str]) -> Iterator[Pair]:
+    """A prefill and a decode ``kvd serve`` with ``args``, each with a client; both are
+    stopped and checked clean (no pool left in /dev/shm) on the way out."""
+    prefill = start_daemon(logs, "p", args)
+    try:
+        decode = start_daemon(logs, "d", args)
+    except BaseException:
+        prefill.kill()
+        raise
+    pc, dc = prefill.client(), decode.client()
+    try:
+        yield Pair(prefill, decode, pc, dc)
+    finally:
+        pc.close()
+        dc.close()
+        try:
+            stop_and_check_clean(prefill)
+        finally:
+            stop_and_check_clean(decode)
 
 
 def metric(d: DaemonProcess, name: str, **labels: str) -> float:
@@ -154,3 +187,50 @@ def run_transfer(prefill: DaemonProcess, decode: DaemonProcess, pc: KvdClient, d
     finally:
         deregister_and_check_freed(pc, p)
         deregister_and_check_freed(dc, d)
+
+
+def kill_producer_mid_pulls(dc: KvdClient, victim: DaemonProcess, model: ModelSpec,
+                            shape: EngineShape, requests: int, prefix: str, seed: int
+                            ) -> tuple[Engine, list[bool]]:
+    """Publish ``requests`` pulls' worth of fragmented blocks on ``victim`` (every 8 bytes
+    distinct), pull them all through ``dc``, SIGKILL the victim while a READ runs (best
+    effort: failing earlier is accepted too), and check each outcome: a pull that
+    finished before the kill holds exactly the right bytes, one that failed names every
+    local block invalid and no bytes. Returns the decode engine and the outcomes; at
+    least one pull must have failed (else the kill came too late to test anything)."""
+    with victim.client() as vc:
+        p = register(vc, "pre", model, shape)
+        d = register(dc, "dec", model, shape)
+        src = p.ranks[0].kv
+        words = src.view(np.uint64).reshape(-1)
+        words[:] = np.arange(words.size, dtype=np.uint64)
+        rng = random.Random(seed)
+        p_ids = rng.sample(range(shape.num_blocks), shape.num_blocks)
+        d_ids = rng.sample(range(shape.num_blocks), shape.num_blocks)
+        per = shape.num_blocks // requests
+        reqs = []
+        for i in range(requests):
+            rid = f"{prefix}-{i}"
+            pi, di = p_ids[i * per:(i + 1) * per], d_ids[i * per:(i + 1) * per]
+            vc.publish(p.engine_id, rid, pi)
+            reqs.append((rid, pi, di))
+        for rid, pi, di in reqs:
+            dc.pull(d.engine_id, rid, p.engine_id, victim.peer_address, pi, di)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(
+                j.state == "reading" for j in dc.status().pulls):
+            pass
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(10)
+        outcomes = []
+        dst = d.ranks[0].kv
+        for rid, pi, di in reqs:
+            ev = dc.wait(d.engine_id, rid, "done_recving", timeout_s=30)
+            outcomes.append(ev.ok)
+            if ev.ok:  # pool (L, kv, block, H, T, D): compare whole blocks
+                assert np.array_equal(dst[:, :, di], src[:, :, pi]), rid
+            else:
+                assert ev.invalid_block_ids == di, ev
+                assert ev.nbytes == 0
+        assert not all(outcomes), "the kill landed after every transfer had finished"
+        return d, outcomes
