@@ -17,6 +17,20 @@ import msgspec
 from kvd.errors import KvdError
 from kvd.wire.protocol import PoolHandle
 
+MiB = 1 << 20
+
+
+def torch_segment_nbytes(nbytes: int) -> int:
+    """What torch's CUDA caching allocator asks a pluggable allocator for when one tensor
+    of ``nbytes`` is made inside a MemPool (c10's ``get_allocation_size``): 2 MiB up to
+    1 MiB, 20 MiB below 10 MiB, else a multiple of 2 MiB. vLLM's KV allocation is served
+    from kvd's pool only if the pool holds that much, so pools are allocated this big."""
+    if nbytes <= MiB:
+        return 2 * MiB
+    if nbytes < 10 * MiB:
+        return 20 * MiB
+    return -(-nbytes // (2 * MiB)) * (2 * MiB)
+
 
 def _torch() -> Any:
     import torch
@@ -45,7 +59,10 @@ class CudaPool:
         if not 0 <= device_index < torch.cuda.device_count():
             raise KvdError(f"device_index {device_index} not visible "
                            f"({torch.cuda.device_count()} GPUs)")
-        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}")
+        # The allocation may be larger than the layout (torch_segment_nbytes); NIXL
+        # registers and the engine addresses the first nbytes.
+        tensor = torch.zeros(torch_segment_nbytes(nbytes), dtype=torch.uint8,
+                             device=f"cuda:{device_index}")
         return cls(name=f"{prefix}-cuda{device_index}-{tensor.data_ptr():x}", nbytes=nbytes,
                    device_index=device_index, tensor=tensor)
 
@@ -68,6 +85,10 @@ class MappedCudaPool:
     def tensor(self) -> Any:
         return self.array
 
+    def capacity_nbytes(self) -> int:
+        """The whole allocation the daemon made (at least ``handle.nbytes``)."""
+        return int(self.storage.nbytes())
+
     def adoption_handle(self) -> PoolHandle:
         """As is: a restarted daemon refuses VRAM adoption (designed only,
         docs/operations.md)."""
@@ -84,5 +105,6 @@ def open_cuda_pool(handle: PoolHandle) -> MappedCudaPool:
     storage = torch.UntypedStorage._new_shared_cuda(*args)
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
     flat.set_(storage)
-    tensor = flat.view(getattr(torch, handle.dtype)).view(handle.shape)
+    # The allocation may exceed the layout (torch_segment_nbytes): view the layout's part.
+    tensor = flat[:handle.nbytes].view(getattr(torch, handle.dtype)).view(handle.shape)
     return MappedCudaPool(handle=handle, storage=storage, array=tensor)

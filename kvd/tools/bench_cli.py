@@ -173,6 +173,8 @@ def vram(
     gpu: int = typer.Option(0, "--gpu", help="GPU index both daemons use."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions."),
     kv_layout: str = typer.Option("kv_split", "--kv-layout", help="Pool layout of both engines."),
+    posting_workers: str = typer.Option("auto", "--posting-workers",
+                                        help="posting_workers of both daemons (auto or 1-16)."),
 ) -> None:
     """VRAM -> VRAM: kvd with CUDA IPC pools next to raw NIXL on GPU buffers."""
     from kvd.errors import KvdError
@@ -184,7 +186,7 @@ def vram(
 
     try:
         res = run_vram(nbytes_mib=nbytes_mib, device=device, gpu=gpu, repeats=repeats,
-                       kv_layout=kv_layout)
+                       kv_layout=kv_layout, posting_workers=posting_workers)
     except KvdError as exc:
         _fail(str(exc))
     _report(res, as_json, render_vram, bool(res["verified"]))

@@ -13,6 +13,7 @@ Every NIXL exception is turned into a `TransferError` in one place
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
@@ -35,15 +36,16 @@ INIT_AGENT = "NIXL_INIT_AGENT"  # prep_xfer_dlist's name for "this agent, local 
 
 
 def import_nixl():
-    """The nixl Python API, from the meta package or the CUDA-12 wheel."""
-    try:
-        from nixl import _api  # type: ignore[import-not-found]
-    except ImportError:
+    """The nixl Python API: the meta package, or the CUDA-12 or CUDA-13 wheel (a GPU
+    node with a CUDA 13 driver stack installs nixl-cu13 and nothing else)."""
+    errors = []
+    for package in ("nixl", "nixl_cu12", "nixl_cu13"):
         try:
-            from nixl_cu12 import _api  # type: ignore[import-not-found]
+            return importlib.import_module(f"{package}._api")
         except ImportError as exc:
-            raise KvdError(f"NIXL is not installed ({exc}); pip install nixl-cu12") from None
-    return _api
+            errors.append(f"{package}: {exc}")
+    raise KvdError(f"NIXL is not installed ({'; '.join(errors)}); "
+                   "pip install nixl-cu12 (or nixl-cu13)")
 
 
 @contextmanager

@@ -63,3 +63,70 @@ def test_cuda_pool_is_shared_with_another_process():
     expected = float(torch.tensor([1, 1], dtype=torch.uint8).view(torch.float16).float())
     assert q.get(timeout=5) == int(expected * 4)
     pool.close()
+
+
+def _allocate_inside_pool(handle, q) -> None:
+    """The engine's side, as vLLM does it: one torch.zeros(total_bytes, int8) inside the
+    connector's allocation context, then per-layer views of it."""
+    import torch
+
+    from kvd.integrations.vllm.cuda_alloc import cuda_pool_context
+    from kvd.pool.cuda import open_cuda_pool
+
+    pool = open_cuda_pool(handle)
+    dev = f"cuda:{handle.device_index}"
+    with cuda_pool_context(pool):
+        kv = torch.zeros(handle.nbytes, dtype=torch.int8, device=dev)
+        try:
+            torch.empty(1 << 20, dtype=torch.int8, device=dev)
+            second = "allocated"
+        except RuntimeError:  # torch.OutOfMemoryError: nothing else may land in kvd's pool
+            second = "refused"
+    kv[:64] = torch.arange(64, dtype=torch.int8, device=dev)
+    kv[-64:] = torch.arange(64, dtype=torch.int8, device=dev)
+    torch.cuda.synchronize()
+    q.put((kv.data_ptr() == pool.tensor().data_ptr(), second))
+
+
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: the allocator shim is "
+                    "untested here")
+@pytest.mark.parametrize("nbytes", [3 << 20, (64 << 20) + 4096, 256 << 20])
+def test_allocator_shim_serves_the_kv_allocation_from_kvd_pool(nbytes):
+    """Sizes that torch rounds up (3 MiB -> a 20 MiB segment, 64 MiB + 4 KiB -> 66 MiB):
+    the pool must hold the rounded segment or vLLM's allocation fails."""
+    import torch
+
+    from kvd.pool.cuda import CudaPool
+
+    pool = CudaPool.create("kvd-test", nbytes, 0)
+    handle = pool.handle((nbytes,), "int8")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_allocate_inside_pool, args=(handle, q))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    same_pointer, second = q.get(timeout=5)
+    assert same_pointer, "vLLM's KV tensor is not kvd's pool"
+    assert second == "refused"
+    torch.cuda.synchronize()
+    want = torch.arange(64, dtype=torch.int8, device="cuda:0").view(torch.uint8)
+    assert torch.equal(pool.tensor[:64], want)  # the engine's writes are in kvd's memory
+    assert torch.equal(pool.tensor[nbytes - 64:nbytes], want)
+    pool.close()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: VRAM pulls untested here")
+@pytest.mark.parametrize("workers", ["1", "auto"])
+def test_vram_pull_between_two_daemons_is_byte_exact(workers):
+    """Two kvd serve --device cuda daemons on one GPU: CUDA IPC pools, a pull of random
+    block ids, every block compared with the prefill pool (twice: after a warm-up and
+    after zeroing the decode pool)."""
+    from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
+    from kvd.tools.bench.vram import kvd_pulls
+
+    res = kvd_pulls(64, "cuda", 0, 2, DEFAULT_KV_LAYOUT,
+                    daemon_args=("--set", f"posting_workers={workers}"))
+    assert res["verified"], res["logs"]
+    assert res["nbytes"] >= 60 << 20

@@ -45,8 +45,10 @@ def cuda_pool_context(pool: Any) -> Iterator[None]:
     region = pool.tensor()
     lib_path = build_shim()
     lib = ctypes.CDLL(str(lib_path))
+    # The capacity, not the layout's nbytes: torch asks for a rounded segment
+    # (kvd.pool.cuda.torch_segment_nbytes), which the daemon allocated.
     lib.kvd_set_region(ctypes.c_void_p(int(region.data_ptr())),
-                       ctypes.c_size_t(pool.handle.nbytes))
+                       ctypes.c_size_t(pool.capacity_nbytes()))
     allocator = torch.cuda.memory.CUDAPluggableAllocator(str(lib_path), "kvd_malloc",
                                                          "kvd_free")
     mem_pool = torch.cuda.MemPool(allocator.allocator())

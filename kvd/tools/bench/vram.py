@@ -279,7 +279,9 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
         verified = verified and check_pulled_blocks(
             _host_u16(prank.kv), [_host_u16(drank.kv)], geom, p_ids, d_ids)
         nbytes = ev.nbytes
-        return {"nbytes": nbytes, "blocks": blocks, "pool_blocks": pool_blocks,
+        rails = [{"worker": r.worker, "rail": r.rail, "reads": r.reads, "nbytes": r.nbytes}
+                 for r in dc.status().rails]
+        return {"nbytes": nbytes, "rails": rails, "blocks": blocks, "pool_blocks": pool_blocks,
                 "p_ids": p_ids, "d_ids": d_ids, "geometry": geom.to_json(),
                 "kvd_gbps": round(nbytes / statistics.median(totals) / 1e9, 2),
                 "kvd_daemon_gbps": round(nbytes / statistics.median(daemon) / 1e9, 2),
@@ -293,7 +295,8 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
 
 
 def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats: int = 5,
-             kv_layout: str = DEFAULT_KV_LAYOUT, seed: int = 7) -> dict[str, Any]:
+             kv_layout: str = DEFAULT_KV_LAYOUT, seed: int = 7,
+             posting_workers: str = "auto") -> dict[str, Any]:
     started = time.perf_counter()
     _torch_device(device, gpu)  # refuse early without a GPU
     from kvd.tools.bench.geometry import HOMOGENEOUS, Geometry
@@ -315,7 +318,8 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
         pass
     ceiling = copy_ceiling(nbytes, device, gpu, repeats)
     raw = raw_nixl(pool_blocks * geom.block_nbytes, device, gpu, repeats, sets)
-    kvd = kvd_pulls(nbytes_mib, device, gpu, repeats, kv_layout, seed)
+    kvd = kvd_pulls(nbytes_mib, device, gpu, repeats, kv_layout, seed,
+                    daemon_args=("--set", f"posting_workers={posting_workers}"))
 
     def gbps(name: str, n: int) -> float | None:
         return round(n / statistics.median(raw[name]) / 1e9, 2) if name in raw else None
@@ -323,13 +327,15 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
     pool_nbytes = pool_blocks * geom.block_nbytes
     result = {
         "device": device, "gpu": gpu, "nbytes": nbytes, "kv_layout": kv_layout,
+        "posting_workers": posting_workers,
         "copy_gbps": ceiling,
         "nixl_gbps": gbps("single", pool_nbytes),
         "nixl_kvd_descriptors_fresh_gbps": gbps("kvd_descriptors:fresh", nbytes),
         "nixl_kvd_descriptors_prepped_gbps": gbps("kvd_descriptors:prepped", nbytes),
         "descriptors": len(sets[0][3]) if sets else None,
         "kvd_gbps": kvd["kvd_gbps"], "kvd_daemon_gbps": kvd["kvd_daemon_gbps"],
-        "kvd_ms": kvd["kvd_ms"],
+        "kvd_ms": kvd["kvd_ms"], "rails": kvd["rails"],
+        "posting_workers_used": max(1, len(kvd["rails"])),
         "verified": bool(kvd["verified"] and all(v for k, v in raw.items()
                                                   if k.endswith(":verified"))),
         "raw_verified": {k: v for k, v in raw.items() if k.endswith(":verified")},
@@ -349,7 +355,8 @@ def render_vram(r: dict[str, Any]) -> str:
                                if r["device"] == "cuda" else " (DRAM stand-in)")
     return "\n".join([
         f"VRAM -> VRAM bench on {what}: {r['nbytes'] // MiB} MiB, layout {r['kv_layout']}, "
-        f"random block ids, GB/s (medians)",
+        f"random block ids, posting workers {r.get('posting_workers_used')} "
+        f"({r.get('posting_workers', 'auto')}), GB/s (medians)",
         f"  copy on the device (D2D)          {r['copy_gbps']}",
         f"  raw NIXL READ, 1 descriptor       {r['nixl_gbps']}",
         f"  raw NIXL, kvd's {r['descriptors']} descriptors, fresh list    "
