@@ -102,7 +102,12 @@ class MappedCudaPool:
 def open_cuda_pool(handle: PoolHandle) -> MappedCudaPool:
     torch = _torch()
     args = msgspec.msgpack.decode(handle.ipc_handle)
-    storage = torch.UntypedStorage._new_shared_cuda(*args)
+    # _new_shared_cuda is the C entry point, which does not initialise CUDA itself: in a
+    # process that has not touched CUDA yet it segfaults (seen on an H200). torch's own
+    # rebuild_cuda_tensor initialises first, as here.
+    torch.cuda.init()
+    with torch.cuda.device(handle.device_index):
+        storage = torch.UntypedStorage._new_shared_cuda(*args)
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{handle.device_index}")
     flat.set_(storage)
     # The allocation may exceed the layout (torch_segment_nbytes): view the layout's part.

@@ -3,10 +3,13 @@ those tests skip; what runs everywhere is the clear refusal without a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 
+import kvd
 from kvd.errors import KvdError
 from kvd.tools.localcluster import DaemonProcess
 from kvd.wire.protocol import LayoutSpec, ModelSpec
@@ -39,10 +42,14 @@ def test_cuda_daemon_without_gpu_refuses_registration_clearly(tmp_path):
 
 
 def _open_and_check(handle, q) -> None:
+    import faulthandler
+
+    faulthandler.enable()
     from kvd.pool.cuda import open_cuda_pool
 
     pool = open_cuda_pool(handle)
     q.put(int(pool.tensor().view(-1)[:4].float().sum().item()))
+    pool.close()  # the engine drops its mapping before it exits (see MappedCudaPool.close)
 
 
 @pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: VRAM pools untested here")
@@ -68,10 +75,20 @@ def test_cuda_pool_is_shared_with_another_process():
 def _allocate_inside_pool(handle, q) -> None:
     """The engine's side, as vLLM does it: one torch.zeros(total_bytes, int8) inside the
     connector's allocation context, then per-layer views of it."""
+    import faulthandler
+
+    faulthandler.enable()
     import torch
 
-    from kvd.integrations.vllm.cuda_alloc import cuda_pool_context
     from kvd.pool.cuda import open_cuda_pool
+
+    # By path: kvd.integrations.vllm refuses to import without vLLM, which the shim
+    # itself does not need.
+    path = Path(kvd.__file__).parent / "integrations" / "vllm" / "cuda_alloc.py"
+    spec = importlib.util.spec_from_file_location("kvd_cuda_alloc", path)
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    cuda_pool_context = shim.cuda_pool_context
 
     pool = open_cuda_pool(handle)
     dev = f"cuda:{handle.device_index}"
@@ -86,6 +103,8 @@ def _allocate_inside_pool(handle, q) -> None:
     kv[-64:] = torch.arange(64, dtype=torch.int8, device=dev)
     torch.cuda.synchronize()
     q.put((kv.data_ptr() == pool.tensor().data_ptr(), second))
+    del kv
+    pool.close()
 
 
 @pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: the allocator shim is "
