@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NamedTuple
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines import (
@@ -30,7 +31,7 @@ from kvd.daemon.engines import (
     rank_layout,
 )
 from kvd.daemon.peers import RemoteEngine
-from kvd.daemon.pull_reads import Acquiring, PullJob, PullReads, PullState
+from kvd.daemon.pull_reads import Acquiring, Posted, PullJob, PullReads, PullState
 from kvd.daemon.services import Services
 from kvd.errors import (
     BlockIdError,
@@ -53,6 +54,14 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.consumer")
 
 MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
+
+
+class Head(NamedTuple):
+    """Where `Consumer._pull_now` left a pull for its task: the READs it posted."""
+
+    engine: Engine
+    groups: dict[str, ProducerReads]
+    posted: Posted
 
 
 class Consumer:
@@ -88,7 +97,32 @@ class Consumer:
         self.jobs[job.key] = job
         self.svc.metrics.inflight_transfers.inc()
         job.early = self._early_acquire(job, engine)
-        job.task = self.svc.spawn(self._run(job))
+        head = self._pull_now(job, engine) if job.early is not None else None
+        if job.key in self.jobs:  # not reported already
+            job.task = self.svc.spawn(self._run(job, head))
+
+    def _pull_now(self, job: PullJob, engine: Engine) -> Head | None:
+        """A small pull with its handshake cached, in the engine's request itself (issue
+        23.4): its READ is posted inline before any task or loop turn, and when that READ
+        is done and its Acquire's replies are already here, it is reported now, in this
+        same step. Otherwise the pull's task goes on from where this stopped (the READs
+        it posted: returned), or starts afresh (None: nothing was posted)."""
+        acquiring = job.early
+        assert acquiring is not None
+        remote = acquiring.remote
+        try:
+            groups = self._groups(job, engine, remote)
+        except Exception:  # noqa: BLE001 - the task meets it again, and reports it
+            return None
+        posted = self.reads.post_now(job, engine, remote, groups, acquiring)
+        if posted is None:
+            return None
+        job.remote, job.state = remote, PullState.READING
+        if self.reads.finish_now(job, remote, posted, acquiring):
+            job.early = None
+            self._report(job, "ok", "")
+            return None
+        return Head(engine, groups, posted)
 
     def _early_acquire(self, job: PullJob, engine: Engine) -> Acquiring | None:
         """With the handshake cached and the engine complete, the Acquire leaves now,
@@ -113,16 +147,16 @@ class Consumer:
                 tasks.append(job.task)
         return tasks
 
-    async def _run(self, job: PullJob) -> None:
-        msg, cfg = job.msg, self.svc.cfg
+    async def _run(self, job: PullJob, head: Head | None = None) -> None:
+        msg, cfg, clock = job.msg, self.svc.cfg, self.svc.clock
         # The pull's deadline cancels this very task (clock.wait_for would run the pull in
         # a task of its own: two more loop turns per pull).
         task = asyncio.current_task()
         assert task is not None
-        timer = self.svc.clock.call_later(cfg.transfer_timeout_s,
-                                          lambda: self._time_out(job, task))
+        timer = clock.call_later(max(0.0, cfg.transfer_timeout_s - (clock.now() - job.started_s)),
+                                 lambda: self._time_out(job, task))
         try:
-            await self._pull(job)
+            await self._pull(job, head)
             outcome, error = "ok", ""
         except KvdError as exc:
             # Before TimeoutError: KvdTimeoutError (a handshake or acquire that timed out) is
@@ -192,11 +226,20 @@ class Consumer:
         else:
             self.svc.events.push(job.msg.engine_id, event)
 
-    async def _pull(self, job: PullJob) -> None:
+    async def _pull(self, job: PullJob, head: Head | None = None) -> None:
         msg, svc = job.msg, self.svc
+        tries = 2
+        if head is not None:  # READs posted by _pull_now: go on from there
+            acquiring, job.early = job.early, None
+            assert acquiring is not None and job.remote is acquiring.remote
+            if await self.reads.post_and_wait(job, head.engine, acquiring.remote, head.groups,
+                                              acquiring, head.posted):
+                return
+            svc.peers.forget(msg.engine_id, msg.remote_engine_id)
+            tries = 1
         job.state = PullState.WAITING_RANKS
         engine = await svc.registry.complete(msg.engine_id, svc.cfg.handshake_timeout_s)
-        for _ in range(2):
+        for _ in range(tries):
             job.state = PullState.HANDSHAKING
             remote = job.remote = await svc.peers.remote_engine(engine, msg.remote_engine_id,
                                                                 msg.remote_address)

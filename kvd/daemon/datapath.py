@@ -201,15 +201,19 @@ class DataPath:
         return (sum(int(p.nbytes.sum()) for p in posts) <= INLINE_POST_MAX_BYTES
                 and sum(len(p.nbytes) for p in posts) <= INLINE_POST_MAX_DESCRIPTORS)
 
+    def can_post_now(self, posts: list[ReadPost]) -> bool:
+        """Whether `post_reads_now` would post these (unless the NIXL lock is taken)."""
+        return self._small(posts) and not any(
+            p.peer not in self._posted_to
+            or ((g := self._gates.get(p.peer)) is not None and not g.is_set())
+            for p in posts)
+
     def post_reads_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
         """Post small READs inline and synchronously, or None when that cannot be done now
         (too big, a peer being reloaded, another NIXL call running): ``post_reads`` then.
         Without a coroutine the caller needs no task to keep a post it must not lose
         (issue 12.4: a task and its shield cost two loop turns per small pull)."""
-        if not self._small(posts) or any(
-                p.peer not in self._posted_to
-                or ((g := self._gates.get(p.peer)) is not None and not g.is_set())
-                for p in posts):
+        if not self.can_post_now(posts):
             return None
         if not self._nixl.acquire(blocking=False):
             return None

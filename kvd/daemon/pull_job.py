@@ -122,13 +122,36 @@ class Acquiring:
                     got.append(await fut)
                 except Exception as exc:  # noqa: BLE001 - every reply is looked at first
                     got.append(exc)
-            self.job.acquired = [a for a, r in zip(addrs, got, strict=True)
-                                 if not isinstance(r, BaseException)]
-            for r in got:
-                if isinstance(r, BaseException):
-                    self._error = r
-                    raise r
-            self._replies = dict(zip(addrs, got, strict=True))  # type: ignore[arg-type]
+            self._collect(addrs, got)
+        return self._current()
+
+    def settle_now(self) -> bool | None:
+        """`settle` without waiting: None when some reply has not come yet (those already
+        queued are taken first) or when one is an error (`settle` then raises it, with
+        its bookkeeping, on the pull's task); else what `settle` returns."""
+        if self._error is not None:
+            return None
+        if self._replies is None:
+            if not all(f.done() for f in self._futures.values()):
+                self._take_ready(list(self._futures))
+            futs = self._futures.values()
+            if not all(f.done() and not f.cancelled() and f.exception() is None
+                       for f in futs):
+                return None
+            self._collect(list(self._futures), [f.result() for f in futs])
+        return self._current()
+
+    def _collect(self, addrs: list[str], got: list[Reply | BaseException]) -> None:
+        self.job.acquired = [a for a, r in zip(addrs, got, strict=True)
+                             if not isinstance(r, BaseException)]
+        for r in got:
+            if isinstance(r, BaseException):
+                self._error = r
+                raise r
+        self._replies = dict(zip(addrs, got, strict=True))  # type: ignore[arg-type]
+
+    def _current(self) -> bool:
+        assert self._replies is not None
         daemons = self.remote.daemons
         return all(r.instance == daemons[a].instance and r.body.epoch == daemons[a].epoch
                    for a, r in self._replies.items())

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import time
+from typing import NamedTuple
 
 from kvd.daemon.datapath import PostResult, XferState
 from kvd.daemon.engines import Engine
@@ -51,7 +52,18 @@ PROBE_TIMEOUT_S = 0.5
 # READ's notice arrives, which may be a moment before we see the READ done ourselves.
 LOST_GRACE_S = 0.05
 
-__all__ = ["Acquiring", "PullJob", "PullReads", "PullState"]  # consumer's one import
+__all__ = ["Acquiring", "Posted", "PullJob", "PullReads", "PullState"]  # consumer's import
+
+Notice = tuple[str, P.ReadNotice]  # (producer agent, its notice)
+
+
+class Posted(NamedTuple):
+    """READs a pull posted inline when its request came (`PullReads.post_now`)."""
+
+    posts: list[ReadPost]
+    notices: list[Notice]
+    results: list[PostResult]
+    posted_s: float
 
 
 class PullReads:
@@ -61,29 +73,32 @@ class PullReads:
         self.svc = svc
         self.quarantine = Quarantine(svc)
 
-    async def post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
-                            groups: dict[str, ProducerReads], acquiring: Acquiring) -> bool:
-        """Read every group, then notify each producer; False (nothing kept: READs
-        released, pools unpinned) when the Acquire found the cached handshake stale."""
-        msg, svc = job.msg, self.svc
+    def build(self, job: PullJob, engine: Engine, remote: RemoteEngine,
+              groups: dict[str, ProducerReads]) -> tuple[list[ReadPost], list[Notice]]:
+        """The pull's READs (one per producer daemon with descriptors) and its notices
+        (one per producer daemon); sets ``job.nbytes`` and ``job.descriptors``."""
+        msg = job.msg
         posts, notices = [], []
         job.nbytes = job.descriptors = 0
-        # Pools named so that the data path posts through prepared lists (issue 12.1);
-        # not for a few descriptors: the lookup then costs more than NIXL's validation.
-        local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
-                            for r in engine.live_ranks())
+        local_pools: tuple[PoolSpan, ...] | None = None
         for g in groups.values():
             notices.append((g.owner, P.ReadNotice(
                 request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
                 consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes)))
             if not g.descriptors:  # nothing to read from this daemon: notification only
                 continue
+            # Pools named so that the data path posts through prepared lists (issue
+            # 12.1); not for a few descriptors: the lookup then costs more than NIXL's
+            # validation.
             prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS
+            if prepped and local_pools is None:
+                local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
+                                    for r in engine.live_ranks())
             posts.append(ReadPost(peer=g.owner, local_addrs=g.local_addrs,
                                   remote_addrs=g.remote_addrs, nbytes=g.nbytes,
                                   mem_type=remote.desc.mem_type, notif=b"",
                                   local_devs=g.local_devs, remote_devs=g.remote_devs,
-                                  local_pools=local_pools if prepped else (),
+                                  local_pools=local_pools if prepped and local_pools else (),
                                   remote_pools=tuple(
                                       PoolSpan(rr.desc.base_addr, rr.desc.nbytes,
                                                rr.desc.device_id)
@@ -91,18 +106,78 @@ class PullReads:
                                       if rr.agent == g.owner) if prepped else ()))
             job.nbytes += g.total_nbytes
             job.descriptors += g.descriptors
-        # Only a small pull posts before the Acquire's reply, unless its publish receipt
-        # rules out a read-again: the early post saves up to a round trip, which is most
-        # of a small pull, and a read-again (a young hold) costs a whole READ.
-        early = job.nbytes <= EARLY_POST_MAX_BYTES or all(
+        return posts, notices
+
+    @staticmethod
+    def posts_early(job: PullJob, posts: list[ReadPost], acquiring: Acquiring) -> bool:
+        """Only a small pull posts before the Acquire's reply, unless its publish receipt
+        rules out a read-again: the early post saves up to a round trip, which is most
+        of a small pull, and a read-again (a young hold) costs a whole READ."""
+        return job.nbytes <= EARLY_POST_MAX_BYTES or all(
             acquiring.receipted(p.peer) for p in posts)
-        if (not posts or acquiring.answered or not early) and not await acquiring.settle():
-            return False
-        if posts:
+
+    def post_now(self, job: PullJob, engine: Engine, remote: RemoteEngine,
+                 groups: dict[str, ProducerReads], acquiring: Acquiring) -> Posted | None:
+        """A small pull's READs posted inline, now, before its Acquire's reply (issue
+        23.4: in the engine's request itself, no task or loop turn before the READ);
+        None, with nothing posted or pinned, when that cannot be done now: the pull's
+        task then takes the usual path. Raises nothing a pull would report: the task
+        meets the same condition again and reports it."""
+        try:
+            posts, notices = self.build(job, engine, remote, groups)
+            if (not posts or acquiring.answered or not self.posts_early(job, posts, acquiring)
+                    or not self.svc.datapath.can_post_now(posts)):
+                return None
             self.quarantine.check_room(job.nbytes)
-            posted_s = svc.clock.now()
-            results = await self._post(job, engine, posts)
-            if not acquiring.settled:
+        except KvdError:
+            return None
+        posted_s = self.svc.clock.now()
+        self._pin(job, engine)
+        results = self._posted(job, self.svc.datapath.post_reads_now(posts), time.perf_counter())
+        if results is None:  # the NIXL lock was taken meanwhile (a thread): not posted
+            self.quarantine.unpin(job)
+            return None
+        return Posted(posts, notices, results, posted_s)
+
+    def finish_now(self, job: PullJob, remote: RemoteEngine, posted: Posted,
+                   acquiring: Acquiring) -> bool:
+        """Whether the pull ended well now, in this same step: every READ done inline,
+        every Acquire answered (replies already queued are taken), none stale, none
+        younger than the READ. Then its pools are unpinned and its notices ready, and the
+        caller reports it; else nothing is changed and the pull's task goes on from
+        ``posted`` (`post_and_wait`), which judges every other outcome as usual."""
+        if any(r.error is not None or not r.done for r in posted.results):
+            return False
+        if acquiring.settle_now() is not True or any(
+                acquiring.may_predate_publish(p.peer, posted.posted_s) for p in posted.posts):
+            return False
+        self._notices(job, remote, posted.notices)
+        self.quarantine.unpin(job)
+        return True
+
+    async def post_and_wait(self, job: PullJob, engine: Engine, remote: RemoteEngine,
+                            groups: dict[str, ProducerReads], acquiring: Acquiring,
+                            posted: Posted | None = None) -> bool:
+        """Read every group, then notify each producer; False (nothing kept: READs
+        released, pools unpinned) when the Acquire found the cached handshake stale.
+        ``posted``: the READs `post_now` posted already (the rest goes on from there)."""
+        svc = self.svc
+        if posted is not None:  # before any reply was seen (post_now)
+            posts, notices, results, posted_s = posted
+            checked = False
+        else:
+            posts, notices = self.build(job, engine, remote, groups)
+            early = self.posts_early(job, posts, acquiring)
+            if (not posts or acquiring.answered or not early) and not await acquiring.settle():
+                return False
+            results = []
+            checked = acquiring.settled  # the replies were judged before posting
+            if posts:
+                self.quarantine.check_room(job.nbytes)
+                posted_s = svc.clock.now()
+                results = await self._post(job, engine, posts)
+        if posts:
+            if not checked:
                 if not await acquiring.settle():
                     await self._discard(job)
                     return False
@@ -111,7 +186,7 @@ class PullReads:
                     # benchmark); rare in service, where the prefill's answer goes
                     # through the router first.
                     log.debug("READ posted before the request's hold was seen to be older: "
-                              "reading again", extra={"request_id": msg.request_id})
+                              "reading again", extra={"request_id": job.msg.request_id})
                     # The first READs must end before new ones go out, and a big READ can
                     # outlast a lease: keep the producers' leases alive meanwhile.
                     job.reading_from = {r.xfer_id: p.peer for p, r in
@@ -135,11 +210,14 @@ class PullReads:
             finally:
                 if hb is not None:
                     hb.cancel()
-        # Every READ is done and every Acquire answered: the producers may count them, as
-        # soon as the pull is reported (kvd.daemon.consumer sends them).
+        self._notices(job, remote, notices)
+        return True
+
+    def _notices(self, job: PullJob, remote: RemoteEngine, notices: list[Notice]) -> None:
+        """Every READ is done and every Acquire answered: the producers may count them, as
+        soon as the pull is reported (kvd.daemon.consumer sends them)."""
         job.notices = [functools.partial(self._notify, job, remote, agent, notice)
                        for agent, notice in notices]
-        return True
 
     def _notify(self, job: PullJob, remote: RemoteEngine, agent: str,
                 notice: P.ReadNotice) -> None:
@@ -173,15 +251,32 @@ class PullReads:
             log.info("READ notice to %s not delivered (%s); the lease will release the "
                      "request", agent, exc, extra={"request_id": job.msg.request_id})
 
+    @staticmethod
+    def _pin(job: PullJob, engine: Engine) -> None:
+        for r in engine.live_ranks():
+            r.pins += 1
+            job.pinned.append(r)
+
+    def _posted(self, job: PullJob, results: list[PostResult] | None, t0: float
+                ) -> list[PostResult] | None:
+        """Note the handles of posted READs (None: nothing was posted) and count them."""
+        if results is None:
+            return None
+        job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
+        job.live = set(job.xfers)
+        m = self.svc.metrics
+        m.post_duration.observe(time.perf_counter() - t0)
+        m.descriptors_posted.inc(job.descriptors)
+        m.reads_posted([r.timing for r in results])
+        return results
+
     async def _post(self, job: PullJob, engine: Engine, posts: list[ReadPost]
                     ) -> list[PostResult]:
         """Pin the local pools and post, recording the handles even when cancelled
         meanwhile: the READs exist on the NIXL thread either way, and must be released
         before the pools are unpinned."""
         svc = self.svc
-        for r in engine.live_ranks():
-            r.pins += 1
-            job.pinned.append(r)
+        self._pin(job, engine)
         t0 = time.perf_counter()
         results = svc.datapath.post_reads_now(posts)  # a small post: no task, no loop turn
         if results is None:
@@ -189,16 +284,11 @@ class PullReads:
             try:
                 results = await asyncio.shield(post)
             except asyncio.CancelledError:
-                results = await post
-                job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
-                job.live = set(job.xfers)
+                self._posted(job, await post, t0)
                 raise
-        job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
-        job.live = set(job.xfers)
-        svc.metrics.post_duration.observe(time.perf_counter() - t0)
-        svc.metrics.descriptors_posted.inc(job.descriptors)
-        svc.metrics.reads_posted([r.timing for r in results])
-        return results
+        posted = self._posted(job, results, t0)
+        assert posted is not None
+        return posted
 
     async def _discard(self, job: PullJob) -> None:
         """READs whose bytes are not trusted: let them end (failed or not; a new READ

@@ -75,6 +75,12 @@ class Quarantine:
         if job.xfers:
             xfers, job.xfers = job.xfers, []
             await asyncio.shield(self._settle_and_release(job, xfers))
+        self.unpin(job)
+
+    @staticmethod
+    def unpin(job: PullJob) -> None:
+        """Unpin the pull's local pools: only once no READ of it can land any more."""
+        assert not job.xfers, "unpinned with transfer handles not released"
         for r in job.pinned:
             r.pins -= 1
         job.pinned = []
