@@ -69,9 +69,9 @@ class Consumer:
         self.svc = svc
         self.jobs: dict[tuple[str, str], PullJob] = {}
         self.plans = PlanCache()
-        # (engine, peer engine) -> (prepared assembly, the handshake, parallelism, model)
-        self._ready: dict[tuple[str, str], tuple[PreparedPull, RemoteEngine, Parallelism,
-                                                 P.ModelSpec]] = {}
+        # (engine, peer engine) -> (prepared assembly, the handshake, the engine and its
+        # epoch: both change with every rank that registers or leaves)
+        self._ready: dict[tuple[str, str], tuple[PreparedPull, RemoteEngine, Engine, int]] = {}
         self.reads = PullReads(svc)
 
     def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
@@ -207,6 +207,10 @@ class Consumer:
         # Metrics and the log after the engine's answer (issue 23.4: off its path); in the
         # same loop turn, so no later request sees them stale.
         m = svc.metrics
+        for post_s, descriptors, timings in job.posted:
+            m.post_duration.observe(post_s)
+            m.descriptors_posted.inc(descriptors)
+            m.reads_posted(timings)
         m.inflight_transfers.dec()
         m.transfer_finished("consumer", outcome, job.nbytes, duration_s)
         if invalid:
@@ -288,27 +292,26 @@ class Consumer:
 
     def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
         """The assembly's inputs, bound once per (engine, peer engine) and reused while
-        they stay the same: the local pools (compared, so a rank that re-registered or
-        left is seen), the handshake (identity: a new one is a new object) and the
-        engine's geometry (issue 23.4: a small pull rebuilt them every time)."""
-        local = tuple(RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
-                      for r in engine.live_ranks())
-        owners = tuple(d.agent for d in remote.daemons.values())
+        they stay the same: the local pools and geometry (the engine's epoch changes
+        with every rank that registers or leaves) and the handshake (identity: a new one
+        is a new object) (issue 23.4: a small pull rebuilt them every time)."""
         key = (engine.engine_id, remote.desc.engine_id)
         hit = self._ready.get(key)
         m = self.svc.metrics
-        if (hit is not None and hit[1] is remote and hit[2] == engine.par
-                and hit[3] == engine.model and hit[0].local_ranks == local
-                and hit[0].owners == owners):
+        if (hit is not None and hit[1] is remote and hit[2] is engine
+                and hit[3] == engine.epoch):
             m.plan_cache_hits.inc()
             return hit[0]
+        local = tuple(RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
+                      for r in engine.live_ranks())
+        owners = tuple(d.agent for d in remote.daemons.values())
         rpar, remote_pools = self._remote_pools(remote)
         plan, cached = self.plans.get(geometry(engine.model), rpar, engine.par)
         (m.plan_cache_hits if cached else m.plan_cache_misses).inc()
         prepared = prepare_pull(plan, local, remote_pools, owners)
         if len(self._ready) >= MAX_PREPARED:
             self._ready.clear()
-        self._ready[key] = (prepared, remote, engine.par, engine.model)
+        self._ready[key] = (prepared, remote, engine, engine.epoch)
         return prepared
 
     @staticmethod

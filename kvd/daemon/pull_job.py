@@ -10,6 +10,7 @@ import asyncio
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.daemon.engines import Engine, EngineRank
 from kvd.daemon.peerconn import Reply
@@ -50,6 +51,8 @@ class PullJob:
     early: Acquiring | None = None  # the Acquire sent when the Pull came (cached handshake)
     reply_to: tuple[bytes, int] | None = None  # (identity, request id): answer when done
     notices: list[Callable[[], None]] = field(default_factory=list)  # sent once reported
+    # per post: (seconds, descriptors, PostTiming per READ), for the metrics once reported
+    posted: list[tuple[float, int, list[Any]]] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str]:

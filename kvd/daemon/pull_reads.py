@@ -264,10 +264,9 @@ class PullReads:
             return None
         job.xfers = [r.xfer_id for r in results if r.xfer_id is not None]
         job.live = set(job.xfers)
-        m = self.svc.metrics
-        m.post_duration.observe(time.perf_counter() - t0)
-        m.descriptors_posted.inc(job.descriptors)
-        m.reads_posted([r.timing for r in results])
+        # counted in the metrics once the engine has its answer (Consumer._report)
+        job.posted.append((time.perf_counter() - t0, job.descriptors,
+                           [r.timing for r in results]))
         return results
 
     async def _post(self, job: PullJob, engine: Engine, posts: list[ReadPost]

@@ -9,11 +9,14 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvd.tools.bench.floor import POOL_BLOCKS as FLOOR_MIN_PULLS
+from kvd.tools.bench.floor import floor_result
 from kvd.tools.bench.geometry import (
     DEFAULT_SHM_DIR,
     Geometry,
@@ -74,7 +77,12 @@ def timed_pull(pc: Any, dc: Any, prefill_addr: str, deng: str, rid: str, p_ids: 
 def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_blocks: int,
               p_ids: list[int], d_ids: list[int], repeats: int, latency_pulls: int,
               log_dir: Path, shm_dir: str = DEFAULT_SHM_DIR, concurrent_pulls: int = 16,
-              daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
+              daemon_args: tuple[str, ...] = (), raw: Any = None,
+              floor: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """``raw``: a `kvd.tools.bench.raw.RawStream` to time between kvd's repeats (each
+    scenario's ``nixl_shm_interleaved_ms``), or None. ``floor``: makes the
+    `kvd.tools.bench.floor.FloorPipeline` whose pulls alternate with kvd's 1-block
+    pulls (the floor's figures then join ``latency``), or None."""
     from kvd.tools.localcluster import DaemonProcess
 
     model = geom.model()
@@ -110,12 +118,21 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             t, _, ev = pull(f"{deng}-warm", p_ids, d_ids)
             r["warmup_ms"] = fmt_ms(t)
             r["verified_warmup"] = check_pulled_blocks(pkvs, dkvs, geom, p_ids, d_ids)
-            totals, daemon = [], []
+            totals, daemon, raw_s = [], [], []
             before = _posting(decode)
             for i in range(repeats):
+                # kvd and the raw stream take turns, each first every other repeat: the
+                # same background load falls on both
+                if raw is not None and i % 2:
+                    raw_s.append(raw.read())
                 t, _, ev = pull(f"{deng}-{i}", p_ids, d_ids)
                 totals.append(t)
                 daemon.append(ev.duration_s)
+                if raw is not None and not i % 2:
+                    raw_s.append(raw.read())
+            if raw_s:
+                r["nixl_shm_interleaved_ms"] = [fmt_ms(x) for x in raw_s]
+                r["nixl_gbps_shm_interleaved"] = fmt_gbps(raw.nbytes, statistics.median(raw_s))
             r["nbytes"] = ev.nbytes
             r["kvd_ms"] = [fmt_ms(x) for x in totals]
             r["kvd_gbps"] = fmt_gbps(ev.nbytes, statistics.median(totals))
@@ -133,7 +150,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
             out["scenarios"][scn.name] = r
             if scn.decode_tp == 1 and scn.prefill_tp == 1 and latency_pulls > 0:
                 out["latency"] = _latency(pc, dc, addr, deng, p_ids[:1], d_ids[:1],
-                                          latency_pulls, peng)
+                                          latency_pulls, peng, floor)
             if scn.decode_tp == 1 and scn.prefill_tp == 1 and concurrent_pulls > 0:
                 out["concurrency"] = _concurrency(pc, dc, addr, deng, peng, geom, pool_blocks,
                                                   concurrent_pulls, repeats, pkvs, dkvs)
@@ -170,16 +187,29 @@ def posting_delta(before: tuple[float, ...], after: tuple[float, ...]) -> dict[s
 
 
 def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
-             d_ids: list[int], pulls: int, peng: str = "prefill") -> dict[str, Any]:
+             d_ids: list[int], pulls: int, peng: str = "prefill",
+             floor: Callable[[], Any] | None = None) -> dict[str, Any]:
     for i in range(max(10, pulls // 10)):
         timed_pull(pc, dc, prefill_addr, deng, f"lat-warm-{i}", p_ids, d_ids, peng)
-    pull_s, total_s, daemon_s = [], [], []
-    for i in range(pulls):
-        total, pull, ev = timed_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids, d_ids,
-                                     peng)
-        pull_s.append(pull)
-        total_s.append(total)
-        daemon_s.append(ev.duration_s)
+    pipeline = floor() if floor is not None else None
+    pull_s, total_s, daemon_s, floor_s = [], [], [], []
+    try:
+        for i in range(pulls):
+            # kvd and the floor take turns pull by pull, each first every other time
+            if pipeline is not None and i % 2:
+                floor_s.append(pipeline.pull())
+            total, pull, ev = timed_pull(pc, dc, prefill_addr, deng, f"lat-{i}", p_ids,
+                                         d_ids, peng)
+            pull_s.append(pull)
+            total_s.append(total)
+            daemon_s.append(ev.duration_s)
+            if pipeline is not None and not i % 2:
+                floor_s.append(pipeline.pull())
+        while pipeline is not None and pipeline.pulls < FLOOR_MIN_PULLS:
+            pipeline.pull()  # every block of its pool read once: then it can be checked
+    finally:
+        verified = pipeline.close() if pipeline is not None else None
+    floor_figures = floor_result(floor_s, verified) if pipeline is not None else {}
     # daemon: the decode daemon's own pull duration (accepted -> done), without the
     # client's Pull round trip and the event's long-poll delivery.
     return {"pull_1block_p50_ms": fmt_ms(fmt_pct(pull_s, 50)),
@@ -187,7 +217,7 @@ def _latency(pc: Any, dc: Any, prefill_addr: str, deng: str, p_ids: list[int],
             "pull_1block_daemon_p50_ms": fmt_ms(fmt_pct(daemon_s, 50)),
             "pull_1block_daemon_p99_ms": fmt_ms(fmt_pct(daemon_s, 99)),
             "pull_1block_with_publish_p50_ms": fmt_ms(fmt_pct(total_s, 50)),
-            "pull_1block_nbytes": ev.nbytes, "pull_1block_samples": pulls}
+            "pull_1block_nbytes": ev.nbytes, "pull_1block_samples": pulls, **floor_figures}
 
 
 CONC_PULL_NBYTES = 32 * MiB
@@ -204,10 +234,11 @@ def _concurrency(pc: Any, dc: Any, addr: str, deng: str, peng: str, geom: Geomet
     src = random.Random(11).sample(range(pool_blocks), per)
     dst = [list(range(i * per, (i + 1) * per)) for i in range(pulls)]
     timed_pull(pc, dc, addr, deng, "conc-warm", src, dst[0], peng)
-    single = [timed_pull(pc, dc, addr, deng, f"conc-1-{i}", src, dst[0], peng)[1]
-              for i in range(max(3, repeats))]
-    agg = []
-    for rep in range(max(3, repeats // 2)):
+    single, agg = [], []
+    for rep in range(max(3, repeats)):
+        # one pull alone, then the concurrent round (issue 23: taking turns, both see
+        # the same background load)
+        single.append(timed_pull(pc, dc, addr, deng, f"conc-1-{rep}", src, dst[0], peng)[1])
         rids = [f"conc-{pulls}-{rep}-{i}" for i in range(pulls)]
         receipts = [pc.publish(peng, rid, src) for rid in rids]
         t0 = time.perf_counter()

@@ -134,51 +134,89 @@ def _serve_decode(conn: Any, stop: Any, meta: bytes, remote_base: int, nbytes: i
     del owner
 
 
+class FloorPipeline:
+    """The floor's three processes, kept running so that its pulls can be timed between
+    kvd's own (issue 23: both then see the same background load). Its processes wait
+    in ``poll`` between pulls, as idle daemons do: they take no core from kvd."""
+
+    def __init__(self, block_nbytes: int, shm_dir: str = DEFAULT_SHM_DIR, warmup: int = 50
+                 ) -> None:
+        import zmq
+
+        from kvd.tools.localcluster import free_port
+
+        nbytes = block_nbytes * POOL_BLOCKS
+        ctx = mp.get_context("spawn")
+        p_parent, p_child = ctx.Pipe()
+        self._d_parent, d_child = ctx.Pipe()
+        self._stop = ctx.Event()
+        p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        self._prefill = spawn(ctx, _serve_prefill, p_child, self._stop, nbytes, shm_dir,
+                              p_addr)
+        self._decode = None
+        self._zctx = zmq.Context()
+        self.pulls = 0
+        try:
+            meta, remote_base = hear(p_parent, START_TIMEOUT_S, "floor: the prefill process")
+            self._decode = spawn(ctx, _serve_decode, d_child, self._stop, meta, remote_base,
+                                 nbytes, block_nbytes, shm_dir, d_addr, p_addr)
+            hear(self._d_parent, START_TIMEOUT_S, "floor: the decode process")
+            self._to_decode = self._zctx.socket(zmq.DEALER)
+            self._to_prefill = self._zctx.socket(zmq.DEALER)
+            for sock, addr in ((self._to_decode, d_addr), (self._to_prefill, p_addr)):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, int(START_TIMEOUT_S * 1000))
+                sock.connect(addr)
+            for _ in range(warmup):
+                self.pull()
+        except BaseException:
+            self._end()
+            raise
+
+    def pull(self) -> float:
+        """Seconds of one floor pull at the engine (publish and done_sending around it,
+        untimed, as kvd's latency loop paces its pulls)."""
+        self._to_prefill.send(b"publish" * 16)
+        self._to_prefill.recv()
+        t0 = time.perf_counter()
+        self._to_decode.send(b"pull" * 64)
+        self._to_decode.recv()
+        seconds = time.perf_counter() - t0
+        self._to_prefill.send(b"wait" * 8)
+        self._to_prefill.recv()
+        self.pulls += 1
+        return seconds
+
+    def close(self) -> bool | None:
+        """Stop the processes; whether every block read arrived intact (None: too few
+        pulls to have read each block)."""
+        self._to_decode.close(0)
+        self._to_prefill.close(0)
+        self._stop.set()
+        try:
+            return (self._d_parent.recv() if self._d_parent.poll(START_TIMEOUT_S)
+                    else None)
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        end_children(self._stop, self._decode, self._prefill)
+        self._zctx.term()
+
+
+def floor_result(times: list[float], verified: bool | None) -> dict[str, Any]:
+    return {"floor_1block_p50_ms": fmt_ms(fmt_pct(times, 50)),
+            "floor_1block_p99_ms": fmt_ms(fmt_pct(times, 99)),
+            "floor_1block_samples": len(times), "floor_verified": bool(verified)}
+
+
 def bench_floor(block_nbytes: int, pulls: int, shm_dir: str = DEFAULT_SHM_DIR,
                 warmup: int = 50) -> dict[str, Any]:
     """p50/p99 of the floor pipeline's pulls (engine side, like kvd's latency figures),
     and whether the blocks read arrived intact."""
-    import zmq
-
-    from kvd.tools.localcluster import free_port
-
-    nbytes = block_nbytes * POOL_BLOCKS
-    ctx = mp.get_context("spawn")
-    p_parent, p_child = ctx.Pipe()
-    d_parent, d_child = ctx.Pipe()
-    stop = ctx.Event()
-    p_addr, d_addr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    prefill = spawn(ctx, _serve_prefill, p_child, stop, nbytes, shm_dir, p_addr)
-    decode = None
-    zctx = zmq.Context()
+    floor = FloorPipeline(block_nbytes, shm_dir, warmup)
     try:
-        meta, remote_base = hear(p_parent, START_TIMEOUT_S, "floor: the prefill process")
-        decode = spawn(ctx, _serve_decode, d_child, stop, meta, remote_base, nbytes,
-                       block_nbytes, shm_dir, d_addr, p_addr)
-        hear(d_parent, START_TIMEOUT_S, "floor: the decode process")
-        to_decode, to_prefill = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
-        for sock, addr in ((to_decode, d_addr), (to_prefill, p_addr)):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, int(START_TIMEOUT_S * 1000))
-            sock.connect(addr)
-        times = []
-        for i in range(warmup + max(pulls, POOL_BLOCKS)):
-            to_prefill.send(b"publish" * 16)
-            to_prefill.recv()
-            t0 = time.perf_counter()
-            to_decode.send(b"pull" * 64)
-            to_decode.recv()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            to_prefill.send(b"wait" * 8)
-            to_prefill.recv()
-        to_decode.close(0)
-        to_prefill.close(0)
-        stop.set()
-        verified = d_parent.recv() if d_parent.poll(START_TIMEOUT_S) else None
+        times = [floor.pull() for _ in range(max(pulls, POOL_BLOCKS))]
     finally:
-        end_children(stop, decode, prefill)
-        zctx.term()
-    return {"floor_1block_p50_ms": fmt_ms(fmt_pct(times, 50)),
-            "floor_1block_p99_ms": fmt_ms(fmt_pct(times, 99)),
-            "floor_1block_samples": len(times), "floor_verified": bool(verified)}
+        verified = floor.close()
+    return floor_result(times, verified)

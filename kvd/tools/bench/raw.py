@@ -105,8 +105,10 @@ def new_agent(name: str) -> Any:
 
 
 def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
-                 kinds: tuple[str, ...] = MEMORY_KINDS) -> None:
-    """Spawned: owns the source buffers and polls notifications until told to stop."""
+                 kinds: tuple[str, ...] = MEMORY_KINDS, poll_s: float = 0.0) -> None:
+    """Spawned: owns the source buffers and polls notifications until told to stop:
+    continuously, or every ``poll_s`` (as kvd's producer does while READs come in; a
+    target that spins would take a core from kvd measured meanwhile, `RawStream`)."""
     agent = new_agent(f"bench-target-{os.getpid()}")
     bases, keep = {}, []
     for kind in kinds:
@@ -118,9 +120,11 @@ def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
     conn.send((bytes(agent.get_agent_metadata()), bases))
     notifs = 0
     while not stop.is_set():
-        for _ in range(256):
+        for _ in range(1 if poll_s else 256):
             for msgs in agent.get_new_notifs().values():
                 notifs += len(msgs)
+        if poll_s:
+            stop.wait(poll_s)
     conn.send(notifs)
 
 
@@ -196,6 +200,82 @@ def bench_nixl(local_nbytes: int, remote_nbytes: int, sets: list[DescSet], repea
         return res
     finally:
         end_children(stop, initiator, target)
+
+
+def _nixl_stream(conn: Any, meta: bytes, remote_base: int, nbytes: int, shm_dir: str) -> None:
+    """Spawned: one descriptor of ``nbytes`` on shm like kvd's pools, READ once per
+    request on ``conn`` (timed like `_nixl_initiator`'s sets), until told None."""
+    agent = new_agent(f"bench-stream-{os.getpid()}")
+    buf, owner = alloc_buffer("shm", nbytes, shm_dir)
+    buf.fill(0xFF)  # pre-fault
+    agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+    peer = agent.add_remote_agent(meta)
+    local = np.array([[int(buf.ctypes.data), nbytes, 0]], dtype=np.uint64)
+    remote = np.array([[remote_base, nbytes, 0]], dtype=np.uint64)
+
+    def read() -> float:
+        t0 = time.perf_counter()
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote, "DRAM"), peer, b"bench")
+        state = agent.transfer(handle)
+        while state != "DONE":
+            if state == "ERR":
+                raise RuntimeError("raw NIXL stream READ failed")
+            state = agent.check_xfer_state(handle)
+        seconds = time.perf_counter() - t0
+        agent.release_xfer_handle(handle)
+        return seconds
+
+    read()  # warm: connection, page faults
+    conn.send("ready")
+    while conn.recv() is not None:
+        conn.send(read())
+    conn.send(check_test_pattern(buf))
+    del owner
+
+
+class RawStream:
+    """One raw NIXL READ stream kept open beside kvd (two spawned processes, shm
+    memory like kvd's pools, one descriptor: the best single stream), so that the bench
+    can time it between kvd's own repeats: both then see the same background load,
+    where a baseline measured a minute earlier need not (issue 23). Its target polls
+    every millisecond, as kvd's producer does, rather than spin a core away from kvd."""
+
+    def __init__(self, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR,
+                 timeout_s: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self._t_parent, t_child = ctx.Pipe()
+        self._conn, s_child = ctx.Pipe()
+        self._stop = ctx.Event()
+        self._timeout_s = timeout_s
+        self.nbytes = nbytes
+        self._target = spawn(ctx, _nixl_target, t_child, self._stop, nbytes, shm_dir,
+                             ("shm",), 0.001)
+        self._stream = None
+        try:
+            meta, bases = hear(self._t_parent, timeout_s, "NIXL stream target")
+            self._stream = spawn(ctx, _nixl_stream, s_child, meta, bases["shm"], nbytes,
+                                 shm_dir)
+            hear(self._conn, timeout_s, "NIXL stream initiator")
+        except BaseException:
+            end_children(self._stop, self._stream, self._target)
+            raise
+
+    def read(self) -> float:
+        """Seconds of one READ of ``nbytes``."""
+        self._conn.send(True)
+        return float(hear(self._conn, self._timeout_s, "NIXL stream initiator"))
+
+    def close(self) -> bool:
+        """Stop both processes; whether the last READ delivered the expected bytes."""
+        try:
+            self._conn.send(None)
+            return bool(hear(self._conn, self._timeout_s, "NIXL stream initiator"))
+        finally:
+            self._stop.set()
+            if self._t_parent.poll(10):  # the target's last word (its notification count)
+                self._t_parent.recv()
+            end_children(self._stop, self._stream, self._target)
 
 
 def spawn(ctx: Any, target: Any, *args: Any) -> Any:
