@@ -18,6 +18,9 @@ from kvd.tools.bench.geometry import DEFAULT_SHM_DIR, fmt_gbps
 
 MEMORY_KINDS = ("anon", "shm")
 
+# RawStream: how long its target spins before each READ starts
+SPIN_UP_S = 0.02
+
 # (name, memory kind, local offsets, remote offsets, sizes)
 DescSet = tuple[str, str, np.ndarray, np.ndarray, np.ndarray]
 
@@ -105,10 +108,11 @@ def new_agent(name: str) -> Any:
 
 
 def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
-                 kinds: tuple[str, ...] = MEMORY_KINDS, poll_s: float = 0.0) -> None:
-    """Spawned: owns the source buffers and polls notifications until told to stop:
-    continuously, or every ``poll_s`` (as kvd's producer does while READs come in; a
-    target that spins would take a core from kvd measured meanwhile, `RawStream`)."""
+                 kinds: tuple[str, ...] = MEMORY_KINDS, spin: Any = None) -> None:
+    """Spawned: owns the source buffers and polls notifications until told to stop,
+    continuously; with ``spin`` (an Event) only while it is set, else it sleeps (a
+    target that spins all along would take a core from kvd measured meanwhile,
+    `RawStream`)."""
     agent = new_agent(f"bench-target-{os.getpid()}")
     bases, keep = {}, []
     for kind in kinds:
@@ -120,11 +124,11 @@ def _nixl_target(conn: Any, stop: Any, nbytes: int, shm_dir: str,
     conn.send((bytes(agent.get_agent_metadata()), bases))
     notifs = 0
     while not stop.is_set():
-        for _ in range(1 if poll_s else 256):
+        if spin is not None and not spin.wait(0.05):
+            continue
+        for _ in range(256):
             for msgs in agent.get_new_notifs().values():
                 notifs += len(msgs)
-        if poll_s:
-            stop.wait(poll_s)
     conn.send(notifs)
 
 
@@ -238,33 +242,46 @@ class RawStream:
     """One raw NIXL READ stream kept open beside kvd (two spawned processes, shm
     memory like kvd's pools, one descriptor: the best single stream), so that the bench
     can time it between kvd's own repeats: both then see the same background load,
-    where a baseline measured a minute earlier need not (issue 23). Its target polls
-    every millisecond, as kvd's producer does, rather than spin a core away from kvd."""
+    where a baseline measured a minute earlier need not (issue 23). Its target spins
+    (polls NIXL without pause, as `bench_nixl`'s does) only while one of its READs
+    runs, so that it takes no core from kvd meanwhile."""
 
     def __init__(self, nbytes: int, shm_dir: str = DEFAULT_SHM_DIR,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, spin_always: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self._t_parent, t_child = ctx.Pipe()
         self._conn, s_child = ctx.Pipe()
         self._stop = ctx.Event()
+        self._spin = ctx.Event()
+        self._spin.set()  # while the initiator connects (UCX needs the target's progress)
+        self._spin_always = spin_always
         self._timeout_s = timeout_s
         self.nbytes = nbytes
         self._target = spawn(ctx, _nixl_target, t_child, self._stop, nbytes, shm_dir,
-                             ("shm",), 0.001)
+                             ("shm",), self._spin)
         self._stream = None
         try:
             meta, bases = hear(self._t_parent, timeout_s, "NIXL stream target")
             self._stream = spawn(ctx, _nixl_stream, s_child, meta, bases["shm"], nbytes,
                                  shm_dir)
             hear(self._conn, timeout_s, "NIXL stream initiator")
+            if not spin_always:
+                self._spin.clear()
         except BaseException:
             end_children(self._stop, self._stream, self._target)
             raise
 
     def read(self) -> float:
         """Seconds of one READ of ``nbytes``."""
-        self._conn.send(True)
-        return float(hear(self._conn, self._timeout_s, "NIXL stream initiator"))
+        if not self._spin.is_set():
+            self._spin.set()
+            time.sleep(SPIN_UP_S)  # the READ starts with its target spinning
+        try:
+            self._conn.send(True)
+            return float(hear(self._conn, self._timeout_s, "NIXL stream initiator"))
+        finally:
+            if not self._spin_always:
+                self._spin.clear()
 
     def close(self) -> bool:
         """Stop both processes; whether the last READ delivered the expected bytes."""
