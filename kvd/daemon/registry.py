@@ -173,11 +173,15 @@ class EngineRegistry:
                 asyncio.get_running_loop().run_in_executor(None, self._allocate, msg, nbytes),
                 close)
 
+        # An adopted pool is the engine's memory: a failed registration gives it back
+        # under its old name (the engine may ask again) rather than deleting it.
+        discard = pool.give_back if msg.adopt_pool is not None else pool.close
+
         async def undo(reg_id: int) -> None:
             try:
                 await self.datapath.deregister(reg_id)
             finally:
-                pool.close()
+                discard()
 
         try:
             reg_id = await self._off_loop(asyncio.ensure_future(self.datapath.register(
@@ -185,7 +189,7 @@ class EngineRegistry:
         except asyncio.CancelledError:
             raise  # the pool goes with the registration, once that ends (undo)
         except BaseException:
-            pool.close()
+            discard()
             raise
         return pool, mem_type, device_id, reg_id
 

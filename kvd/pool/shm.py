@@ -180,6 +180,7 @@ class ShmPool:
     backing: PoolBacking = PoolBacking.SHM
     page_nbytes: int = SMALL_PAGE_NBYTES
     fd: int | None = None  # memfd pools: kept open for the pool's lifetime
+    adopted_from: str | None = None  # adopted file pools: the name the engine knows
 
     @property
     def addr(self) -> int:
@@ -345,11 +346,29 @@ class ShmPool:
         log.info("adopted pool %s as %s (%d bytes): an engine kept it across a daemon "
                  "restart", name, new_name, nbytes)
         return cls(name=new_name, nbytes=nbytes, mm=mm, array=array, directory=directory,
-                   backing=backing, page_nbytes=page)
+                   backing=backing, page_nbytes=page, adopted_from=name)
 
     def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
         return PoolHandle(kind="shm", name=self.name, nbytes=self.nbytes, shape=list(shape),
                           dtype=dtype, directory=str(self.directory))
+
+    def give_back(self) -> None:
+        """Undo an adoption the daemon could not complete (e.g. NIXL registration
+        failed): unmap, and put the file back under the name the engine knows, so the
+        engine keeps its memory and may ask again. Any other pool is closed."""
+        if self.adopted_from is None or self.fd is not None:
+            self.close()  # a memfd stays the engine's: closing drops only kvd's fd
+            return
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        try:
+            os.rename(self.directory / self.name, self.directory / self.adopted_from)
+        except OSError as exc:
+            log.warning("cannot give pool %s back as %s: %s", self.name, self.adopted_from,
+                        exc)
 
     def close(self) -> None:
         """Unmap and remove. Only call once no READ can touch the region any more."""
