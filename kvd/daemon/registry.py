@@ -37,7 +37,7 @@ from kvd.errors import (
 )
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
-from kvd.pool.adopt import adopt_memfd, file_id, is_memfd_handle
+from kvd.pool.adopt import adopt_file, adopt_memfd, file_id, is_memfd_handle
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool
 from kvd.wire import protocol as P
@@ -233,9 +233,9 @@ class EngineRegistry:
             raise KvdError(f"cannot allocate a pool of {nbytes} bytes: {exc}") from None
 
     def _adopt(self, old: P.PoolHandle, nbytes: int) -> ShmPool:
-        """Take over a pool a live engine kept across a daemon restart (ShmPool.adopt
-        says what is checked); one-line refusals otherwise: the engine keeps computing
-        locally."""
+        """Take over a pool a live engine kept across a daemon restart (``adopt_file``
+        and ``adopt_memfd`` say what is checked); one-line refusals otherwise: the
+        engine keeps computing locally."""
         def refuse(why: str) -> InvalidRequestError:
             return InvalidRequestError(f"cannot adopt pool {old.name!r}: {why}")
 
@@ -260,7 +260,7 @@ class EngineRegistry:
         if any(r.pool.name == old.name for e in self.engines.values() for r in e.ranks.values()):
             raise refuse("already registered here")
         try:
-            return ShmPool.adopt(old.name, nbytes, self.cfg.shm_dir, self.pool_owner,
+            return adopt_file(old.name, nbytes, self.cfg.shm_dir, self.pool_owner,
                                  max_nbytes=self.cfg.max_pool_bytes)
         except KvdError:
             raise

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvd.errors import InvalidRequestError
+from kvd.pool.adopt import adopt_file
 from kvd.pool.mapping import MappedPool, map_pool
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool, kvd_segments
@@ -141,7 +142,7 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
 
         def refused(name: str, nbytes: int = 1 << 20, directory: Path = shm_dir) -> str:
             with pytest.raises(InvalidRequestError) as info:
-                ShmPool.adopt(name, nbytes, directory, me)
+                adopt_file(name, nbytes, directory, me)
             return str(info.value)
 
         assert "alive" in refused(alive_pools[0])  # another live daemon's pool
@@ -150,7 +151,7 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
         assert "memfd" in refused("7", directory=Path("/proc/1/fd"))
         assert "No such file" in refused(pools[1])  # reaped: nothing to adopt
 
-        pool = ShmPool.adopt(pools[0], 1 << 20, shm_dir, me)
+        pool = adopt_file(pools[0], 1 << 20, shm_dir, me)
         assert pool.name.startswith(f"{PREFIX}-{me.owner_id}-")  # now this owner's
         assert pools[0] not in os.listdir(shm_dir)
         assert f"{PREFIX}-{dead_id}.lock" not in os.listdir(shm_dir)  # nothing left of it
@@ -167,6 +168,29 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_an_adoption_given_back_leaves_the_file_as_the_engine_knows_it(shm_dir: Path) -> None:
+    """give_back (a registration failed after the adoption): the file is back under the
+    name in the engine's handle, bytes intact, and can be adopted again."""
+    dead, _, pools = _start(shm_dir)
+    me = PoolOwner.acquire(shm_dir, PREFIX)
+    try:
+        mapped = _map(shm_dir, pools[0])
+        dead.kill()
+        dead.wait(10)
+        pool = adopt_file(pools[0], 1 << 20, shm_dir, me)
+        pool.give_back()
+        assert pools[0] in os.listdir(shm_dir) and pool.name not in os.listdir(shm_dir)
+        again = adopt_file(pools[0], 1 << 20, shm_dir, me)
+        assert again.array[:4].tolist() == [1, 2, 3, 4] == mapped.array[:4].tolist()
+        mapped.close()
+        again.close()
+    finally:
+        me.release()
+        if dead.poll() is None:
+            dead.kill()
+            dead.wait()
 
 
 def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:
