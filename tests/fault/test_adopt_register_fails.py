@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.clock import FakeClock
 from support.inprocess import start_daemon
+from support.standin import scratch_shm_dir, start_standin
 
 from kvd.client import AsyncKvdClient
 from kvd.daemon.engines import resolve_registration, validate_registration
@@ -32,20 +29,6 @@ PREFIX = "kvd-adoptfail"
 MODEL = P.ModelSpec(name="adopt", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, num_blocks=8)
 
-# A stand-in for the dead incarnation: its owner lock and one pool, then killed.
-_DEAD = textwrap.dedent("""
-    import sys, time
-    from kvd.pool.shm import ShmPool
-    from kvd.pool.owner import PoolOwner
-    directory, prefix, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    owner = PoolOwner.acquire(directory, prefix)
-    pool = ShmPool.create(prefix, nbytes, directory, owner=owner)
-    pool.array[:4] = [1, 2, 3, 4]
-    print(pool.name, flush=True)
-    time.sleep(120)
-""")
-
-
 class FailingRegistration(LoopbackTransport):
     def register(self, addr: int, nbytes: int, mem_type: str, device_id: int) -> int:
         raise TransferError("registerMem: injected failure")
@@ -53,12 +36,8 @@ class FailingRegistration(LoopbackTransport):
 
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"{PREFIX}-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with scratch_shm_dir(PREFIX) as d:
+        yield d
 
 
 def test_failed_registration_gives_the_adopted_pool_back(shm_dir: Path) -> None:
@@ -66,10 +45,7 @@ def test_failed_registration_gives_the_adopted_pool_back(shm_dir: Path) -> None:
                            tp_size=1)
     _, cache, _ = validate_registration(resolve_registration(msg))
     nbytes = cache.total_nbytes
-    dead = subprocess.Popen([sys.executable, "-c", _DEAD, str(shm_dir), PREFIX, str(nbytes)],
-                            stdout=subprocess.PIPE, text=True)
-    name = dead.stdout.readline().strip()
-    assert name, "stand-in incarnation did not start"
+    dead, _, (name,) = start_standin(shm_dir, PREFIX, nbytes, count=1)
     kept = P.PoolHandle(kind="shm", name=name, nbytes=nbytes, shape=[nbytes], dtype="uint8",
                         directory=str(shm_dir))
     engine = map_pool(kept)  # the live engine's mapping (its flock keeps the file)

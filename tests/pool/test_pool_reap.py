@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.standin import scratch_shm_dir, start_standin
 
 from kvd.errors import InvalidRequestError
 from kvd.pool.adopt import adopt_file
@@ -24,36 +22,14 @@ from kvd.wire.protocol import PoolHandle
 
 PREFIX = "kvd-reaptest"
 
-# A stand-in daemon: takes its owner lock, makes two pools, says their names, waits.
-_DAEMON = textwrap.dedent("""
-    import sys, time
-    from kvd.pool.shm import ShmPool
-    from kvd.pool.owner import PoolOwner
-    directory, prefix = sys.argv[1], sys.argv[2]
-    owner = PoolOwner.acquire(directory, prefix)
-    pools = [ShmPool.create(prefix, 1 << 20, directory, owner=owner) for _ in range(2)]
-    pools[0].array[:4] = [1, 2, 3, 4]
-    print(owner.owner_id, *[p.name for p in pools], flush=True)
-    time.sleep(120)
-""")
-
-
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"kvd-reaptest-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with scratch_shm_dir("kvd-reaptest") as d:
+        yield d
 
 
 def _start(directory: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", _DAEMON, str(directory), PREFIX],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().split()
-    assert line, "stand-in daemon did not start"
-    return proc, line[0], line[1:]
+    return start_standin(directory, PREFIX)
 
 
 def test_sigkilled_daemons_pools_are_reaped_live_ones_kept(shm_dir: Path) -> None:
@@ -206,11 +182,7 @@ def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:
 
 
 def test_pools_in_the_fallback_directory_are_reaped_too(shm_dir: Path, tmp_path: Path) -> None:
-    script = _DAEMON.replace("ShmPool.create(prefix, 1 << 20, directory, owner=owner)",
-                             f"ShmPool.create(prefix, 1 << 20, {str(tmp_path)!r}, owner=owner)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(shm_dir), PREFIX],
-                            stdout=subprocess.PIPE, text=True)
-    pools = proc.stdout.readline().split()[1:]
+    proc, _, pools = start_standin(shm_dir, PREFIX, pool_dir=tmp_path)
     proc.kill()
     proc.wait(10)
     assert set(pools) <= set(os.listdir(tmp_path))
