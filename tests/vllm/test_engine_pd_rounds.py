@@ -23,6 +23,7 @@ The figures (steps counted, the slowest, the wall time of each phase) are printe
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import threading
@@ -32,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_proc import EngineProc
+from engine_proc import BIND_OVERRIDE, EngineProc
 
 from kvd.tools.localcluster import DaemonProcess
 
@@ -207,6 +208,11 @@ def test_pipelined_rounds_prefill_and_decode_computing_at_once_never_stall(
         engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
     prefill, decode, plain = engines
     pd, dd = daemons
+    # The connector's start-up warning (kvd.integrations.vllm_core.cpu_binding): the
+    # decode engine, started second, finds the prefill worker pinned to its cores.
+    warned = "another engine's worker is pinned to the same cores" in decode.log_path.read_text()
+    if os.environ.get(BIND_OVERRIDE, "") in ("", "auto"):
+        assert warned == (os.environ.get(BIND_OVERRIDE) == "auto"), decode.log_path
     rng = random.Random(2525)
     rounds = [_prompts(rng) for _ in range(PIPELINED_ROUNDS)]
     wants = [plain.generate(p, max_tokens=MAX_TOKENS) for p in rounds]  # before: plain idles
