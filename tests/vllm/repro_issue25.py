@@ -12,7 +12,13 @@ thread its name, state, CPU affinity (``sched_getaffinity``) and run-queue wait
 (``/proc/<pid>/task/<tid>/schedstat``, 2nd field), twice, 2 s apart.
 
     PYTHONPATH=<code root> .venv-vllm/bin/python tests/vllm/repro_issue25.py \
-        --out DIR --runs 1 [--bind auto|nobind|split]
+        --out DIR --model-dir DIR --runs 3 [--bind auto|nobind|split] [--overlap 6]
+
+``--overlap N`` then pipelines N more batches as a router with steady traffic does (P
+prefills batch k+1 while D decodes batch k): that, at ``auto``, reproduces the 30 s decode
+step (docs/reliability.md, issue 25); the sequential sequence alone did not. Where debugfs
+is mounted (``mount -t debugfs none /sys/kernel/debug``) a stall also saves the kernel's
+run queues (``/sys/kernel/debug/sched/debug``): each group's and thread's vruntime.
 
 ``--bind``: ``auto`` is vLLM's default (``VLLM_CPU_OMP_THREADS_BIND`` unset, no
 ``OMP_NUM_THREADS``); ``nobind`` what the tests use; ``split`` gives each engine its own
