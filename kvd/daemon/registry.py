@@ -37,7 +37,7 @@ from kvd.errors import (
 )
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
-from kvd.pool.adopt import adopt_memfd, file_id, is_memfd_handle
+from kvd.pool.adopt import adopt_file, adopt_memfd, file_id, is_memfd_handle
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool
 from kvd.wire import protocol as P
@@ -173,11 +173,15 @@ class EngineRegistry:
                 asyncio.get_running_loop().run_in_executor(None, self._allocate, msg, nbytes),
                 close)
 
+        # An adopted pool is the engine's memory: a failed registration gives it back
+        # under its old name (the engine may ask again) rather than deleting it.
+        discard = pool.give_back if msg.adopt_pool is not None else pool.close
+
         async def undo(reg_id: int) -> None:
             try:
                 await self.datapath.deregister(reg_id)
             finally:
-                pool.close()
+                discard()
 
         try:
             reg_id = await self._off_loop(asyncio.ensure_future(self.datapath.register(
@@ -185,7 +189,7 @@ class EngineRegistry:
         except asyncio.CancelledError:
             raise  # the pool goes with the registration, once that ends (undo)
         except BaseException:
-            pool.close()
+            discard()
             raise
         return pool, mem_type, device_id, reg_id
 
@@ -229,9 +233,9 @@ class EngineRegistry:
             raise KvdError(f"cannot allocate a pool of {nbytes} bytes: {exc}") from None
 
     def _adopt(self, old: P.PoolHandle, nbytes: int) -> ShmPool:
-        """Take over a pool a live engine kept across a daemon restart (ShmPool.adopt
-        says what is checked); one-line refusals otherwise: the engine keeps computing
-        locally."""
+        """Take over a pool a live engine kept across a daemon restart (``adopt_file``
+        and ``adopt_memfd`` say what is checked); one-line refusals otherwise: the
+        engine keeps computing locally."""
         def refuse(why: str) -> InvalidRequestError:
             return InvalidRequestError(f"cannot adopt pool {old.name!r}: {why}")
 
@@ -256,7 +260,7 @@ class EngineRegistry:
         if any(r.pool.name == old.name for e in self.engines.values() for r in e.ranks.values()):
             raise refuse("already registered here")
         try:
-            return ShmPool.adopt(old.name, nbytes, self.cfg.shm_dir, self.pool_owner,
+            return adopt_file(old.name, nbytes, self.cfg.shm_dir, self.pool_owner,
                                  max_nbytes=self.cfg.max_pool_bytes)
         except KvdError:
             raise

@@ -7,7 +7,7 @@ at start removes the files of incarnations whose lock is free (dead), never thos
 of a live daemon, nor a pool file a live engine still maps: engines hold a shared
 flock on every pool file they map (`kvd.pool.mapping.map_pool`), and the reaper
 removes only files it can lock exclusively. A pool that survives that way can be
-adopted by the next daemon (`kvd.pool.shm.ShmPool.adopt`): the engine keeps its KV
+adopted by the next daemon (`kvd.pool.adopt.adopt_file`): the engine keeps its KV
 memory across a daemon restart.
 """
 

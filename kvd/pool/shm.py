@@ -25,15 +25,14 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvd.errors import InvalidRequestError, KvdError
-from kvd.pool.owner import PoolOwner, owner_alive, owner_of, reap_dead_pools
+from kvd.errors import KvdError
+from kvd.pool.owner import PoolOwner
 from kvd.wire.protocol import PoolHandle
 
 log = logging.getLogger("kvd.pool.shm")
@@ -180,6 +179,7 @@ class ShmPool:
     backing: PoolBacking = PoolBacking.SHM
     page_nbytes: int = SMALL_PAGE_NBYTES
     fd: int | None = None  # memfd pools: kept open for the pool's lifetime
+    adopted_from: str | None = None  # adopted file pools: the name the engine knows
 
     @property
     def addr(self) -> int:
@@ -288,68 +288,27 @@ class ShmPool:
                    backing=PoolBacking.MEMFD_HUGETLB if huge else PoolBacking.MEMFD,
                    page_nbytes=HUGE_PAGE_NBYTES if huge else SMALL_PAGE_NBYTES, fd=fd)
 
-    @classmethod
-    def adopt(cls, name: str, nbytes: int, directory: str | Path, owner: PoolOwner,
-              max_nbytes: int | None = None) -> ShmPool:
-        """Take over a pool file a dead incarnation created and a live engine still maps.
-
-        Strict, because the engine asks for it by name: ``name`` must be a pool of this
-        prefix in ``directory`` (the daemon's shm_dir), a regular file of ours, of the
-        size ``nbytes`` maps to there, whose owner incarnation is dead. The file is
-        renamed into ``owner``'s namespace (the engine's mapping follows the inode, and
-        the next crash's reaping finds it under the new owner); the bytes never move.
-        Raises InvalidRequestError with one line saying why otherwise.
-        """
-        nbytes = check_nbytes(nbytes, max_nbytes)
-        directory = Path(directory)
-
-        def refuse(why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"cannot adopt pool {name!r}: {why}")
-
-        if directory.name == "fd" and directory.parent.parent == Path("/proc"):
-            raise refuse("a memfd pool: adopt it with kvd.pool.adopt.adopt_memfd")
-        old_owner = owner_of(name, owner.prefix)
-        if old_owner is None:
-            raise refuse(f"not a pool file named {owner.prefix}-<owner>-<token>")
-        if old_owner == owner.owner_id or owner_alive(directory, owner.prefix, old_owner):
-            raise refuse("its daemon incarnation is alive (it is not a leftover)")
-        path = directory / name
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise refuse(f"{path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            mount = mount_of(directory)
-            page = page_nbytes_of_dir(directory, mount)
-            size = mapped_nbytes(nbytes, page)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                raise refuse("not a regular file owned by this daemon's uid")
-            if st.st_size != size:
-                raise refuse(f"it holds {st.st_size} bytes; this geometry maps {size}")
-            new_name = owner.pool_name()
-            try:
-                os.rename(path, directory / new_name)
-            except OSError as exc:
-                raise refuse(f"{exc.strerror} (taken by another daemon?)") from None
-            if os.stat(directory / new_name).st_ino != st.st_ino:
-                raise refuse("the file changed while it was being adopted")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        backing = (PoolBacking.HUGETLBFS if mount is not None and mount.is_hugetlbfs
-                   else PoolBacking.TMPFS_HUGE if mount is not None and mount.is_huge_tmpfs
-                   else PoolBacking.SHM)
-        array = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
-        reap_dead_pools(directory, owner.prefix)  # the old owner's lock, if nothing is left
-        log.info("adopted pool %s as %s (%d bytes): an engine kept it across a daemon "
-                 "restart", name, new_name, nbytes)
-        return cls(name=new_name, nbytes=nbytes, mm=mm, array=array, directory=directory,
-                   backing=backing, page_nbytes=page)
-
     def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
         return PoolHandle(kind="shm", name=self.name, nbytes=self.nbytes, shape=list(shape),
                           dtype=dtype, directory=str(self.directory))
+
+    def give_back(self) -> None:
+        """Undo an adoption the daemon could not complete (e.g. NIXL registration
+        failed): unmap, and put the file back under the name the engine knows, so the
+        engine keeps its memory and may ask again. Any other pool is closed."""
+        if self.adopted_from is None or self.fd is not None:
+            self.close()  # a memfd stays the engine's: closing drops only kvd's fd
+            return
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        try:
+            os.rename(self.directory / self.name, self.directory / self.adopted_from)
+        except OSError as exc:
+            log.warning("cannot give pool %s back as %s: %s", self.name, self.adopted_from,
+                        exc)
 
     def close(self) -> None:
         """Unmap and remove. Only call once no READ can touch the region any more."""

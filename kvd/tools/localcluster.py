@@ -53,6 +53,7 @@ class DaemonProcess:
             except KvdError:
                 lost_race = (d.proc.poll() is not None
                              and "Address already in use" in d.log_path.read_text())
+                d.kill()  # not ready in time: never leave a daemon the caller cannot stop
                 if not lost_race or attempt == BIND_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")

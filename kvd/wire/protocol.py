@@ -198,8 +198,9 @@ class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     device_index: int = 0  # GPU of this rank when the daemon runs with device="cuda"
     # A pool this rank still maps from a previous daemon incarnation (the handle that
     # daemon gave): the new daemon takes it over instead of allocating, so the engine
-    # keeps its KV memory across a daemon restart. Only shm files in the daemon's
-    # shm_dir; memfd and VRAM pools are refused (docs/operations.md). Omitted when
+    # keeps its KV memory across a daemon restart. Only DRAM pools (shm files in the
+    # daemon's shm_dir, memfds as /proc/<pid>/fd/<n>); VRAM pools are refused
+    # (docs/operations.md). Omitted when
     # unset, so older daemons still accept plain registrations.
     adopt_pool: PoolHandle | None = None
 

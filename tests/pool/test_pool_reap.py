@@ -7,15 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.standin import scratch_shm_dir, start_standin
 
 from kvd.errors import InvalidRequestError
+from kvd.pool.adopt import adopt_file
 from kvd.pool.mapping import MappedPool, map_pool
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool, kvd_segments
@@ -23,36 +22,14 @@ from kvd.wire.protocol import PoolHandle
 
 PREFIX = "kvd-reaptest"
 
-# A stand-in daemon: takes its owner lock, makes two pools, says their names, waits.
-_DAEMON = textwrap.dedent("""
-    import sys, time
-    from kvd.pool.shm import ShmPool
-    from kvd.pool.owner import PoolOwner
-    directory, prefix = sys.argv[1], sys.argv[2]
-    owner = PoolOwner.acquire(directory, prefix)
-    pools = [ShmPool.create(prefix, 1 << 20, directory, owner=owner) for _ in range(2)]
-    pools[0].array[:4] = [1, 2, 3, 4]
-    print(owner.owner_id, *[p.name for p in pools], flush=True)
-    time.sleep(120)
-""")
-
-
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
-    d = Path("/dev/shm") / f"kvd-reaptest-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+    with scratch_shm_dir("kvd-reaptest") as d:
+        yield d
 
 
 def _start(directory: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", _DAEMON, str(directory), PREFIX],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline().split()
-    assert line, "stand-in daemon did not start"
-    return proc, line[0], line[1:]
+    return start_standin(directory, PREFIX)
 
 
 def test_sigkilled_daemons_pools_are_reaped_live_ones_kept(shm_dir: Path) -> None:
@@ -141,7 +118,7 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
 
         def refused(name: str, nbytes: int = 1 << 20, directory: Path = shm_dir) -> str:
             with pytest.raises(InvalidRequestError) as info:
-                ShmPool.adopt(name, nbytes, directory, me)
+                adopt_file(name, nbytes, directory, me)
             return str(info.value)
 
         assert "alive" in refused(alive_pools[0])  # another live daemon's pool
@@ -150,7 +127,7 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
         assert "memfd" in refused("7", directory=Path("/proc/1/fd"))
         assert "No such file" in refused(pools[1])  # reaped: nothing to adopt
 
-        pool = ShmPool.adopt(pools[0], 1 << 20, shm_dir, me)
+        pool = adopt_file(pools[0], 1 << 20, shm_dir, me)
         assert pool.name.startswith(f"{PREFIX}-{me.owner_id}-")  # now this owner's
         assert pools[0] not in os.listdir(shm_dir)
         assert f"{PREFIX}-{dead_id}.lock" not in os.listdir(shm_dir)  # nothing left of it
@@ -169,6 +146,29 @@ def test_a_new_daemon_adopts_a_kept_pool_and_refuses_what_it_must(shm_dir: Path)
                 p.wait()
 
 
+def test_an_adoption_given_back_leaves_the_file_as_the_engine_knows_it(shm_dir: Path) -> None:
+    """give_back (a registration failed after the adoption): the file is back under the
+    name in the engine's handle, bytes intact, and can be adopted again."""
+    dead, _, pools = _start(shm_dir)
+    me = PoolOwner.acquire(shm_dir, PREFIX)
+    try:
+        mapped = _map(shm_dir, pools[0])
+        dead.kill()
+        dead.wait(10)
+        pool = adopt_file(pools[0], 1 << 20, shm_dir, me)
+        pool.give_back()
+        assert pools[0] in os.listdir(shm_dir) and pool.name not in os.listdir(shm_dir)
+        again = adopt_file(pools[0], 1 << 20, shm_dir, me)
+        assert again.array[:4].tolist() == [1, 2, 3, 4] == mapped.array[:4].tolist()
+        mapped.close()
+        again.close()
+    finally:
+        me.release()
+        if dead.poll() is None:
+            dead.kill()
+            dead.wait()
+
+
 def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:
     dead, _, pools = _start(shm_dir)
     dead.kill()
@@ -182,11 +182,7 @@ def test_other_prefixes_and_unrelated_files_untouched(shm_dir: Path) -> None:
 
 
 def test_pools_in_the_fallback_directory_are_reaped_too(shm_dir: Path, tmp_path: Path) -> None:
-    script = _DAEMON.replace("ShmPool.create(prefix, 1 << 20, directory, owner=owner)",
-                             f"ShmPool.create(prefix, 1 << 20, {str(tmp_path)!r}, owner=owner)")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(shm_dir), PREFIX],
-                            stdout=subprocess.PIPE, text=True)
-    pools = proc.stdout.readline().split()[1:]
+    proc, _, pools = start_standin(shm_dir, PREFIX, pool_dir=tmp_path)
     proc.kill()
     proc.wait(10)
     assert set(pools) <= set(os.listdir(tmp_path))

@@ -39,3 +39,14 @@ def test_a_caller_may_still_choose_a_binding(tmp_path: Path) -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["PYTHONPATH"] == f"{ENGINE_PROC.parent}:/x"
     assert env["KVD_TEST_SCHED_LOG"] == str(tmp_path / "s.jsonl")
+
+
+def test_the_issue_25_reproduction_takes_vllms_default_binding_back() -> None:
+    """KVD_TEST_VLLM_CPU_BIND=auto: engines as vLLM starts them by default (pinned)."""
+    ep = _engine_proc()
+    env = ep.engine_environment({"KVD_TEST_VLLM_CPU_BIND": "auto", "PATH": "/bin"})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env and "OMP_NUM_THREADS" not in env
+    env = ep.engine_environment({"KVD_TEST_VLLM_CPU_BIND": "auto", "OMP_NUM_THREADS": "2"})
+    assert env["OMP_NUM_THREADS"] == "2" and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    env = ep.engine_environment({"KVD_TEST_VLLM_CPU_BIND": "0-1"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "1"

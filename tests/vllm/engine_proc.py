@@ -61,27 +61,43 @@ BASE_ENV = {
     # closed queues and SIGTERM and is SIGKILLed after a 4 s grace), so vLLM's
     # default 5 s wait for it is pure delay.
     "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
-    # vLLM's CPU backend pins each engine's worker to the cores it picks for local
-    # rank 0 ("auto"): the same cores for every engine of a host, core 0 for the
-    # worker's main thread and every thread it starts (kvd's event poller, ZMQ I/O).
-    # Several engines then share one pinned core: while the prefill engine steps
-    # continuously (it waits for kvd's done_sending), the decode engine's worker got
-    # no turn for ~30 s, its engine core waited on it, and the prefill leases of its
-    # other requests ran out (whole-engine P/D tests failed 1 run in 2). Unpinned,
-    # the kernel moves threads to whichever core is free.
+    # vLLM's CPU backend pins each engine's worker to the cores it picks for local rank 0
+    # ("auto"): the same cores for every engine of a host, core 0 for the worker's main
+    # thread and every thread it starts (kvd's event poller, ZMQ I/O). A worker waiting
+    # for its next step spins in sched_yield; pinned next to another engine's, one got no
+    # CPU for 30 s while the other spun (issue 25: the kernel charged the spinner's group
+    # nothing, so the starved group never became eligible), past the prefill leases.
+    # Unpinned, the kernel moves threads to whichever core is free. $KVD_TEST_VLLM_CPU_BIND
+    # (see engine_environment) puts vLLM's default back, to reproduce it.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
 }
 
 PROBE_SCHEDULER = "vllm_sched_probe.RecordingScheduler"
 
+#: In the test process's environment: ``auto`` gives the engines vLLM's default CPU
+#: binding (the issue-25 reproduction: ``VLLM_CPU_OMP_THREADS_BIND`` and
+#: ``OMP_NUM_THREADS`` as the parent has them, unset by default); any other value is
+#: used as ``VLLM_CPU_OMP_THREADS_BIND`` itself.
+BIND_OVERRIDE = "KVD_TEST_VLLM_CPU_BIND"
+
 
 def engine_environment(parent: Mapping[str, str], env: Mapping[str, str] | None = None,
                        sched_log: Path | None = None) -> dict[str, str]:
-    """The environment of an engine child: ``parent``'s, then BASE_ENV, this directory
-    first on PYTHONPATH, the scheduler record's path, and ``env`` last (it wins)."""
+    """The environment of an engine child: ``parent``'s, then BASE_ENV (less what
+    ``$KVD_TEST_VLLM_CPU_BIND`` in ``parent`` takes back), this directory first on
+    PYTHONPATH, the scheduler record's path, and ``env`` last (it wins)."""
     child_env = dict(parent)
     child_env.update(BASE_ENV)
+    bind = parent.get(BIND_OVERRIDE, "")
+    if bind == "auto":
+        for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+            if key in parent:
+                child_env[key] = parent[key]
+            else:
+                child_env.pop(key)
+    elif bind:
+        child_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     pythonpath = [str(HERE)] + [p for p in child_env.get("PYTHONPATH", "").split(":") if p]
     child_env["PYTHONPATH"] = ":".join(pythonpath)
     if sched_log is not None:

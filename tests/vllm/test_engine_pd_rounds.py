@@ -9,6 +9,13 @@ the plain engine's tokens, and no engine step may take 1 s or more: the probe
 scheduler (vllm_sched_probe) logs every gap between two ``schedule()`` calls over
 50 ms, and a gap that began inside a ``generate`` call is one engine step.
 
+The second test pipelines the rounds as a router with steady traffic does: while the
+decode engine decodes round k, the prefill engine prefills round k+1, so both engines
+compute at once. That is what reproduced issue 25's 30 s decode step at vLLM's default CPU
+binding (``KVD_TEST_VLLM_CPU_BIND=auto``, engine_proc): both workers pinned to core 0,
+the prefill worker spinning in ``sched_yield`` for its sends starved the decode worker
+until the prefill leases ran out. The sequential rounds never showed it.
+
 The figures (steps counted, the slowest, the wall time of each phase) are printed
 (``-s``) for the issue's note.
 """
@@ -16,15 +23,17 @@ The figures (steps counted, the slowest, the wall time of each phase) are printe
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_proc import EngineProc
+from engine_proc import BIND_OVERRIDE, EngineProc
 
 from kvd.tools.localcluster import DaemonProcess
 
@@ -33,6 +42,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 32
 MAX_TOKENS = 4
 ROUNDS = 20
+PIPELINED_ROUNDS = 12
 STEP_MAX_S = 1.0
 PROMPT_MAX = 240  # tokens; 3-8 prompts of 40 to this many per round
 # The prefill engine computes at most this many tokens a step (chunked prefill): a step
@@ -187,3 +197,78 @@ def test_rounds_of_concurrent_remote_decodes_all_load_and_no_step_stalls(
     print(host())
     assert pd.metric("kvd_leases_expired_total") == 0, "a prefill lease ran out"
     assert dd.metric("kvd_transfers_total", role="consumer", outcome="ok") >= requests
+
+
+def _prompts(rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(40, PROMPT_MAX))]
+            for _ in range(rng.randint(3, 8))]
+
+
+def test_pipelined_rounds_prefill_and_decode_computing_at_once_never_stall(
+        engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
+    prefill, decode, plain = engines
+    pd, dd = daemons
+    # The connector's start-up warning (kvd.integrations.vllm_core.cpu_binding): the
+    # decode engine, started second, finds the prefill worker pinned to its cores.
+    warned = "another engine's worker is pinned to the same cores" in decode.log_path.read_text()
+    if os.environ.get(BIND_OVERRIDE, "") in ("", "auto"):
+        assert warned == (os.environ.get(BIND_OVERRIDE) == "auto"), decode.log_path
+    rng = random.Random(2525)
+    rounds = [_prompts(rng) for _ in range(PIPELINED_ROUNDS)]
+    wants = [plain.generate(p, max_tokens=MAX_TOKENS) for p in rounds]  # before: plain idles
+    expired0 = pd.metric("kvd_leases_expired_total")
+    ok0 = dd.metric("kvd_transfers_total", role="consumer", outcome="ok")
+    windows: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
+    got: list[list[dict]] = [[] for _ in rounds]
+    failures: list[BaseException] = []
+
+    def prefill_round(k: int) -> list[dict]:
+        t0 = time.monotonic()
+        first = prefill.generate(rounds[k], max_tokens=1,
+                                 kv_transfer_params=[{"do_remote_decode": True}] * len(rounds[k]))
+        windows["prefill"].append((t0, time.monotonic()))
+        params = [f["kv_transfer_params"] for f in first]
+        assert all(p and p.get("do_remote_prefill") for p in params), params
+        return params
+
+    def decode_round(k: int, params: list[dict]) -> None:
+        try:
+            t0 = time.monotonic()
+            got[k] = decode.generate(rounds[k], max_tokens=MAX_TOKENS, kv_transfer_params=params)
+            windows["decode"].append((t0, time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            failures.append(exc)
+
+    started = time.monotonic()
+    params = prefill_round(0)
+    for k in range(len(rounds)):
+        decoding = threading.Thread(target=decode_round, args=(k, params))
+        decoding.start()
+        try:
+            if k + 1 < len(rounds):
+                params = prefill_round(k + 1)
+        finally:
+            decoding.join()
+        if failures:
+            raise failures[0]
+    total_s = time.monotonic() - started
+
+    report = [_summary(name, *_steps_in(engine, windows[name]))
+              for name, engine in (("prefill", prefill), ("decode", decode))]
+    print(f"\n{len(rounds)} pipelined rounds, {sum(map(len, rounds))} remote decodes in "
+          f"{total_s:.1f} s")
+    for line in report:
+        print(line)
+    for name, engine in (("decode", decode), ("prefill", prefill)):
+        _, slow = _steps_in(engine, windows[name])
+        assert max(slow, default=0.0) < STEP_MAX_S, \
+            f"{name}: an engine step took {max(slow):.2f} s ({'; '.join(report)})"
+    expired = pd.metric("kvd_leases_expired_total") - expired0
+    assert expired == 0, f"{expired:.0f} prefill leases ran out ({'; '.join(report)})"
+    for k, (g_round, w_round) in enumerate(zip(got, wants, strict=True)):
+        for i, (g, w) in enumerate(zip(g_round, w_round, strict=True)):
+            where = f"round {k}, request {i} of {len(rounds[k])}"
+            assert g["prompt_tokens_computed"] == 1, f"{where}: the decode did not load: {g}"
+            assert g["token_ids"] == w["token_ids"], f"{where}: diverged from the plain engine"
+    assert (dd.metric("kvd_transfers_total", role="consumer", outcome="ok") - ok0
+            >= sum(map(len, rounds)))

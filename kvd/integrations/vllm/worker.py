@@ -22,6 +22,7 @@ from kvd.integrations.vllm.completions import EventPoller, EventPump
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
 from kvd.integrations.vllm.rejoin import Rejoin
 from kvd.integrations.vllm.settings import ConnectorSettings
+from kvd.integrations.vllm_core import cpu_binding
 from kvd.integrations.vllm_core.events import EventBook, StepReport
 from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
 from kvd.integrations.vllm_core.hybrid import VllmHybridGeometry, check_hybrid_views
@@ -86,6 +87,9 @@ class KvdWorker:
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
                      getattr(g, "kv_layout", "hybrid"), self.settings.engine_id, g.tp_rank,
                      g.pp_rank)
+            if self.handle.pool.handle.kind != "cuda_ipc":
+                # CPU engines only (vLLM binds no threads on GPUs); once, off the step.
+                cpu_binding.warn_if_shared()
         return self.handle
 
     def allocation_context(self) -> contextlib.AbstractContextManager:
