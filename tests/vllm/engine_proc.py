@@ -40,6 +40,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from proc_probe import descendants
+
 HERE = Path(__file__).resolve().parent
 
 DEFAULT_KV_CACHE_BYTES = 64 << 20
@@ -340,27 +342,33 @@ class EngineProc:
 
     def worker_pids(self) -> list[int]:
         """The engine's vLLM worker processes (``VLLM::Worker``), found under the child."""
-        children: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        found = []
+        for pid in descendants(self.proc.pid)[1:]:
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().startswith("VLLM::Worker"):
+                        found.append(pid)
+            except OSError:
                 continue
-            children.setdefault(ppid, []).append(int(entry))
-        found, todo = [], [self.proc.pid]
-        while todo:
-            for pid in children.get(todo.pop(), []):
-                todo.append(pid)
-                try:
-                    with open(f"/proc/{pid}/comm") as f:
-                        if f.read().startswith("VLLM::Worker"):
-                            found.append(pid)
-                except OSError:
-                    continue
         return found
+
+    def steps_in(self, windows: list[tuple[float, float]]) -> tuple[int, list[float]]:
+        """(schedule() calls, gaps over 50 ms) of the steps that began inside a window.
+
+        A line at ``t`` says the step that ended at ``t`` began ``gap`` earlier; a gap
+        that began before the window is the idle wait before the engine got work, not a
+        step."""
+        lines = [json.loads(x) for x in
+                 Path(f"{self.sched_log_path}.steps").read_text().splitlines()]
+        calls, slow = 0, []
+        for s in lines:
+            for t0, t1 in windows:
+                if t0 <= s["t"] - s["gap"] and s["t"] <= t1:
+                    calls += s["steps"]
+                    if s["gap"] > 0.05:
+                        slow.append(s["gap"])
+                    break
+        return calls, slow
 
     def log_tail(self, lines: int = 60) -> str:
         """Last lines of the engine log (child, EngineCore and worker output)."""

@@ -173,19 +173,6 @@ class Watchdog(threading.Thread):
             self.busy[name] = None
 
 
-def steps_in(e: EngineProc, windows: list[tuple[float, float]]) -> tuple[int, list[float]]:
-    lines = [json.loads(x) for x in Path(f"{e.sched_log_path}.steps").read_text().splitlines()]
-    calls, slow = 0, []
-    for s in lines:
-        for t0, t1 in windows:
-            if t0 <= s["t"] - s["gap"] and s["t"] <= t1:
-                calls += s["steps"]
-                if s["gap"] > 0.05:
-                    slow.append(s["gap"])
-                break
-    return calls, slow
-
-
 def overlapped(wd: Watchdog, batches: list[list[list[int]]], args: argparse.Namespace,
                windows: dict[str, list[tuple[float, float]]], decode_walls: list[float],
                loads: list[Any]) -> None:
@@ -305,7 +292,7 @@ def one_run(args: argparse.Namespace, run: int, out: Path) -> dict[str, Any]:
         (rdir / "threads-at-end.json").write_text(json.dumps(end_snap, indent=1))
         rec["top_run_queue_waits"] = wait_deltas(start_snap, end_snap)[:6]
         for role, e in engines.items():
-            calls, slow = steps_in(e, windows[role])
+            calls, slow = e.steps_in(windows[role])
             rec[f"{role}_steps"] = calls
             rec[f"{role}_slow_ms"] = sorted(round(s * 1e3) for s in slow)
             rec[f"{role}_max_ms"] = round(max(slow, default=0.0) * 1e3)

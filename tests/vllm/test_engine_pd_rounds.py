@@ -22,7 +22,6 @@ The figures (steps counted, the slowest, the wall time of each phase) are printe
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -103,25 +102,6 @@ def engines(daemons: tuple[DaemonProcess, ...], start_engine: object,
         prefill.close()
 
 
-def _steps_in(engine: EngineProc, windows: list[tuple[float, float]]
-              ) -> tuple[int, list[float]]:
-    """(schedule() calls, gaps over 50 ms) of the steps that began inside a window.
-
-    A line at ``t`` says the step that ended at ``t`` began ``gap`` earlier; a gap that
-    began before the window is the idle wait before the engine got work, not a step."""
-    lines = [json.loads(x) for x in
-             Path(f"{engine.sched_log_path}.steps").read_text().splitlines()]
-    calls, slow = 0, []
-    for s in lines:
-        for t0, t1 in windows:
-            if t0 <= s["t"] - s["gap"] and s["t"] <= t1:
-                calls += s["steps"]
-                if s["gap"] > 0.05:
-                    slow.append(s["gap"])
-                break
-    return calls, slow
-
-
 def _cpu_wait_s(d: DaemonProcess) -> float:
     """Seconds the daemon's event-loop thread has waited, runnable, for a CPU (schedstat):
     on a shared host, what others cost it, which no code in kvd can prevent."""
@@ -183,7 +163,7 @@ def test_rounds_of_concurrent_remote_decodes_all_load_and_no_step_stalls(
 
     report = []
     for name, engine in (("prefill", prefill), ("decode", decode)):
-        calls, slow = _steps_in(engine, windows[name])
+        calls, slow = engine.steps_in(windows[name])
         report.append(_summary(name, calls, slow))
         assert calls > 0, f"{name}: no step recorded"
         assert max(slow, default=0.0) < STEP_MAX_S, \
@@ -253,14 +233,14 @@ def test_pipelined_rounds_prefill_and_decode_computing_at_once_never_stall(
             raise failures[0]
     total_s = time.monotonic() - started
 
-    report = [_summary(name, *_steps_in(engine, windows[name]))
+    report = [_summary(name, *engine.steps_in(windows[name]))
               for name, engine in (("prefill", prefill), ("decode", decode))]
     print(f"\n{len(rounds)} pipelined rounds, {sum(map(len, rounds))} remote decodes in "
           f"{total_s:.1f} s")
     for line in report:
         print(line)
     for name, engine in (("decode", decode), ("prefill", prefill)):
-        _, slow = _steps_in(engine, windows[name])
+        _, slow = engine.steps_in(windows[name])
         assert max(slow, default=0.0) < STEP_MAX_S, \
             f"{name}: an engine step took {max(slow):.2f} s ({'; '.join(report)})"
     expired = pd.metric("kvd_leases_expired_total") - expired0
