@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import signal
@@ -52,6 +53,11 @@ async def serve(cfg: Config, on_started: Callable[[object], None] | None = None)
     token = load_token(cfg)
     daemon = Daemon(cfg, token=token)
     await daemon.start()
+    # Everything made so far (imported modules, NIXL bindings, the daemon's own tables)
+    # lives as long as the process: keep it out of the collector, so that a full
+    # collection while many pulls are in flight scans only their objects and does not
+    # hold the loop for 100+ ms (seen with 1000 pulls queued).
+    gc.freeze()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: daemon.spawn(daemon.drain()))
