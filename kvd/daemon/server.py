@@ -5,7 +5,7 @@ Two ZMQ ROUTER faces feed one dispatch table; every other job has one owner:
     registration, allocation, liveness, pool freeing   kvd.daemon.registry
     handshakes and the peer cache                      kvd.daemon.peers
     publish, acquire, notices, progress, leases        kvd.daemon.producer
-    pulls                                              kvd.daemon.consumer
+    pulls                                              kvd.daemon.pull
     completion events                                  kvd.daemon.events
     every NIXL call                                    kvd.daemon.datapath
 
@@ -30,7 +30,6 @@ import zmq.asyncio
 from kvd import __version__
 from kvd.config import Config
 from kvd.daemon.clock import Clock, MonotonicClock
-from kvd.daemon.consumer import Consumer
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.events import EventHub
 from kvd.daemon.faces import Face, Handler, Request
@@ -38,6 +37,7 @@ from kvd.daemon.liveness import ConnectionTracker
 from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers import PeerTable
 from kvd.daemon.producer import Producer
+from kvd.daemon.pull.consumer import Consumer
 from kvd.daemon.registry import EngineRegistry
 from kvd.daemon.services import Services
 from kvd.errors import ConfigError, DrainingError, NotFoundError
@@ -315,11 +315,12 @@ class Daemon:
 
         async def status(_: P.StatusQuery, __: Request) -> P.Status:
             rails = self._rails()
+            pulls, finished = consumer.status()
             return P.Status(daemon_id=self.daemon_id, version=__version__,
                             draining=self.draining, engines=reg.status(),
                             peers=self.peers.status(), held=producer.status(),
-                            pulls=consumer.status(), instance_id=self.instance_id,
-                            rails=rails)
+                            pulls=pulls, instance_id=self.instance_id, rails=rails,
+                            finished_pulls=finished)
 
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}

@@ -376,6 +376,8 @@ class PullStatus(msgspec.Struct, frozen=True):
     age_s: float
     remote_engine_id: str
     nbytes: int
+    path: str = "remote"  # "remote": NIXL READs from another daemon; "local": copied here
+    error: str = ""  # a finished pull's failure
 
 
 class RailStatus(msgspec.Struct, frozen=True):
@@ -399,6 +401,7 @@ class Status(msgspec.Struct, frozen=True):
     pulls: list[PullStatus]
     instance_id: str = ""
     rails: list[RailStatus] = []  # empty with a single agent (one posting worker)
+    finished_pulls: list[PullStatus] = []  # the last ones, for a short while
 
 
 # ---------------------------------------------------------------- peer face

@@ -18,6 +18,7 @@ from support.clock import FakeClock
 from support.inprocess import config, daemon_pair, run, sample, wait_event
 
 from kvd.client import AsyncKvdClient
+from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.server import Daemon
 from kvd.planner import RankId
 from kvd.pool.shm import kvd_segments
@@ -217,17 +218,18 @@ def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
     """A READ posted before the Acquire's reply, whose hold then looks younger than the
     READ, is read again once the first one ends; heartbeats must cover that wait (a big
     READ can outlast a lease; it expired here before the fix)."""
-    from kvd.daemon import pull_reads
+    from kvd.daemon.pull import acquire, machine
 
     rereads: list[str] = []
 
-    def predate(self: pull_reads.Acquiring, agent: str, posted_s: float) -> bool:
+    def predate(msg: object, daemons: object, replies: object, agent: str,
+                posted_s: float) -> bool:
         rereads.append(agent)
         return len(rereads) == 1  # the first READ only
 
     # the READ goes out before the reply, and its hold looks too young once
-    monkeypatch.setattr(pull_reads.Acquiring, "answered", property(lambda self: False))
-    monkeypatch.setattr(pull_reads.Acquiring, "may_predate_publish", predate)
+    monkeypatch.setattr(acquire.Acquiring, "answered", property(lambda self: False))
+    monkeypatch.setattr(machine, "may_predate_publish", predate)
 
     async def body() -> None:
         async with daemon_pair(heartbeat_interval_s=0.5) as p:
@@ -255,7 +257,8 @@ def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
     run(body())
 
 
-def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
+def test_lease_expires_when_the_reading_consumer_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """No heartbeats (consumer daemon stopped mid-read): the producer's lease ends the hold."""
     async def body() -> None:
         async with daemon_pair(heartbeat_interval_s=0.5) as p:
@@ -266,8 +269,8 @@ def test_lease_expires_when_the_reading_consumer_is_gone() -> None:
             async def silent(*_: object) -> None:  # a consumer that went away says nothing
                 return None
 
-            p.decode.consumer.reads._heartbeat = silent  # kvd.daemon.pull_reads.PullReads
-            p.decode.consumer._abandon = silent
+            monkeypatch.setattr(PullDriver, "_beat", silent)
+            monkeypatch.setattr(PullDriver, "_abandon", silent)
             p.decode.datapath.transport.hold_reads = True
             await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
             await _until_state(p.pc, p.clock, "held", "reading")
@@ -396,7 +399,8 @@ def test_a_producer_that_lost_the_hold_mid_read_fails_the_pull() -> None:
     run(body())
 
 
-def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read() -> None:
+def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer daemon frozen longer than the lease (SIGSTOP, a stalled host) could not
     hear the consumer's heartbeats meanwhile: waking up, it moves its leases on by the
     time it was frozen instead of handing the blocks back under the READ (issue 20/21)."""
@@ -409,7 +413,7 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read() -> Non
             async def silent(*_: object) -> None:  # its heartbeats are stuck in the freeze
                 return None
 
-            p.decode.consumer.reads._heartbeat = silent
+            monkeypatch.setattr(PullDriver, "_beat", silent)
             p.decode.datapath.transport.hold_reads = True
             await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
             await _until_state(p.pc, p.clock, "held", "reading")

@@ -1,0 +1,230 @@
+"""Consumer side: admission of every pull, its mover, its plan cache, status.
+
+A pull is one `Pull` (kvd.daemon.pull.machine: the record and every decision, over the
+transition table in kvd.daemon.pull.state) carried out by one `PullDriver`
+(kvd.daemon.pull.driver: inline in the engine's request, then in the pull's task) with
+the mover chosen here (kvd.daemon.pull.movers). Its states:
+
+    queued --early_acquire--> acquiring
+    queued --wait_ranks--> waiting_ranks
+    queued --fail--> failed
+    waiting_ranks --handshake--> handshaking
+    waiting_ranks --fail--> failed
+    handshaking --acquire--> acquiring
+    handshaking --fail--> failed
+    acquiring --assembled--> reading
+    acquiring --fail--> failed
+    reading --post--> reading
+    reading --stale--> waiting_ranks
+    reading --finish--> done
+    reading --fail--> failed
+    reading --quarantine--> quarantined
+    quarantined --fail--> failed
+
+A producer found restarted or gone while the pull depends on it fails the pull with
+``peer_lost``; the cached handshake is dropped so the next pull greets the new
+incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from kvd.daemon import hybrid
+from kvd.daemon.engines import (
+    Engine,
+    PlanCache,
+    check_block_ids,
+    geometry,
+    parallelism,
+    rank_layout,
+)
+from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.pull.driver import PullDriver
+from kvd.daemon.pull.machine import Pull
+from kvd.daemon.pull.movers import Mover, NixlMover
+from kvd.daemon.pull.quarantine import QuarantineCounts
+from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S
+from kvd.daemon.services import Services
+from kvd.errors import (
+    BlockIdError,
+    BusyError,
+    IncompatibleError,
+    KvdError,
+    TooLargeError,
+)
+from kvd.planner import Parallelism, RankId
+from kvd.planner.assembly import (
+    PreparedPull,
+    ProducerReads,
+    RankPool,
+    match_tail,
+    prepare_pull,
+)
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.consumer")
+
+MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
+
+
+class Consumer:
+    """Every pull of this daemon's engines: admission, the mover, the plan cache, status."""
+
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+        self.jobs: dict[tuple[str, str], Pull] = {}
+        self.drivers: dict[tuple[str, str], PullDriver] = {}
+        self.finished: deque[Pull] = deque(maxlen=FINISHED_KEEP)
+        self.plans = PlanCache()
+        # (engine, peer engine) -> (prepared assembly, the handshake, the engine and its
+        # epoch: both change with every rank that registers or leaves)
+        self._ready: dict[tuple[str, str], tuple[PreparedPull, RemoteEngine, Engine, int]] = {}
+        self.quarantine = QuarantineCounts(svc.cfg, svc.metrics)
+        cfg = svc.cfg
+        own_ports = tuple(sorted({p for p in (_port(cfg.peer_address), _port(cfg.engine_address),
+                                              cfg.metrics_port) if p}))
+        self._nixl = NixlMover(svc.datapath, svc.peers, own_ports)
+
+    def mover_for(self, msg: P.Pull) -> Mover:
+        """The one place a pull's mover is chosen."""
+        return self._nixl
+
+    def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
+        """Validate cheaply and queue; the outcome arrives later as a done_recving event,
+        queued for the engine's polls or, with ``reply_to`` (identity, request id), sent
+        as the answer to that one request."""
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
+        if (msg.engine_id, msg.request_id) in self.jobs:
+            raise KvdError(f"request {msg.request_id!r} is already being pulled")
+        if len(self.jobs) >= cfg.max_inflight_pulls:
+            raise BusyError(f"{len(self.jobs)} pulls in flight (max_inflight_pulls)")
+        for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
+            if len(ids) > cfg.max_blocks_per_request:
+                raise TooLargeError(f"{len(ids)} {name} blocks exceed max_blocks_per_request "
+                                    f"({cfg.max_blocks_per_request})")
+        check_block_ids(msg.local_block_ids, engine.layout.num_blocks, "local")
+        negative = [b for b in msg.remote_block_ids if b < 0]
+        if negative:
+            raise BlockIdError(f"remote block ids {negative[:8]} are negative")
+        hybrid.check_pull(engine.model, msg)
+        mover = self.mover_for(msg)
+        pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
+                    path=mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
+                    transfer_timeout_s=cfg.transfer_timeout_s)
+        self.jobs[pull.key] = pull
+        self.svc.metrics.inflight_transfers.inc()
+        driver = PullDriver(self.svc, pull, mover, self.quarantine, self._groups,
+                            self._reported)
+        self.drivers[pull.key] = driver
+        if not driver.run_now(engine, self._cached(msg, engine)):
+            driver.task = self.svc.spawn(driver.run())
+
+    def _cached(self, msg: P.Pull, engine: Engine) -> RemoteEngine | None:
+        """The cached handshake, when every rank of the engine is here: then the Acquire
+        leaves now, before the pull's task even starts (its round trip overlaps the rest)."""
+        svc = self.svc
+        remote = svc.peers.cached(msg.engine_id, msg.remote_engine_id, msg.remote_address)
+        if remote is None or engine.missing_ranks(svc.cfg.peer_advertise):
+            return None
+        return remote
+
+    def _reported(self, pull: Pull) -> None:
+        self.jobs.pop(pull.key, None)
+        self.drivers.pop(pull.key, None)
+        self.finished.append(pull)
+
+    def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
+        """Fail every pull now (drain timeout): each releases its transfers, then reports."""
+        tasks = []
+        for driver in list(self.drivers.values()):
+            task = driver.task
+            if task is not None and not task.done():
+                driver.pull.cancel_reason = reason
+                task.cancel()
+                tasks.append(task)
+        return tasks
+
+    def _groups(self, pull: Pull, engine: Engine, remote: RemoteEngine
+                ) -> dict[str, ProducerReads]:
+        """The pull's descriptors, grouped by producer (kvd.planner.assembly)."""
+        msg = pull.msg
+        if remote.compat != engine.compat:
+            raise IncompatibleError(
+                f"engine {msg.remote_engine_id!r} is incompatible with {msg.engine_id!r} "
+                f"(model/dtype/layout differ: {remote.desc.model} {remote.desc.layout})")
+        if not engine.live_ranks():
+            raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
+        if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
+            return hybrid.assemble_pull(engine, remote, msg)
+        local_ids, remote_ids = match_tail(
+            msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
+            remote.desc.layout.block_size_tokens, msg.num_tokens)
+        return self._assemble(engine, remote, local_ids, remote_ids)
+
+    def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
+                  ) -> dict[str, ProducerReads]:
+        return self._prepared(engine, remote).assemble(local_ids, remote_ids)
+
+    def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
+        """The assembly's inputs, bound once per (engine, peer engine) and reused while
+        they stay the same: the local pools and geometry (the engine's epoch changes
+        with every rank that registers or leaves) and the handshake (identity: a new one
+        is a new object) (issue 23.4: a small pull rebuilt them every time)."""
+        key = (engine.engine_id, remote.desc.engine_id)
+        hit = self._ready.get(key)
+        m = self.svc.metrics
+        if (hit is not None and hit[1] is remote and hit[2] is engine
+                and hit[3] == engine.epoch):
+            m.plan_cache_hits.inc()
+            return hit[0]
+        local = tuple(RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
+                      for r in engine.live_ranks())
+        owners = tuple(d.agent for d in remote.daemons.values())
+        rpar, remote_pools = self._remote_pools(remote)
+        plan, cached = self.plans.get(geometry(engine.model), rpar, engine.par)
+        (m.plan_cache_hits if cached else m.plan_cache_misses).inc()
+        prepared = prepare_pull(plan, local, remote_pools, owners)
+        if len(self._ready) >= MAX_PREPARED:
+            self._ready.clear()
+        self._ready[key] = (prepared, remote, engine, engine.epoch)
+        return prepared
+
+    @staticmethod
+    def _remote_pools(remote: RemoteEngine) -> tuple[Parallelism, dict[RankId, RankPool]]:
+        """The remote engine's parallelism and rank pools, built once per handshake."""
+        if remote.pools is None:
+            rdesc = remote.desc
+            rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
+            pools = {}
+            for rid, rr in remote.ranks.items():
+                cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
+                                           rr.desc.num_blocks)
+                pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
+                                      owner=rr.agent)
+            remote.pools = (rpar, pools)
+        return remote.pools
+
+    def status(self) -> tuple[list[P.PullStatus], list[P.PullStatus]]:
+        """Pulls in flight, and the last ones finished (for ``FINISHED_KEEP_S``)."""
+        now = self.svc.clock.now()
+        while self.finished and now - self.finished[0].finished_s > FINISHED_KEEP_S:
+            self.finished.popleft()
+        return ([_row(p, now) for p in self.jobs.values()],
+                [_row(p, now) for p in self.finished])
+
+
+def _row(p: Pull, now: float) -> P.PullStatus:
+    return P.PullStatus(engine_id=p.msg.engine_id, request_id=p.msg.request_id,
+                        state=p.state.value, age_s=round(now - p.started_s, 3),
+                        remote_engine_id=p.msg.remote_engine_id, nbytes=p.nbytes,
+                        path=p.path, error=p.error)
+
+
+def _port(address: str) -> int:
+    """The port of a "tcp://host:port" endpoint (0 when there is none)."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() and "://" in address else 0
