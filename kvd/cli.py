@@ -88,11 +88,11 @@ def plan(
 ) -> None:
     """Show which bytes every decode rank reads from which prefill rank."""
     from kvd.errors import KvdError
-    from kvd.planner.render import render_plan_cli
+    from kvd.tools.plan.render import render_plan_cli
 
     try:
         if hybrid is not None:
-            from kvd.planner.hybrid_render import render_hybrid_cli
+            from kvd.tools.plan.hybrid_render import render_hybrid_cli
 
             typer.echo(render_hybrid_cli(hybrid, prefill_tp, decode_tp, prefill_pp, decode_pp,
                                          prefill_layers, decode_layers, tokens, block_size,

@@ -26,9 +26,29 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvd.daemon",),
     ("kvd.integrations",),
     ("kvd.tools",),
-    ("kvd.cli", "kvd.__main__", "kvd.protocol"),  # kvd.protocol: one-release alias
+    ("kvd.cli", "kvd.__main__"),
 ]
-ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__", "kvd.protocol"}
+ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__"}
+
+# Inside a layer, its sub-packages in order, lowest first (same rule: a module imports its
+# own sub-layer and those below). Sub-packages in one tuple may import each other, except
+# the SIBLINGS pairs, which never import each other.
+SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
+    "kvd.daemon": [
+        ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.looplag", "kvd.daemon.datapath",
+         "kvd.daemon.events", "kvd.daemon.faces"),
+        ("kvd.daemon.engines",),  # what each engine is, registration, liveness
+        ("kvd.daemon.peers",),  # other daemons: handshakes, connections
+        ("kvd.daemon.services", "kvd.daemon.hybrid"),
+        ("kvd.daemon.produce", "kvd.daemon.pull"),  # the two sides of a transfer
+        ("kvd.daemon.server", "kvd.daemon.run"),
+    ],
+    "kvd.planner": [
+        ("kvd.planner",),
+        ("kvd.planner.hybrid",),  # attention groups beside Mamba state, over the above
+    ],
+}
+SIBLINGS = [("kvd.daemon.produce", "kvd.daemon.pull")]
 
 
 def module_name(path: Path) -> str:
@@ -136,9 +156,58 @@ def test_no_module_imports_another_modules_private_name():
     assert not bad, "\n".join(bad)
 
 
+def sublayer_of(module: str, package: str) -> int:
+    best, best_len = -1, -1
+    for i, prefixes in enumerate(SUBLAYERS[package]):
+        for prefix in prefixes:
+            if prefix == package:  # the package's own modules, not its sub-packages
+                hit = module == package or (module.rpartition(".")[0] == package
+                                            and not (ROOT.parent / module.replace(".", "/")
+                                                     ).is_dir())
+            else:
+                hit = module == prefix or module.startswith(prefix + ".")
+            if hit and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    if best < 0:
+        raise AssertionError(f"{module} is in no sub-layer of {package}: add it to SUBLAYERS")
+    return best
+
+
+def _in(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_sub_package_imports_a_higher_one_or_its_sibling():
+    bad = []
+    for p in MODULES:
+        me = module_name(p)
+        package = next((k for k in SUBLAYERS if _in(me, k)), None)
+        if package is None:
+            continue
+        for mod, _, line in imports_of(p):
+            if not _in(mod, package):
+                continue
+            where = f"{p.relative_to(ROOT.parent)}:{line}: {me} imports {mod}"
+            if sublayer_of(mod, package) > sublayer_of(me, package):
+                bad.append(where + " (a higher sub-layer)")
+            if any((_in(me, a) and _in(mod, b)) or (_in(me, b) and _in(mod, a))
+                   for a, b in SIBLINGS):
+                bad.append(where + " (siblings never import each other)")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(("module", "package", "sub"), [
+    ("kvd.daemon.clock", "kvd.daemon", 0), ("kvd.daemon.engines.table", "kvd.daemon", 1),
+    ("kvd.daemon.pull.machine", "kvd.daemon", 4), ("kvd.daemon.server", "kvd.daemon", 5),
+    ("kvd.planner.assembly", "kvd.planner", 0), ("kvd.planner.hybrid.plan", "kvd.planner", 1),
+])
+def test_sublayer_of_known_modules(module, package, sub):
+    assert sublayer_of(module, package) == sub
+
+
 def test_only_cli_config_and_errors_stay_at_the_root():
     top = sorted(p.stem for p in ROOT.glob("*.py"))
-    assert top == ["__init__", "__main__", "cli", "config", "errors", "protocol"], top
+    assert top == ["__init__", "__main__", "cli", "config", "errors"], top
 
 
 # The checks must catch what they claim to: run them on made-up graphs and sources.
@@ -150,7 +219,7 @@ def test_cycle_finder_sees_a_cycle_through_three_modules():
 
 @pytest.mark.parametrize(("module", "layer"), [
     ("kvd.planner.plan", 1), ("kvd.wire.protocol", 3), ("kvd.pool.shm", 4),
-    ("kvd.daemon.engines", 7), ("kvd.cli", 10), ("kvd.errors", 0),
+    ("kvd.daemon.engines.table", 7), ("kvd.cli", 10), ("kvd.errors", 0),
 ])
 def test_layer_of_known_modules(module, layer):
     assert layer_of(module) == layer

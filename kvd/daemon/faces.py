@@ -39,7 +39,7 @@ SERVE_SLICE_S = 0.002  # longest run of requests answered before the face yields
 class Request:
     identity: bytes
     header: P.Header
-    fd: int = -1  # the connection's descriptor (ZMQ's "__fd"), for kvd.daemon.liveness
+    fd: int = -1  # the connection's descriptor (ZMQ's "__fd"), for kvd.daemon.engines.liveness
 
 
 Handler = Callable[[Any, Request], Awaitable[Any]]

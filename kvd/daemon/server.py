@@ -2,9 +2,9 @@
 
 Two ZMQ ROUTER faces feed one dispatch table; every other job has one owner:
 
-    registration, allocation, liveness, pool freeing   kvd.daemon.registry
-    handshakes and the peer cache                      kvd.daemon.peers
-    publish, acquire, notices, progress, leases        kvd.daemon.producer
+    registration, allocation, liveness, pool freeing   kvd.daemon.engines.registry
+    handshakes and the peer cache                      kvd.daemon.peers.table
+    publish, acquire, notices, progress, leases        kvd.daemon.produce.producer
     pulls                                              kvd.daemon.pull
     completion events                                  kvd.daemon.events
     every NIXL call                                    kvd.daemon.datapath
@@ -31,14 +31,14 @@ from kvd import __version__
 from kvd.config import Config
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.daemon.datapath import DataPath, new_nixl_executor
+from kvd.daemon.engines.liveness import ConnectionTracker
+from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.events import EventHub
 from kvd.daemon.faces import Face, Handler, Request
-from kvd.daemon.liveness import ConnectionTracker
 from kvd.daemon.looplag import watch_loop_lag
-from kvd.daemon.peers import PeerTable
-from kvd.daemon.producer import Producer
+from kvd.daemon.peers.table import PeerTable
+from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull.consumer import Consumer
-from kvd.daemon.registry import EngineRegistry
 from kvd.daemon.services import Services
 from kvd.errors import ConfigError, DrainingError, NotFoundError
 from kvd.ops.metrics import Metrics

@@ -23,7 +23,7 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
              kv_heads: int = 8, layers: int = 16, head_dim: int = 128, tokens: int = 1024,
              prefill_block_size: int = 16, decode_block_size: int = 16, mla: bool = False) -> int:
     from kvd.planner import ModelGeometry, Parallelism, plan_transfer
-    from kvd.planner.render import render_table
+    from kvd.tools.plan.render import render_table
 
     model = ModelSpec(name="demo-model", num_kv_heads=kv_heads, num_layers=layers,
                       head_dim=head_dim, dtype="bfloat16", mla=mla)

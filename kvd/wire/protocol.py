@@ -129,7 +129,7 @@ class LayoutSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     ``kv_layout`` defaults to ``auto``: the daemon the rank registers with resolves it
     to the layout with the fewest descriptors that the model and ``head_layout`` allow
-    (kvd.daemon.engines.auto_kv_layout: head_major for plain HND attention, cross_layer
+    (kvd.daemon.engines.table.auto_kv_layout: head_major for plain HND attention, cross_layer
     for NHD and MLA, LBHNC/LBNHC for hybrid models; table in docs/engine-api.md) and
     answers with it in ``Registered.layout``. The resolution depends on the model and
     ``head_layout`` only, never on TP, PP or block size, so two daemons resolve two

@@ -12,8 +12,8 @@ from kvd.integrations.vllm_core.hybrid import (
     hybrid_spec,
     layer_numbering,
 )
-from kvd.planner.hybrid import vllm_groups
-from kvd.pool.hybrid import hybrid_model
+from kvd.planner.hybrid.plan import vllm_groups
+from kvd.pool.geometry import hybrid_model
 from kvd.wire.protocol import LayerSpec, ModelSpec
 
 PATTERN = "M*S-M*MS"  # Mamba 0 4 6, attention 1 5, sliding 2 7, MLP 3

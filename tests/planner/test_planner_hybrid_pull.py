@@ -20,15 +20,15 @@ from hypothesis import strategies as st
 from planner_sim import apply_descriptors, fill_pool, global_kv
 
 from kvd.errors import LayoutError
-from kvd.planner.hybrid import AttentionSpec, model_from_pattern, plan_hybrid
-from kvd.planner.hybrid_layout import (
+from kvd.planner.hybrid.layout import (
     HYBRID_KV_LAYOUTS,
     AttentionGroupLayout,
     build_hybrid_descriptors,
     vllm_rank_layout,
 )
-from kvd.planner.mamba import MambaSpec
-from kvd.planner.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.mamba import MambaSpec
+from kvd.planner.hybrid.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.plan import AttentionSpec, model_from_pattern, plan_hybrid
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
 

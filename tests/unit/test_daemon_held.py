@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.held import TERMINAL, HeldState, HeldTable, Reader
+from kvd.daemon.produce.held import TERMINAL, HeldState, HeldTable, Reader
 from kvd.errors import BlockIdError, BusyError, KvdError, NotFoundError
 
 

@@ -20,8 +20,8 @@ import zmq.asyncio
 from support.inprocess import run
 
 from kvd.daemon.clock import MonotonicClock
-from kvd.daemon.peerconn import PeerConnection, Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.conn import PeerConnection, Reply
+from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
 from kvd.daemon.pull.acquire import Acquiring, Replies
 from kvd.tools.localcluster import free_port
 from kvd.wire import protocol as P

@@ -14,8 +14,8 @@ import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon
 from kvd.daemon.pull import machine
 from kvd.daemon.pull.acquire import Acquiring, Replies, may_predate_publish, receipted
 from kvd.errors import BlockIdError

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
 from kvd.daemon.pull import consumer as consumer_mod
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.state import (

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvd.daemon.datapath import PostResult
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
 from kvd.daemon.pull.acquire import Acquiring
 from kvd.daemon.pull.machine import ForgetHandshake, Pull, Release, Report, WaitRanks
 from kvd.daemon.pull.state import PullState

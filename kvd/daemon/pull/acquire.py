@@ -19,8 +19,8 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon
 from kvd.wire import protocol as P
 
 

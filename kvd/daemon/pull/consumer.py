@@ -33,15 +33,8 @@ import logging
 from collections import deque
 
 from kvd.daemon import hybrid
-from kvd.daemon.engines import (
-    Engine,
-    PlanCache,
-    check_block_ids,
-    geometry,
-    parallelism,
-    rank_layout,
-)
-from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
+from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, NixlMover
@@ -63,6 +56,7 @@ from kvd.planner.assembly import (
     match_tail,
     prepare_pull,
 )
+from kvd.pool.geometry import geometry, parallelism, rank_layout
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")

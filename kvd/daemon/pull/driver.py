@@ -21,9 +21,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvd.daemon.engines import Engine
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.engines.table import Engine
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.acquire import Acquiring
 from kvd.daemon.pull.machine import (
     Action,

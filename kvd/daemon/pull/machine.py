@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.engines import EngineRank
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.engines.table import EngineRank
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.acquire import Replies, may_predate_publish, receipted
 from kvd.daemon.pull.state import On, PullState, next_state
 from kvd.errors import KvdError, PeerLostError, TransferError

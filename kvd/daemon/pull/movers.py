@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from kvd.daemon.datapath import DataPath, PostResult, XferStatus
-from kvd.daemon.engines import Engine
-from kvd.daemon.peers import PeerTable, RemoteEngine
+from kvd.daemon.engines.table import Engine
+from kvd.daemon.peers.table import PeerTable, RemoteEngine
 from kvd.daemon.pull.machine import Notice
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, ReadPost

@@ -40,7 +40,7 @@ log = logging.getLogger("kvd.vllm")
 # rank's heads of a block, all layers, in one region: a hetero-TP pull is one
 # descriptor per block per source rank. CPU attention takes only LBHNC, and hybrid
 # (Mamba) models share each layer's tensor between groups, which needs whole blocks
-# contiguous per layer: LBHNC too (kvd.planner.hybrid_layout.HYBRID_KV_LAYOUTS).
+# contiguous per layer: LBHNC too (kvd.planner.hybrid.layout.HYBRID_KV_LAYOUTS).
 DEFAULT_LAYOUT = "BHLNC"
 CPU_LAYOUT = "LBHNC"
 HYBRID_LAYOUT = "LBHNC"

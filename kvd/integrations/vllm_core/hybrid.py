@@ -240,12 +240,12 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
     [block, 1, 1, bytes] int8 pages holding [conv | ssm]. Raises LayoutError naming
     the first layer and the axis that differ.
     """
-    from kvd.planner.hybrid import stage_ranges
-    from kvd.planner.hybrid_layout import AttentionGroupLayout, vllm_rank_layout
+    from kvd.planner.hybrid.layout import AttentionGroupLayout, vllm_rank_layout
+    from kvd.planner.hybrid.mamba_layout import MambaStateLayout
+    from kvd.planner.hybrid.plan import stage_ranges
     from kvd.planner.layout import VLLM_LAYOUTS
-    from kvd.planner.mamba_layout import MambaStateLayout
     from kvd.planner.topology import Parallelism
-    from kvd.pool.hybrid import hybrid_model
+    from kvd.pool.geometry import hybrid_model
 
     if layout.kv_layout not in VLLM_LAYOUTS:
         raise LayoutError(f"vLLM's attention pages are one of vLLM's layouts, not "
@@ -366,7 +366,7 @@ class VllmHybridGeometry:
                          dtype=self.dtype, mla=self.mla, hybrid=hybrid)
 
     def layout_spec(self) -> Any:
-        from kvd.planner.hybrid_layout import hybrid_head_layout
+        from kvd.planner.hybrid.layout import hybrid_head_layout
         from kvd.wire.protocol import LayoutSpec
 
         return LayoutSpec(num_blocks=self.num_blocks, block_size_tokens=self.kernel_block_tokens,
@@ -376,7 +376,7 @@ class VllmHybridGeometry:
     def check_allocation(self) -> None:
         """vLLM's one allocation must be exactly kvd's hybrid pool for this rank."""
         from kvd.planner.topology import Parallelism
-        from kvd.pool.hybrid import hybrid_rank_pool
+        from kvd.pool.geometry import hybrid_rank_pool
 
         self.validate()
         par = Parallelism(self.tp_size, self.pp_size, self.layer_partition)

@@ -114,9 +114,9 @@ def kvd_descriptors(geom: Geometry, scn: Scenario, p_blocks: int, d_blocks: int,
     Returns (local offsets, remote offsets, sizes, local bytes, remote bytes): local
     offsets index the decode ranks' pools laid end to end, remote ones the prefill's.
     """
-    from kvd.daemon.engines import geometry, parallelism, rank_layout
     from kvd.planner import RankId, plan_transfer
     from kvd.planner.assembly import RankPool, assemble_pull, match_tail
+    from kvd.pool.geometry import geometry, parallelism, rank_layout
 
     model = geom.model()
     lspec = layout_spec(geom.shape(scn.decode_tp, d_blocks))

@@ -8,7 +8,7 @@ A rank's life is an explicit state machine:
 A pool is freed only when both hold: its rank is gone (RETIRED) and no transfer
 pins it. Pins are taken by in-flight consumer READs (local writes) and by
 published requests from publish until they end (remote reads). The async part
-(allocation, NIXL registration, freeing) is kvd.daemon.registry.
+(allocation, NIXL registration, freeing) is kvd.daemon.engines.registry.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -38,12 +37,18 @@ from kvd.planner import (
     RankId,
     TransferPlan,
     check_parallelism,
-    heads_per_rank,
     plan_transfer,
-    stage_layers,
 )
 from kvd.planner.layout import HEAD_LAYOUTS
-from kvd.pool.hybrid import HybridPool, hybrid_compat, hybrid_rank_pool
+from kvd.pool.base import Pool
+from kvd.pool.geometry import (
+    HybridPool,
+    geometry,
+    hybrid_compat,
+    hybrid_rank_pool,
+    parallelism,
+    rank_layout,
+)
 from kvd.wire.protocol import (
     AUTO_KV_LAYOUT,
     DTYPE_NBYTES,
@@ -113,39 +118,11 @@ def compat_hash(model: ModelSpec, layout: LayoutSpec) -> str:
                           "registration; a peer never sends it")
     key = (f"{model.name}|{model.num_kv_heads}|{model.num_layers}|{model.head_dim}|"
            f"{model.dtype}|{model.mla}|{layout.kv_layout}|{layout.head_layout}")
-    if model.hybrid is not None:  # layers, groups, Mamba shapes: kvd.planner.hybrid.compat_hash
+    if model.hybrid is not None:  # layers, groups, Mamba shapes (hybrid.plan.compat_hash)
         key += f"|hybrid:{hybrid_compat(model, layout)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def geometry(model: ModelSpec) -> ModelGeometry:
-    return ModelGeometry(num_kv_heads=model.num_kv_heads, num_layers=model.num_layers,
-                         mla=model.mla)
-
-
-def parallelism(tp_size: int, pp_size: int, partition: list[int] | None) -> Parallelism:
-    return Parallelism(tp_size=tp_size, pp_size=pp_size,
-                       layer_partition=tuple(partition) if partition else None)
-
-
-def rank_layout(model: ModelSpec, layout: LayoutSpec, par: Parallelism, pp_rank: int,
-                num_blocks: int | None = None) -> tuple[CacheLayout, int]:
-    """(CacheLayout of one rank, global index of its first layer)."""
-    geom = geometry(model)
-    first, stop = stage_layers(geom, par, pp_rank)
-    cache = CacheLayout(
-        num_layers=stop - first,
-        num_blocks=num_blocks if num_blocks is not None else layout.num_blocks,
-        block_size_tokens=layout.block_size_tokens,
-        num_heads=heads_per_rank(geom, par),
-        head_dim=model.head_dim,
-        dtype_nbytes=DTYPE_NBYTES[model.dtype],
-        kv_layout=layout.kv_layout,
-        head_layout=layout.head_layout,
-        mla=model.mla,
-    )
-    cache.validate()
-    return cache, first
 
 
 class PlanCache:
@@ -192,9 +169,9 @@ class EngineRank:
     engine_id: str
     rank: RankId
     msg: RegisterEngine
-    cache: CacheLayout | HybridPool  # hybrid engines: every group's layout (kvd.pool.hybrid)
+    cache: CacheLayout | HybridPool  # hybrid engines: every group's layout (kvd.pool.geometry)
     first_layer: int
-    pool: Any  # ShmPool or CudaPool: addr, nbytes, name, handle(), close()
+    pool: Pool  # ShmPool or CudaPool
     reg_id: int
     last_seen_s: float
     pins: int = 0

@@ -12,7 +12,14 @@ import json
 from pathlib import Path
 
 from kvd.errors import PlanError
-from kvd.planner.hybrid import (
+from kvd.planner.hybrid.layout import (
+    AttentionGroupLayout,
+    HybridRankLayout,
+    build_hybrid_descriptors,
+    hybrid_head_layout,
+    vllm_rank_layout,
+)
+from kvd.planner.hybrid.plan import (
     TOKEN_KINDS,
     HybridModel,
     HybridPlan,
@@ -20,16 +27,9 @@ from kvd.planner.hybrid import (
     model_from_json,
     plan_hybrid,
 )
-from kvd.planner.hybrid_layout import (
-    AttentionGroupLayout,
-    HybridRankLayout,
-    build_hybrid_descriptors,
-    hybrid_head_layout,
-    vllm_rank_layout,
-)
 from kvd.planner.plan import RankId
-from kvd.planner.render import parse_partition
 from kvd.planner.topology import Parallelism, partition
+from kvd.tools.plan.render import parse_partition
 
 # Nemotron-H-8B-Base-8K as vLLM's NemotronHConfig defaults describe it: 52 layers
 # (24 Mamba2, 4 attention, 24 MLP), Mamba2 128 heads x 64, 8 groups, d_state 128,

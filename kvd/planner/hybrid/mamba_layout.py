@@ -14,7 +14,7 @@ import numpy as np
 
 from kvd.errors import LayoutError
 from kvd.planner.descriptors import Descriptors
-from kvd.planner.mamba import MambaRankShape, MambaRead, MambaSpec, mamba_rank_shape
+from kvd.planner.hybrid.mamba import MambaRankShape, MambaRead, MambaSpec, mamba_rank_shape
 
 CONV_LAYOUTS = ("DS", "SD")
 

@@ -1,9 +1,12 @@
-"""A hybrid engine's geometry: its wire ModelSpec as the planner's model, and its pool.
+"""The one adapter from an engine's wire specs to the planner's structs, and its pool.
 
-What every engine is lives in ``kvd.daemon.engines``; this module holds the hybrid
-specifics it needs and imports nothing back; the daemon's checks and pull assembly
-for hybrid requests are in ``kvd.daemon.hybrid``. The connector computes the same
-geometry from this module, so both sides size the pool alike. A hybrid rank's pool is
+Plain attention and MLA: `geometry`, `parallelism` and `rank_layout` (a rank's
+CacheLayout). Hybrid engines: their ModelSpec as the planner's `HybridModel`
+(`hybrid_model`, `hybrid_compat`, `hybrid_rank_layout`) and their pool
+(`hybrid_rank_pool`). The daemon (kvd.daemon.engines.table), the connector and the
+benchmarks all take geometry from here, so every side sizes a pool alike. The daemon's
+checks and pull assembly for hybrid requests are in ``kvd.daemon.hybrid``. A hybrid
+rank's pool is
 vLLM's hybrid layout (``vllm_rank_layout``: one tensor per layer position shared by
 every group, attention pages in the engine's layout (vLLM's LBHNC or LBNHC, or kvd's
 blocks_first), Mamba slots of the engine's own pages-per-logical-block ratio), sized
@@ -18,7 +21,15 @@ from dataclasses import dataclass
 import msgspec
 
 from kvd.errors import KvdError, LayoutError, PlanError
-from kvd.planner.hybrid import (
+from kvd.planner import CacheLayout, ModelGeometry, heads_per_rank, stage_layers
+from kvd.planner.hybrid.layout import (
+    HYBRID_KV_LAYOUTS,
+    HybridRankLayout,
+    hybrid_head_layout,
+    vllm_rank_layout,
+)
+from kvd.planner.hybrid.mamba import MambaSpec, check_mamba_tp
+from kvd.planner.hybrid.plan import (
     AttentionSpec,
     HybridModel,
     KVGroup,
@@ -26,17 +37,42 @@ from kvd.planner.hybrid import (
     compat_hash,
     stage_ranges,
 )
-from kvd.planner.hybrid_layout import (
-    HYBRID_KV_LAYOUTS,
-    HybridRankLayout,
-    hybrid_head_layout,
-    vllm_rank_layout,
-)
-from kvd.planner.mamba import MambaSpec, check_mamba_tp
 from kvd.planner.topology import Parallelism
 from kvd.wire import protocol as P
 
 POOL_ALIGN = 8  # pool sizes rounded up so every dtype's view of the pool is whole
+
+
+def geometry(model: P.ModelSpec) -> ModelGeometry:
+    """The planner's view of a model: KV heads, layers, MLA."""
+    return ModelGeometry(num_kv_heads=model.num_kv_heads, num_layers=model.num_layers,
+                         mla=model.mla)
+
+
+def parallelism(tp_size: int, pp_size: int, partition: list[int] | None) -> Parallelism:
+    """An engine's TP x PP (and uneven layer split) as the planner takes it."""
+    return Parallelism(tp_size=tp_size, pp_size=pp_size,
+                       layer_partition=tuple(partition) if partition else None)
+
+
+def rank_layout(model: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism, pp_rank: int,
+                num_blocks: int | None = None) -> tuple[CacheLayout, int]:
+    """(CacheLayout of one rank, global index of its first layer)."""
+    geom = geometry(model)
+    first, stop = stage_layers(geom, par, pp_rank)
+    cache = CacheLayout(
+        num_layers=stop - first,
+        num_blocks=num_blocks if num_blocks is not None else layout.num_blocks,
+        block_size_tokens=layout.block_size_tokens,
+        num_heads=heads_per_rank(geom, par),
+        head_dim=model.head_dim,
+        dtype_nbytes=P.DTYPE_NBYTES[model.dtype],
+        kv_layout=layout.kv_layout,
+        head_layout=layout.head_layout,
+        mla=model.mla,
+    )
+    cache.validate()
+    return cache, first
 
 
 def _nbytes(dtype: str, what: str) -> int:
@@ -98,8 +134,8 @@ class HybridPool:
         return (self.total_nbytes // self.dtype_nbytes,)
 
 
-def rank_layout(spec: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism, pp_rank: int,
-                num_blocks: int | None = None) -> HybridRankLayout:
+def hybrid_rank_layout(spec: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism,
+                       pp_rank: int, num_blocks: int | None = None) -> HybridRankLayout:
     assert spec.hybrid is not None
     return vllm_rank_layout(hybrid_model(spec), par, pp_rank,
                             layout.num_blocks if num_blocks is None else num_blocks,
@@ -122,7 +158,7 @@ def hybrid_rank_pool(spec: P.ModelSpec, layout: P.LayoutSpec, par: Parallelism,
         raise LayoutError("num_blocks and block_size_tokens must be >= 1")
     if model.mamba is not None and model.layers_of("mamba"):
         check_mamba_tp(model.mamba, par.tp_size, "engine")
-    lay = rank_layout(spec, layout, par, pp_rank)
+    lay = hybrid_rank_layout(spec, layout, par, pp_rank)
     first = stage_ranges(model, par)[pp_rank][0]
     return HybridPool(lay, layout.num_blocks, _nbytes(spec.dtype, "dtype")), first
 

@@ -18,8 +18,8 @@ import functools
 import logging
 
 from kvd.daemon import hybrid
-from kvd.daemon.engines import Engine, PlanCache, check_block_ids, geometry, parallelism
-from kvd.daemon.held import HeldRequest, HeldState, HeldTable
+from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
+from kvd.daemon.produce.held import HeldRequest, HeldState, HeldTable
 from kvd.daemon.services import Services
 from kvd.errors import (
     IncompatibleError,
@@ -29,6 +29,7 @@ from kvd.errors import (
     TooLargeError,
 )
 from kvd.planner import Parallelism, check_parallelism
+from kvd.pool.geometry import geometry, parallelism
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")

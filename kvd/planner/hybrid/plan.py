@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kvd.errors import PlanError
-from kvd.planner.mamba import MambaRead, MambaSpec, check_mamba_tp, plan_mamba
+from kvd.planner.hybrid.mamba import MambaRead, MambaSpec, check_mamba_tp, plan_mamba
 from kvd.planner.plan import RankId, Read, TransferPlan, plan_transfer
 from kvd.planner.topology import (
     ModelGeometry,

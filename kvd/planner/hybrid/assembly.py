@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from kvd.errors import LayoutError
 from kvd.planner.assembly import ProducerReads
-from kvd.planner.hybrid import HybridPlan
-from kvd.planner.hybrid_layout import HybridRankLayout, build_hybrid_descriptors
+from kvd.planner.hybrid.layout import HybridRankLayout, build_hybrid_descriptors
+from kvd.planner.hybrid.plan import HybridPlan
 from kvd.planner.plan import RankId
 
 

@@ -25,10 +25,10 @@ import numpy as np
 
 from kvd.errors import LayoutError
 from kvd.planner.descriptors import Descriptors, build_read_descriptors
-from kvd.planner.hybrid import TOKEN_KINDS, HybridModel, HybridPlan, stage_ranges
+from kvd.planner.hybrid.mamba import mamba_rank_shape
+from kvd.planner.hybrid.mamba_layout import MambaStateLayout, build_mamba_descriptors, merge_ranges
+from kvd.planner.hybrid.plan import TOKEN_KINDS, HybridModel, HybridPlan, stage_ranges
 from kvd.planner.layout import CacheLayout, vllm_head_layout
-from kvd.planner.mamba import mamba_rank_shape
-from kvd.planner.mamba_layout import MambaStateLayout, build_mamba_descriptors, merge_ranges
 from kvd.planner.plan import RankId, Read
 from kvd.planner.topology import Parallelism, heads_per_rank
 

@@ -38,8 +38,8 @@ import zmq.asyncio
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
-from kvd.daemon.engines import Engine, compat_hash
-from kvd.daemon.peerconn import PeerConnection, Reply
+from kvd.daemon.engines.table import Engine, compat_hash
+from kvd.daemon.peers.conn import PeerConnection, Reply
 from kvd.errors import (
     IncompatibleError,
     KvdError,

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
-from kvd.daemon.engines import (
+from kvd.daemon.engines.table import (
     Engine,
     EngineRank,
     EngineTable,
@@ -38,6 +38,7 @@ from kvd.errors import (
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.pool.adopt import adopt_file, adopt_memfd, file_id, is_memfd_handle
+from kvd.pool.base import Pool
 from kvd.pool.owner import PoolOwner, reap_dead_pools
 from kvd.pool.shm import ShmPool
 from kvd.wire import protocol as P
@@ -137,7 +138,7 @@ class EngineRegistry:
             pool, mem_type, device_id, reg_id = await self._allocate_registered(msg, nbytes)
             return self._registered(msg, par, cache, first, pool, mem_type, device_id, reg_id)
 
-    def _registered(self, msg: P.RegisterEngine, par: Any, cache: Any, first: int, pool: Any,
+    def _registered(self, msg: P.RegisterEngine, par: Any, cache: Any, first: int, pool: Pool,
                     mem_type: str, device_id: int, reg_id: int) -> P.Registered:
         rank = EngineRank(engine_id=msg.engine_id, rank=RankId(msg.tp_rank, msg.pp_rank), msg=msg,
                           cache=cache, first_layer=first, pool=pool, reg_id=reg_id,
@@ -154,7 +155,7 @@ class EngineRegistry:
                             instance_id=self.instance_id, layout=msg.layout)
 
     async def _allocate_registered(self, msg: P.RegisterEngine, nbytes: int
-                                   ) -> tuple[Any, str, int, int]:
+                                   ) -> tuple[Pool, str, int, int]:
         """(pool, memory type, device id, NIXL registration id), made off the event loop.
 
         Allocating a DRAM pool reserves every page (posix_fallocate: ~0.25 s per GiB here)
@@ -213,7 +214,7 @@ class EngineRegistry:
             task.add_done_callback(self._undoing.discard)
             raise
 
-    def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Any, str, int]:
+    def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Pool, str, int]:
         """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU;
         or the pool the engine kept from a previous incarnation (``adopt_pool``)."""
         if msg.adopt_pool is not None:
@@ -354,7 +355,7 @@ class EngineRegistry:
                                         backing=_backing(r.pool)))
         return out
 
-    def _pages_changed(self, pool: Any, delta: int) -> None:
+    def _pages_changed(self, pool: Pool, delta: int) -> None:
         """kvd_pool_page_bytes: the smallest page among the DRAM pools still allocated,
         so that an alert sees a pool that fell back to 4 KiB pages."""
         page = getattr(pool, "page_nbytes", 0)
@@ -366,6 +367,6 @@ class EngineRegistry:
         self.metrics.pool_page_bytes.set(min(self._page_counts, default=0))
 
 
-def _backing(pool: Any) -> str:
+def _backing(pool: Pool) -> str:
     backing = getattr(pool, "backing", None)
     return backing.value if backing is not None else "cuda_ipc"
