@@ -54,6 +54,7 @@ class Config:
     nixl_backend: str = "UCX"
     posting_workers: str = "auto"
     rails: str = "auto"
+    copy_threads: int = 2
     log_format: str = "text"
     log_level: str = "info"
     auth_token_file: str = ""
@@ -116,6 +117,9 @@ FIELD_HELP: dict[str, str] = {
     "rails": "Network devices the posting workers are spread over, one UCX device list "
              "each (comma-separated, e.g. mlx5_0:1,mlx5_1:1 or eth1,eth2), 'none', or auto "
              "(the NIC nearest each GPU by PCIe distance; none on a host without GPUs).",
+    "copy_threads": "Threads that copy a local pull (producer and consumer engines both on "
+                    "this daemon) between their pools, the copy split between them by bytes: "
+                    "1..16.",
     "log_format": "'text' or 'json' (one JSON object per line).",
     "log_level": "debug, info, warning or error.",
     "auth_token_file": "File holding a shared token that engines and peers must present.",
@@ -281,6 +285,8 @@ def validate(cfg: Config) -> Config:
             parse(getattr(cfg, name))
         except ValueError as exc:
             raise ConfigError(f"{name}: {getattr(cfg, name)!r}: {exc}") from None
+    if not 1 <= cfg.copy_threads <= 16:
+        raise ConfigError(f"copy_threads: must be 1..16, got {cfg.copy_threads!r}")
     if cfg.auth_token_file and not Path(cfg.auth_token_file).is_file():
         raise ConfigError(f"auth_token_file: {cfg.auth_token_file!r} does not exist")
     return cfg

@@ -80,14 +80,17 @@ def test_values_after_increments() -> None:
     m.plan_cache_hits.inc()
     m.plan_cache_misses.inc(2)
     s = scrape(m.registry)
-    assert s[("kvd_transfers_total", (("outcome", "ok"), ("role", "consumer")))] == 2
-    assert s[("kvd_transfers_total", (("outcome", "failed"), ("role", "consumer")))] == 1
-    assert s[("kvd_transfers_total", (("outcome", "expired"), ("role", "producer")))] == 1
+    remote = ("path", "remote")
+    assert s[("kvd_transfers_total", (("outcome", "ok"), remote, ("role", "consumer")))] == 2
+    assert s[("kvd_transfers_total", (("outcome", "failed"), remote, ("role", "consumer")))] == 1
+    assert s[("kvd_transfers_total", (("outcome", "expired"), remote, ("role", "producer")))] == 1
     # failed pulls do not count as delivered bytes
-    assert s[("kvd_transferred_bytes_total", (("role", "consumer"),))] == 5120
-    assert s[("kvd_transfer_duration_seconds_count", (("role", "consumer"),))] == 3
-    assert s[("kvd_transfer_duration_seconds_bucket", (("le", "0.005"), ("role", "consumer")))] == 1
-    assert s[("kvd_transfer_duration_seconds_sum", (("role", "consumer"),))] == pytest.approx(0.703)
+    assert s[("kvd_transferred_bytes_total", (remote, ("role", "consumer")))] == 5120
+    assert s[("kvd_transfer_duration_seconds_count", (remote, ("role", "consumer")))] == 3
+    assert s[("kvd_transfer_duration_seconds_bucket",
+              (("le", "0.005"), remote, ("role", "consumer")))] == 1
+    assert s[("kvd_transfer_duration_seconds_sum", (remote, ("role", "consumer")))] == \
+        pytest.approx(0.703)
     assert s[("kvd_descriptors_posted_total", ())] == 12
     assert s[("kvd_transfer_post_duration_seconds_count", ())] == 1
     assert s[("kvd_handshakes_total", (("outcome", "timeout"),))] == 1
@@ -107,7 +110,8 @@ def test_bounded_label_children_exist_before_first_event() -> None:
     s = scrape(Metrics().registry)
     for role in ("producer", "consumer"):
         for outcome in ("ok", "failed", "expired", "cancelled"):
-            assert s[("kvd_transfers_total", (("outcome", outcome), ("role", role)))] == 0
+            key = (("outcome", outcome), ("path", "remote"), ("role", role))
+            assert s[("kvd_transfers_total", key)] == 0
 
 
 def test_two_daemons_in_one_process_keep_separate_registries() -> None:

@@ -40,7 +40,7 @@ from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull.consumer import Consumer
 from kvd.daemon.services import Services
-from kvd.errors import ConfigError, DrainingError, NotFoundError
+from kvd.errors import ConfigError, DrainingError, NotFoundError, ProtocolError
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
@@ -118,7 +118,8 @@ class Daemon:
                                self.token, self.daemon_id, self.instance_id)
         svc = Services(cfg, self.clock, self.metrics, self.datapath, self.registry,
                        self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
-        self.producer, self.consumer = Producer(svc), Consumer(svc)
+        self.producer = Producer(svc)
+        self.consumer = Consumer(svc, self._local_peer)
         self.connections = ConnectionTracker()
         self.registry.on_engine_gone(self.connections.forget)
         self.spawn(self.engine_face.serve({t: self._noting(h)
@@ -204,6 +205,7 @@ class Daemon:
             for task in others:  # twice if cancelled pulls spawned an Abandon meanwhile
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
+        self.consumer.close()  # local copies end before any pool is freed
         self.events.flush_all()
         await self.registry.release_all()
         self.registry.close()
@@ -324,6 +326,24 @@ class Daemon:
 
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}
+
+    def _local_peer(self, msg: object) -> object:
+        """A local pull's peer message to this daemon's own producer side (kvd.daemon.pull.
+        local): the same calls the peer face makes, in-process, for the incarnation of this
+        daemon. The reply body, or an awaitable of it for an Acquire before its Publish."""
+        producer = self.producer
+        if isinstance(msg, P.Acquire):
+            if producer.acquire_must_wait(msg):
+                return producer.acquire_when_published(msg, self.instance_id)
+            return producer.acquire(msg, self.instance_id)
+        if isinstance(msg, P.Heartbeat):
+            return producer.heartbeat(msg)
+        if isinstance(msg, P.Abandon):
+            return producer.abandon(msg)
+        if isinstance(msg, P.ReadNotice):
+            producer.on_notice(msg, self.instance_id)
+            return P.Ok()
+        raise ProtocolError(f"a local pull does not send {type(msg).__name__}")
 
     def _peer_handlers(self) -> dict[type, Handler]:
         producer = self.producer

@@ -110,25 +110,27 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "transfers",
         "kvd_transfers_total",
         "counter",
-        ("role", "outcome"),
+        ("role", "path", "outcome"),
         "Requests finished, by role (producer: a held request released; consumer: a pull "
-        "completed) and outcome (ok, failed, expired, cancelled).",
+        "completed), path (local: copied inside this daemon, both engines registered here; "
+        "remote: read across daemons over NIXL) and outcome (ok, failed, expired, "
+        "cancelled).",
     ),
     MetricDoc(
         "transferred_bytes",
         "kvd_transferred_bytes_total",
         "counter",
-        ("role",),
+        ("role", "path"),
         "Bytes of KV cache moved by finished transfers (consumer: read into local pools; "
-        "producer: read out of local pools by peers).",
+        "producer: read out of local pools by peers), by path (local or remote).",
     ),
     MetricDoc(
         "transfer_duration",
         "kvd_transfer_duration_seconds",
         "histogram",
-        ("role",),
+        ("role", "path"),
         "Time from a pull being accepted (consumer) or a request being published (producer) "
-        "until it finished, whatever the outcome.",
+        "until it finished, whatever the outcome, by path (local or remote).",
         TRANSFER_BUCKETS,
     ),
     MetricDoc(

@@ -70,11 +70,11 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         for doc in METRIC_DOCS:
             setattr(self, doc.attr, _make(doc, self.registry))
-        for role in ROLES:
-            self.transferred_bytes.labels(role=role)
-            self.transfer_duration.labels(role=role)
+        for role in ROLES:  # remote: every deployment has it; local appears when used
+            self.transferred_bytes.labels(role=role, path="remote")
+            self.transfer_duration.labels(role=role, path="remote")
             for outcome in TRANSFER_OUTCOMES:
-                self.transfers.labels(role=role, outcome=outcome)
+                self.transfers.labels(role=role, path="remote", outcome=outcome)
         for outcome in HANDSHAKE_OUTCOMES:
             self.handshakes.labels(outcome=outcome)
         for face in FACES:
@@ -84,16 +84,19 @@ class Metrics:
         self.build_info.labels(version=kvd.__version__).set(1)
         self._rails_seen: dict[tuple[int, str], tuple[int, int]] = {}
 
-    def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float) -> None:
+    def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float,
+                          path: str = "remote") -> None:
         """Record one finished request in the three transfer metrics at once.
 
         Bytes count only for ``ok``: a failed pull's partial reads were not
         delivered to the engine, so counting them would overstate throughput.
+        ``path``: "local" when the bytes were copied inside this daemon (both engines
+        registered here), "remote" when they crossed to or from another daemon.
         """
-        self.transfers.labels(role=role, outcome=outcome).inc()
+        self.transfers.labels(role=role, path=path, outcome=outcome).inc()
         if outcome == "ok" and nbytes:
-            self.transferred_bytes.labels(role=role).inc(nbytes)
-        self.transfer_duration.labels(role=role).observe(duration_s)
+            self.transferred_bytes.labels(role=role, path=path).inc(nbytes)
+        self.transfer_duration.labels(role=role, path=path).observe(duration_s)
 
     def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
         """Record one pull's posted READs: build time per descriptor of each, and their

@@ -282,7 +282,10 @@ class Producer:
         m = self.svc.metrics
         m.held_requests.set(len(self.held))
         duration_s = self.svc.clock.now() - held.published_s
-        m.transfer_finished("producer", outcome, held.nbytes, duration_s)
+        local = bool(held.readers) and all(r.instance == self.svc.instance_id
+                                           for r in held.readers.values())
+        m.transfer_finished("producer", outcome, held.nbytes, duration_s,
+                            "local" if local else "remote")
         if outcome == "expired":
             m.leases_expired.inc()
             log.warning("lease expired before every consumer read the request",

@@ -31,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from typing import NamedTuple
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
 from kvd.daemon.peers.table import RemoteEngine
-from kvd.daemon.pull.driver import PullDriver
+from kvd.daemon.pull.driver import Peers, PullDriver
+from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, NixlMover
 from kvd.daemon.pull.quarantine import QuarantineCounts
@@ -57,6 +59,8 @@ from kvd.planner.assembly import (
     prepare_pull,
 )
 from kvd.pool.geometry import geometry, parallelism, rank_layout
+from kvd.transport.localcopy import LocalCopier
+from kvd.transport.samehost import local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
@@ -64,10 +68,23 @@ log = logging.getLogger("kvd.consumer")
 MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
 
 
+class Route(NamedTuple):
+    """How a pull reaches its producer: the mover of its bytes and the peers it asks."""
+
+    mover: Mover
+    peers: Peers
+
+
+def _cuda_copier() -> object:
+    from kvd.transport.cudacopy import CudaCopier
+
+    return CudaCopier()
+
+
 class Consumer:
     """Every pull of this daemon's engines: admission, the mover, the plan cache, status."""
 
-    def __init__(self, svc: Services) -> None:
+    def __init__(self, svc: Services, local_dispatch: Dispatch | None = None) -> None:
         self.svc = svc
         self.jobs: dict[tuple[str, str], Pull] = {}
         self.drivers: dict[tuple[str, str], PullDriver] = {}
@@ -80,11 +97,37 @@ class Consumer:
         cfg = svc.cfg
         own_ports = tuple(sorted({p for p in (_port(cfg.peer_address), _port(cfg.engine_address),
                                               cfg.metrics_port) if p}))
-        self._nixl = NixlMover(svc.datapath, svc.peers, own_ports)
+        self._remote = Route(NixlMover(svc.datapath, svc.peers, own_ports), svc.peers)
+        self._local: Route | None = None
+        if local_dispatch is not None:
+            own = cfg.peer_advertise or cfg.peer_address
+            copier = LocalCopier(threads=cfg.copy_threads)
+            self._local = Route(
+                LocalMover(copier, cuda_copier=_cuda_copier),
+                LocalPeers(svc.registry, local_dispatch, own, svc.datapath.agent_name,
+                           svc.instance_id, svc.clock.now))
+        self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
+        self._local_hosts = local_host_names()
+        self._names_me: dict[str, bool] = {}
 
-    def mover_for(self, msg: P.Pull) -> Mover:
-        """The one place a pull's mover is chosen."""
-        return self._nixl
+    def route_for(self, msg: P.Pull) -> Route:
+        """The one place a pull's mover (and the peers it talks to) is chosen: a producer
+        daemon address that names this very daemon, however it is spelled (loopback or
+        advertised, a wildcard bind), is a local pull; any other goes over the network."""
+        if self._local is None:
+            return self._remote
+        me = self._names_me.get(msg.remote_address)
+        if me is None:
+            me = names_this_daemon(msg.remote_address, self._own_addresses,
+                                   self._local_hosts)
+            if len(self._names_me) >= MAX_PREPARED:
+                self._names_me.clear()
+            self._names_me[msg.remote_address] = me
+        return self._local if me else self._remote
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.mover.close()
 
     def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
         """Validate cheaply and queue; the outcome arrives later as a done_recving event,
@@ -105,23 +148,23 @@ class Consumer:
         if negative:
             raise BlockIdError(f"remote block ids {negative[:8]} are negative")
         hybrid.check_pull(engine.model, msg)
-        mover = self.mover_for(msg)
+        route = self.route_for(msg)
         pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
-                    path=mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
+                    path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=cfg.transfer_timeout_s)
         self.jobs[pull.key] = pull
         self.svc.metrics.inflight_transfers.inc()
-        driver = PullDriver(self.svc, pull, mover, self.quarantine, self._groups,
-                            self._reported)
+        driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
+                            self._groups, self._reported)
         self.drivers[pull.key] = driver
-        if not driver.run_now(engine, self._cached(msg, engine)):
+        if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
             driver.task = self.svc.spawn(driver.run())
 
-    def _cached(self, msg: P.Pull, engine: Engine) -> RemoteEngine | None:
+    def _cached(self, msg: P.Pull, engine: Engine, peers: Peers) -> RemoteEngine | None:
         """The cached handshake, when every rank of the engine is here: then the Acquire
         leaves now, before the pull's task even starts (its round trip overlaps the rest)."""
         svc = self.svc
-        remote = svc.peers.cached(msg.engine_id, msg.remote_engine_id, msg.remote_address)
+        remote = peers.cached(msg.engine_id, msg.remote_engine_id, msg.remote_address)
         if remote is None or engine.missing_ranks(svc.cfg.peer_advertise):
             return None
         return remote

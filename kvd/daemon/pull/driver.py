@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.conn import Reply
@@ -60,14 +61,41 @@ PROBE_TIMEOUT_S = 0.5
 Assembler = Callable[[Pull, Engine, RemoteEngine], dict[str, ProducerReads]]
 
 
+class Peers(Protocol):
+    """What a pull needs of the producer's daemons: kvd.daemon.peers.table.PeerTable over
+    the network, kvd.daemon.pull.local.LocalPeers for this daemon's own producer side."""
+
+    conns: Mapping[str, Any]
+
+    def send(self, address: str, msg: object, timeout_s: float | None = None
+             ) -> asyncio.Future[Reply]: ...
+
+    async def request(self, address: str, msg: object, timeout_s: float | None = None
+                      ) -> Reply: ...
+
+    def take_ready(self, addresses: Iterable[str]) -> None: ...
+
+    def drop_address(self, address: str, why: str) -> None: ...
+
+    def forget(self, local_engine: str, remote_engine: str) -> None: ...
+
+    def cached(self, engine_id: str, remote_engine: str, address: str
+               ) -> RemoteEngine | None: ...
+
+    async def remote_engine(self, engine: Engine, remote_engine: str, address: str
+                            ) -> RemoteEngine: ...
+
+
 class PullDriver:
     """The I/O of one pull: its mover, its Acquire on the wire, its task."""
 
-    def __init__(self, svc: Services, pull: Pull, mover: Mover, quarantine: QuarantineCounts,
-                 assemble: Assembler, on_reported: Callable[[Pull], None]) -> None:
+    def __init__(self, svc: Services, pull: Pull, mover: Mover, peers: Peers,
+                 quarantine: QuarantineCounts, assemble: Assembler,
+                 on_reported: Callable[[Pull], None]) -> None:
         self.svc = svc
         self.pull = pull
         self.mover = mover
+        self.peers = peers  # the producer's daemons (this daemon itself for a local pull)
         self.quarantine = quarantine
         self._assemble = assemble
         self._on_reported = on_reported
@@ -148,7 +176,7 @@ class PullDriver:
             return []
         if isinstance(act, ForgetHandshake):
             msg = self.pull.msg
-            self.svc.peers.forget(msg.engine_id, msg.remote_engine_id)
+            self.peers.forget(msg.engine_id, msg.remote_engine_id)
             return []
         return None
 
@@ -215,8 +243,8 @@ class PullDriver:
         if isinstance(act, Greet):
             assert self.engine is not None
             msg = pull.msg
-            remote = await svc.peers.remote_engine(self.engine, msg.remote_engine_id,
-                                                   msg.remote_address)
+            remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
+                                                    msg.remote_address)
             return pull.greeted(remote)
         if isinstance(act, SendAcquire):
             self._send_acquire()
@@ -270,8 +298,8 @@ class PullDriver:
             svc.spawn(old.forget())
         par = engine.par
         msg = Acquiring.acquire_msg(pull.msg, par.tp_size, par.pp_size, par.layer_partition)
-        self.acquiring = Acquiring({a: svc.peers.send(a, msg) for a in remote.daemons},
-                                   svc.peers.take_ready)
+        self.acquiring = Acquiring({a: self.peers.send(a, msg) for a in remote.daemons},
+                                   self.peers.take_ready)
         self._acquired_from = remote
 
     _acquired_from: RemoteEngine | None = None
@@ -341,7 +369,7 @@ class PullDriver:
         remote = self.pull.remote
         if remote is None:
             return frozenset()
-        conns = self.svc.peers.conns
+        conns = self.peers.conns
         return frozenset(a for a in remote.daemons
                          if (c := conns.get(a)) is not None and c.connected is False)
 
@@ -351,7 +379,7 @@ class PullDriver:
         svc, pull = self.svc, self.pull
         assert pull.remote is not None
         for addr in act.addresses:
-            svc.peers.drop_address(addr, "READ failed")
+            self.peers.drop_address(addr, "READ failed")
         answers: dict[str, Reply | None] = {}
         unreachable = self._unreachable()
         for addr in act.addresses:
@@ -359,7 +387,7 @@ class PullDriver:
                 answers[addr] = None
                 break
             try:
-                reply = await svc.peers.request(addr, P.Heartbeat(
+                reply = await self.peers.request(addr, P.Heartbeat(
                     producer_engine_id=pull.msg.remote_engine_id, request_ids=[]),
                     min(PROBE_TIMEOUT_S, svc.cfg.handshake_timeout_s))
             except KvdError:
@@ -387,7 +415,7 @@ class PullDriver:
                 continue
             for addr in pull.lease_addresses():
                 try:
-                    reply = await svc.peers.request(addr, beat)
+                    reply = await self.peers.request(addr, beat)
                 except KvdError as exc:
                     log.warning("lease heartbeat to %s failed: %s", addr, exc,
                                 extra={"request_id": pull.msg.request_id, "peer": addr})
@@ -417,10 +445,11 @@ class PullDriver:
             m.descriptors_posted.inc(descriptors)
             m.reads_posted(timings)
         m.inflight_transfers.dec()
-        m.transfer_finished("consumer", pull.outcome, pull.nbytes, act.event.duration_s)
+        m.transfer_finished("consumer", pull.outcome, pull.nbytes, act.event.duration_s,
+                            pull.path)
         if not act.event.ok:
             m.invalid_blocks.inc(len(act.event.invalid_block_ids))
-            log.warning("pull failed: %s", pull.error,
+            log.warning("pull failed (%s): %s", pull.path, pull.error,
                         extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
                                "peer": msg.remote_address})
         # The producers count our reads only now, after the engine heard (a notice is not
@@ -450,7 +479,7 @@ class PullDriver:
                          "request", addrs[0], exc,
                          extra={"request_id": pull.msg.request_id, "peer": addrs[0]})
 
-        svc.peers.send(addrs[0], notice).add_done_callback(sent)
+        self.peers.send(addrs[0], notice).add_done_callback(sent)
 
     async def _notify_by_nixl(self, agent: str, notice: P.ReadNotice) -> None:
         try:
@@ -467,7 +496,7 @@ class PullDriver:
                          consumer_engine_id=msg.engine_id)
         for addr in addrs:
             try:
-                await self.svc.peers.request(addr, note)
+                await self.peers.request(addr, note)
             except KvdError as exc:
                 log.info("abandon to %s not delivered (%s); the lease will release it", addr,
                          exc, extra={"request_id": msg.request_id, "peer": addr})
