@@ -136,3 +136,29 @@ def test_an_engine_leaving_mid_copy_loses_nothing_and_leaks_nothing(one, leaving
         time.sleep(0.05)
     st = c.status()
     assert st.engines == [] and st.pulls == [] and st.held == []
+
+
+def test_a_frozen_daemon_finishes_its_local_copy_after_the_thaw(one) -> None:
+    """SIGSTOP the one daemon right after it accepted a 192 MiB local pull, for five
+    times the hold's lease: on SIGCONT the lease moves on by the frozen time (it must not
+    expire under the copy), the copy ends and the pull is ok with the right bytes."""
+    import os
+    import signal
+
+    d, c = one
+    shape, p, dd, p_ids, d_ids = _big_pair(c)
+    rid = unique("freeze")
+    expired0 = metric(d, "kvd_leases_expired_total")
+    c.publish(p.engine_id, rid, p_ids, lease_s=1.0)
+    c.pull(dd.engine_id, rid, p.engine_id, d.peer_address, p_ids, d_ids)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(5.0)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    recv = c.wait(dd.engine_id, rid, "done_recving", timeout_s=30)
+    assert recv.ok, recv.error
+    assert np.array_equal(dd.ranks[0].kv[:, :, d_ids], p.ranks[0].kv[:, :, p_ids])
+    assert c.wait(p.engine_id, rid, "done_sending", timeout_s=10).ok
+    assert metric(d, "kvd_leases_expired_total") == expired0
+    deregister_and_check_freed(c, p, dd)

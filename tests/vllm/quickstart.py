@@ -13,8 +13,8 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 STEPS = ("setup", "daemons", "servers", "router", "request", "metrics")
-# Every port the quickstart uses: two daemons (engine, peer, metrics), two servers, router.
-PORTS = (7100, 7101, 7102, 7200, 7201, 7202, 8100, 8200, 8000)
+# Every port the quickstart uses: the daemon (engine, peer, metrics), two servers, router.
+PORTS = (7100, 7101, 7102, 8100, 8200, 8000)
 _BLOCK = re.compile(r"<!-- quickstart:(\w+) -->\n```sh\n(.*?)```", re.S)
 
 

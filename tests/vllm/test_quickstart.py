@@ -1,4 +1,4 @@
-"""docs/vllm.md's quickstart, run as written: two `kvd serve`, a prefill and a decode vLLM
+"""docs/vllm.md's quickstart, run as written: one `kvd serve`, a prefill and a decode vLLM
 OpenAI server with the connector, `kvd router`, requests, metrics.
 
 The documented blocks run as one bash script (``quickstart.script``: only the ports and
@@ -163,6 +163,10 @@ def test_quickstart_completion_matches_a_plain_server_and_nothing_is_recomputed(
                    source="external_kv_transfer") == 128
     assert _metric(shown, "vllm:kvd_pulls_total") == 1
     assert _metric(shown, "vllm:kvd_pulled_bytes_total") > 0
+    # one daemon for both servers: the pull was a copy inside it
+    assert _metric(shown, "kvd_transfers_total", role="consumer", path="local",
+                   outcome="ok") == 1
+    assert _metric(shown, "kvd_transfers_total", role="consumer", path="remote") == 0
 
 
 def test_streamed_and_chat_requests_through_the_router(running: Running) -> None:
