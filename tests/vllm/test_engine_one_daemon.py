@@ -52,7 +52,7 @@ def test_decode_on_the_same_daemon_equals_a_plain_engine(
     want = plain.generate(prompts, max_tokens=MAX_TOKENS)
     first, params = prefill_outputs(prefill, prompts)
     got = decode.generate(prompts, max_tokens=MAX_TOKENS, kv_transfer_params=params)
-    for p, w, f, g in zip(prompts, want, first, got, strict=True):
+    for w, f, g in zip(want, first, got, strict=True):
         assert f["token_ids"] == w["token_ids"][:1]
         assert g["token_ids"] == w["token_ids"], "decode through one kvd diverged from plain"
         assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
