@@ -210,7 +210,7 @@ class Consumer:
         """The assembly's inputs, bound once per (engine, peer engine) and reused while
         they stay the same: the local pools and geometry (the engine's epoch changes
         with every rank that registers or leaves) and the handshake (identity: a new one
-        is a new object) (issue 23.4: a small pull rebuilt them every time)."""
+        is a new object): a small pull would otherwise rebuild them every time."""
         key = (engine.engine_id, remote.desc.engine_id)
         hit = self._ready.get(key)
         m = self.svc.metrics
