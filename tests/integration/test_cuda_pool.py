@@ -149,3 +149,17 @@ def test_vram_pull_between_two_daemons_is_byte_exact(workers):
                     daemon_args=("--set", f"posting_workers={workers}"))
     assert res["verified"], res["logs"]
     assert res["nbytes"] >= 60 << 20
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: local VRAM pulls untested "
+                    "here")
+def test_local_vram_pull_on_one_daemon_is_a_device_copy():
+    """Both engines on one kvd serve --device cuda: the pull is a copy the daemon issues on
+    the GPU (kvd.transport.cudacopy), every block compared with the prefill pool."""
+    from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
+    from kvd.tools.bench.vram import kvd_pulls
+
+    res = kvd_pulls(64, "cuda", 0, 2, DEFAULT_KV_LAYOUT, one_daemon=True)
+    assert res["verified"], res["logs"]
+    assert res["paths"] == ["local"]
