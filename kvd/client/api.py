@@ -31,9 +31,11 @@ from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     Messages,
     RankHandle,
     default_address,
+    default_curve,
     default_token,
 )
 from kvd.errors import KvdError, KvdTimeoutError
+from kvd.wire import curve as C
 from kvd.wire import protocol as P
 
 # pull_and_wait's default bound: past the daemon's default transfer_timeout_s (60 s), so
@@ -41,9 +43,12 @@ from kvd.wire import protocol as P
 PULL_WAIT_TIMEOUT_S = 90.0
 
 
-def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+def _socket(ctx: zmq.Context, address: str,
+            curve: tuple[C.KeyPair, bytes] | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        C.client_socket(sock, *curve)
     sock.connect(address)
     return sock
 
@@ -56,6 +61,11 @@ class _ClientSettings:
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self.token = default_token() if token is None else token
+        # CURVE to a daemon reached off loopback (KVD_CLIENT_CURVE_*_FILE): the daemon then
+        # authenticates the engine by key, and the token is not sent.
+        self.curve = default_curve(self.address)
+        if self.curve is not None:
+            self.token = ""
         self._ids = itertools.count(1)
         self._ranks: list[RankHandle] = []
         self._ping_interval_s = ping_interval_s
@@ -76,7 +86,7 @@ class KvdClient(_ClientSettings):
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, self.address)
+        self._sock = _socket(self._ctx, self.address, self.curve)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
@@ -91,7 +101,7 @@ class KvdClient(_ClientSettings):
                 if not self._poll(deadline):
                     # The reply may still come; a fresh socket keeps later calls in step.
                     self._sock.close(0)
-                    self._sock = _socket(self._ctx, self.address)
+                    self._sock = _socket(self._ctx, self.address, self.curve)
                     raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                           f"{type(msg).__name__} within {timeout_s}s")
                 header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
@@ -252,7 +262,7 @@ class AsyncKvdClient(_ClientSettings):
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, self.address)
+        self._sock = _socket(self._ctx, self.address, self.curve)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._pinger: asyncio.Task | None = None
