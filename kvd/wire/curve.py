@@ -117,15 +117,18 @@ def write_keypair(directory: str | Path, name: str, force: bool = False) -> tupl
 
 
 def load_keypair(path: str | Path, setting: str = "curve_secret_key_file") -> KeyPair:
-    """The keypair in a ``.key_secret`` file; refused when others may read it."""
+    """The keypair in a ``.key_secret`` file; refused when any user may read it (mode
+    bits for "others"). Group read is accepted: a Kubernetes Secret volume read by a
+    non-root container is owned by root and its fsGroup (mode 0440)."""
     p = Path(path)
     try:
         st = p.stat()
     except OSError as exc:
         raise ConfigError(f"{setting}: {str(path)!r}: {exc.strerror}") from None
-    if st.st_mode & 0o077:
-        raise ConfigError(f"{setting}: {str(path)!r} is readable by group or others (mode "
-                          f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it")
+    if st.st_mode & 0o007:
+        raise ConfigError(f"{setting}: {str(path)!r} is open to other users (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}): chmod 600 it (or 0440 with a "
+                          "group of its own)")
     public, secret = _parse(_read(p), str(path))
     if len(public) != 1 or len(secret) != 1:
         raise ConfigError(f"{setting}: {str(path)!r} is not a kvd keypair file (want one "

@@ -270,7 +270,7 @@ def test_curve_start_refusals(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvd", "serve", "--set",
                           f"curve_secret_key_file={sec}", "--set", f"curve_allowlist={pub}"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "readable by group or others" in out.stderr, out.stderr
+    assert out.returncode == 2 and "open to other users" in out.stderr, out.stderr
     assert sec.read_text().split('secret-key = "')[1][:40] not in out.stderr
     os.chmod(sec, 0o600)
     out = subprocess.run([sys.executable, "-m", "kvd", "serve", "--set",
