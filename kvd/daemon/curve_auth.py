@@ -60,9 +60,12 @@ class FaceConnections:
 
 class CurveGuard:
     def __init__(self, cfg: Config, keys: C.KeyPair, metrics: Metrics,
-                 on_revoked: Callable[[frozenset[bytes]], None] | None = None) -> None:
+                 on_revoked: Callable[[frozenset[bytes]], None] | None = None,
+                 on_rekey: Callable[[C.KeyPair], None] | None = None) -> None:
         self.cfg = cfg
         self.keys = keys
+        self._on_rekey = on_rekey
+        self._key_stamp = C.allowlist_stamp(cfg.curve_secret_key_file)
         self.metrics = metrics
         self.sources = {"peer": cfg.curve_allowlist,
                         "engine": cfg.curve_engine_allowlist or cfg.curve_allowlist}
@@ -210,6 +213,29 @@ class CurveGuard:
                 if forced or stamp != self._stamps[face]:
                     self._stamps[face] = stamp
                     self.reload(face)
+            stamp = C.allowlist_stamp(self.cfg.curve_secret_key_file)
+            if forced or stamp != self._key_stamp:
+                self._key_stamp = stamp
+                self.rekey()
+
+    def rekey(self) -> None:
+        """This daemon's keypair file changed: take the new keypair. Connections made
+        with the old one stay up (both keypairs live, until they close); new ones,
+        both ways, use the new one."""
+        try:
+            keys = C.load_keypair(self.cfg.curve_secret_key_file)
+        except ConfigError as exc:
+            log.error("keypair reload failed, keeping public key %s: %s",
+                      self.keys.public.decode(), exc)
+            return
+        if keys.public == self.keys.public:
+            return
+        old, self.keys = self.keys, keys
+        log.warning("keypair rotated: public key %s -> %s (the old one serves connections "
+                    "made with it; new connections use the new one)", old.public.decode(),
+                    keys.public.decode())
+        if self._on_rekey is not None:
+            self._on_rekey(keys)
 
     def reload(self, face: str) -> None:
         src = self.sources[face]

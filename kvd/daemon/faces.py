@@ -33,7 +33,9 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.daemon")
 
 MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
-SERVE_SLICE_S = 0.002  # longest run of requests answered before the face yields the loop
+SERVE_SLICE_S = 0.002
+REBIND_TIMEOUT_S = 2.0  # a face re-bound with a new CURVE key waits this for its address
+REBIND_RETRY_S = 0.005  # longest run of requests answered before the face yields the loop
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Face:
                  token: str, instance_id: str, metrics: Metrics,
                  curve: CurveGuard | None = None) -> None:
         self.name = name
+        self.address = address
         self.allowed = allowed
         # A CURVE face authenticates connections by key (ZAP, then every message's
         # User-Id): the shared token is neither needed nor checked there.
@@ -115,6 +118,31 @@ class Face:
         if address.startswith("ipc://"):
             claim_ipc_path(address[len("ipc://"):])
         self.sock.bind(address)
+
+    async def rekey(self, keys: Any, timeout_s: float = REBIND_TIMEOUT_S) -> None:
+        """Serve new connections with another CURVE keypair: libzmq copies security
+        options into a listener at bind, so the listener is bound again (its accepted
+        connections close with it and their clients redial: a kvd peer finds the new
+        key in its allowlist)."""
+        from kvd.wire.curve import server_socket
+
+        assert self.curve is not None
+        server_socket(self.sock, keys)
+        from kvd.daemon.curve_auth import FACE_DOMAINS
+
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, FACE_DOMAINS[self.name].encode())
+        self.sock.unbind(self.address)
+        # libzmq closes the old listener on its I/O thread: the address is free a
+        # moment later, not at once.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.bind(self.address)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(REBIND_RETRY_S)
 
     async def serve(self, handlers: dict[type, Handler]) -> None:
         """Answer requests in arrival order (per connection), yielding the loop at least

@@ -72,6 +72,7 @@ class PeerConnection:
         # it, instead of waiting their timeout on a connection that cannot come up.
         self.refused: KvdError | None = None
         self._on_refused = on_refused
+        self._handshaken = False  # the current connection completed its ZMTP handshake
         self.clock = clock
         self.own_instance = instance
         self.remote_instance = ""  # learnt from the first reply
@@ -201,6 +202,7 @@ class PeerConnection:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.refused = None
+                self._handshaken = True
             elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
@@ -214,7 +216,22 @@ class PeerConnection:
                     self._on_refused(self.address)
             elif event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._handshaken = False
                 self._up.set()
+            elif (event["event"] == zmq.EVENT_DISCONNECTED and self.curve
+                  and not self._handshaken):
+                # A CURVE server that cannot open our HELLO (we hold a key it no longer
+                # has: it rotated) closes without a word: a refusal all the same.
+                self.connected = False
+                self.lost_s = self.clock.now()
+                self._up.clear()
+                err = C.handshake_refusal(f"peer {self.address}",
+                                          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, True)
+                self.refused = err
+                self._fail_waiting(err)
+                self._on_lost(self.address, "CURVE handshake refused")
+                if self._on_refused is not None:
+                    self._on_refused(self.address)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.lost_s = self.clock.now()

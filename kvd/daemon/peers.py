@@ -42,6 +42,7 @@ from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines import Engine, compat_hash
 from kvd.daemon.peerconn import PeerConnection, Reply
 from kvd.errors import (
+    AuthError,
     IncompatibleError,
     KvdError,
     KvdTimeoutError,
@@ -159,8 +160,17 @@ class PeerTable:
             self.drop_address(address, "key revoked")
 
     async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:
-        """One request to a daemon; no answer drops what we cached about it."""
-        return await self.send(address, msg, timeout_s)
+        """One request to a daemon; no answer drops what we cached about it. With CURVE,
+        a refusal on a connection made with a cached server key is retried once with
+        the key looked up afresh (the peer may have rotated its keypair)."""
+        cached = self.curve is not None and address in self.server_keys
+        try:
+            return await self.send(address, msg, timeout_s)
+        except AuthError:
+            if not cached:
+                raise
+            self._refused(address)
+            return await self.send(address, msg, timeout_s)
 
     def send(self, address: str, msg: object, timeout_s: float | None = None
              ) -> asyncio.Future[Reply]:
@@ -321,6 +331,13 @@ class PeerTable:
         if conn is None or conn.connected is not False:
             return
         if await conn.reconnected(min(KNOWN_DEAD_WAIT_S, self.cfg.handshake_timeout_s)):
+            return
+        if self.curve is not None and (conn.refused is not None
+                                       or address in self.server_keys):
+            # Its redials may be failing the CURVE handshake (the peer rotated its
+            # keypair, and rebinding dropped our connection): look its key up afresh;
+            # a daemon really gone fails that within the liveness timeout.
+            self._refused(address)
             return
         lost_s = self.clock.now() - (conn.lost_s or self.clock.now())
         raise PeerLostError(f"peer {address} is unreachable: its connection dropped "

@@ -97,7 +97,8 @@ class Daemon:
             if self.curve_keys is not None:
                 # ZAP answers before a CURVE face may accept anyone (fail closed).
                 self.curve = guard = CurveGuard(cfg, self.curve_keys, self.metrics,
-                                                on_revoked=self._curve_revoked)
+                                                on_revoked=self._curve_revoked,
+                                                on_rekey=self._curve_rekeyed)
                 guard.bind_zap(self.ctx)
             self.engine_face, self.peer_face = (
                 _bind_face(self.ctx, name, setting, address, allowed, cfg, self.token,
@@ -185,6 +186,20 @@ class Daemon:
         """Keys removed from the allowlist: our own connections to their daemons go too."""
         if getattr(self, "peers", None) is not None:
             self.peers.revoke(removed)
+
+    def _curve_rekeyed(self, keys: C.KeyPair) -> None:
+        """New keypair: the CURVE faces serve new connections with it; our new outgoing
+        connections present it (PeerTable reads the guard's keys per connection)."""
+        for face in (self.engine_face, self.peer_face):
+            if face is not None and face.curve is not None:
+                self.spawn(self._rekey_face(face, keys))
+
+    async def _rekey_face(self, face: Face, keys: C.KeyPair) -> None:
+        try:
+            await face.rekey(keys)
+        except zmq.ZMQError as exc:
+            log.error("re-binding the %s face (%s) with the new key failed: %s: it is not "
+                      "listening; restart the daemon", face.name, face.address, exc)
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:

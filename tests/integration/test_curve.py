@@ -290,3 +290,34 @@ def test_keys_refuses_to_overwrite(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvd", "keys", str(tmp_path / "keys"),
                           "--name", "a"], capture_output=True, text=True)
     assert out.returncode == 2 and "exists" in out.stderr
+
+
+def test_keypair_rotation_without_restart(fleet: dict) -> None:
+    """The documented procedure (docs/operations.md "CURVE keys"): allowlist the new
+    public key, swap the keypair file and SIGHUP, drop the old public key. Pulls work
+    at every step, the daemon's pid never changes."""
+    tmp, k = fleet["tmp"], fleet["keys"]
+    a = start("a", tmp, curve_args(k["a"][1], fleet["allow"]))
+    b = start("b", tmp, curve_args(k["b"][1], fleet["allow"], "--set",
+                                   "curve_reload_interval_s=0.2"))
+    fleet["started"] += [a, b]
+    pid = a.proc.pid
+    ev, _ = pull(a, b, "r-rot-0", a.peer_address)
+    assert ev.ok, ev.error
+    new_pub, new_sec = keys(tmp, "a2")
+    shutil.copy(new_pub, fleet["allow"] / new_pub.name)  # 1: both keys allowed
+    time.sleep(0.5)
+    staged = k["a"][1].with_suffix(".new")
+    shutil.copy(new_sec, staged)
+    os.chmod(staged, 0o600)
+    os.replace(staged, k["a"][1])  # 2: the new keypair, atomically, then SIGHUP
+    os.kill(a.proc.pid, signal.SIGHUP)
+    eventually(lambda: "keypair rotated" in a.log_path.read_text(), "no rotation logged")
+    ev, _ = pull(a, b, "r-rot-1", a.peer_address)
+    assert ev.ok, ev.error
+    (fleet["allow"] / "a.key").unlink()  # 3: the old key out of every allowlist
+    time.sleep(0.5)
+    ev, _ = pull(a, b, "r-rot-2", a.peer_address)
+    assert ev.ok, ev.error
+    assert a.proc.pid == pid and a.proc.poll() is None
+    assert new_sec.read_text().split('secret-key = "')[1][:40] not in a.log_path.read_text()
