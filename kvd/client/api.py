@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     CLOSE_DEREGISTER_TIMEOUT_S,
@@ -41,6 +42,10 @@ from kvd.wire import protocol as P
 # pull_and_wait's default bound: past the daemon's default transfer_timeout_s (60 s), so
 # the daemon's own verdict (a timeout is an event too) arrives first.
 PULL_WAIT_TIMEOUT_S = 90.0
+
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def _socket(ctx: zmq.Context, address: str,
@@ -87,6 +92,7 @@ class KvdClient(_ClientSettings):
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, self.address, self.curve)
+        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
@@ -100,8 +106,7 @@ class KvdClient(_ClientSettings):
             while True:
                 if not self._poll(deadline):
                     # The reply may still come; a fresh socket keeps later calls in step.
-                    self._sock.close(0)
-                    self._sock = _socket(self._ctx, self.address, self.curve)
+                    self._renew_socket()
                     raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                           f"{type(msg).__name__} within {timeout_s}s")
                 header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
@@ -122,8 +127,30 @@ class KvdClient(_ClientSettings):
                 return bool(self._sock.poll(0))
             if self._sock.poll(max(1, int(min(left, 0.1) * 1000))):
                 return True
+            refusal = self._refusal()
+            if refusal is not None:
+                self._renew_socket()
+                raise refusal
             if self._stop.is_set():
                 raise KvdError("client closed")
+
+    def _refusal(self) -> KvdError | None:
+        """The daemon refused the connection's security handshake (it requires CURVE and
+        this client is plaintext, or it does not allow our key): say so now, instead of
+        a timeout on a connection that can never carry the call."""
+        while self._mon.poll(0):
+            ev = parse_monitor_message(self._mon.recv_multipart())
+            # Two plaintext ends never fail a handshake: any failure is a refusal.
+            return C.handshake_refusal(f"kvd at {self.address}", int(ev["event"]),
+                                       int(ev["value"]), self.curve is not None)
+        return None
+
+    def _renew_socket(self) -> None:
+        self._sock.disable_monitor()
+        self._mon.close(0)
+        self._sock.close(0)
+        self._sock = _socket(self._ctx, self.address, self.curve)
+        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
 
     def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
@@ -244,6 +271,8 @@ class KvdClient(_ClientSettings):
         if self._pinger is not None:
             self._pinger.join(timeout=2)
         with self._lock:  # let an in-flight call finish before the socket goes
+            self._sock.disable_monitor()
+            self._mon.close(0)
             self._sock.close(0)
         self._ctx.term()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import wire_tools
-from harness import ENGINE_PORT, PEER_PORT, TOKEN, Cluster
+from harness import ENGINE_PORT, PEER_PORT, TOKEN, AgentError, Cluster
 
 pytestmark = pytest.mark.nixl
 
@@ -143,6 +143,19 @@ def test_curve_on_the_link(cluster: Cluster, tmp_path: Path) -> None:
         finally:
             flows = cap.stop()
         agent = status["peers"][0]["agent"]
+        if curve:  # a plaintext engine, and one with an unknown key: clear and quick
+            for env, expect in (({}, "requires CURVE"),
+                                ({"KVD_CLIENT_CURVE_SECRET_KEY_FILE": str(k["x"][1]),
+                                  "KVD_CLIENT_CURVE_SERVER_KEY_FILE": str(k["d"][0])},
+                                 "does not allow this side's public key")):
+                t0 = time.monotonic()
+                with pytest.raises(AgentError, match=expect):
+                    prefill.call("remote_status", address=engine_face, token=TOKEN, env=env)
+                assert time.monotonic() - t0 < 5, "a refused engine waited for a timeout"
+            eventually(lambda: decode.call("metric", name="kvd",
+                                           metric="kvd_curve_refusals_total",
+                                           face="engine") >= 2,
+                       "refused engines not counted on the engine face")
         wire = control_bytes(flows)
         assert len(wire) > 2000, f"only {len(wire)} control bytes captured"
         results[curve] = {"token": TOKEN.encode() in wire, "request id": rid.encode() in wire,
