@@ -168,10 +168,11 @@ def serve(**options: object) -> None:
 
     def start() -> None:
         cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
-        from kvd.daemon.run import load_token
+        from kvd.daemon.run import load_curve, load_token
         from kvd.ops.logsetup import configure_logging
 
         load_token(cfg)
+        load_curve(cfg)
         configure_logging(cfg.log_format, cfg.log_level)
         from kvd.daemon.run import run
 
@@ -183,6 +184,26 @@ def serve(**options: object) -> None:
 serve.__signature__ = inspect.Signature(_serve_parameters())  # type: ignore[attr-defined]
 serve.__annotations__ = {p.name: p.annotation for p in _serve_parameters()}
 app.command()(serve)
+
+
+@app.command()
+def keys(
+    directory: str = typer.Argument(..., help="Where to write the key files (created)."),
+    name: str = typer.Option("kvd", "--name", help="File name: NAME.key (public) and "
+                             "NAME.key_secret (keypair, mode 0600)."),
+    force: bool = typer.Option(False, "--force", help="Replace existing files."),
+) -> None:
+    """Create a CURVE keypair for a daemon or an engine (docs/security.md). Prints the
+    public key only."""
+    from kvd.wire.curve import load_public_key, write_keypair
+
+    def go() -> None:
+        pub, sec = write_keypair(directory, name, force)
+        typer.echo(f"public key {load_public_key(pub, 'key').decode()}\n"
+                   f"  {pub} (public: add it to the peers' allowlist)\n"
+                   f"  {sec} (secret, mode 0600: curve_secret_key_file of this daemon)")
+
+    _guarded(False, go)
 
 
 @app.command()

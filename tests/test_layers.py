@@ -36,7 +36,7 @@ ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__"}
 SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
     "kvd.daemon": [
         ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.looplag", "kvd.daemon.datapath",
-         "kvd.daemon.events", "kvd.daemon.faces"),
+         "kvd.daemon.events", "kvd.daemon.faces", "kvd.daemon.curve_auth"),
         ("kvd.daemon.engines",),  # what each engine is, registration, liveness
         ("kvd.daemon.peers",),  # other daemons: handshakes, connections
         ("kvd.daemon.services", "kvd.daemon.hybrid"),

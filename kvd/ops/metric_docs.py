@@ -86,6 +86,7 @@ TRANSFER_OUTCOMES = ("ok", "failed", "expired", "cancelled")
 HANDSHAKE_OUTCOMES = ("ok", "failed", "timeout", "refused")
 FACES = ("engine", "peer")
 PROTOCOL_REASONS = ("decode", "unknown", "version", "limit")
+CURVE_REASONS = ("unknown_key", "plaintext", "handshake", "revoked")
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,22 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         ("face",),
         "Messages refused for a missing or wrong token, by face (checked from the header, "
         "before the body is decoded).",
+    ),
+    MetricDoc(
+        "curve_refusals",
+        "kvd_curve_refusals_total",
+        "counter",
+        ("face", "reason"),
+        "Connections or messages a CURVE face refused: unknown_key (not in the allowlist), "
+        "plaintext (no CURVE), handshake (a replayed or forged handshake), revoked (a key "
+        "removed from the allowlist: its connections closed).",
+    ),
+    MetricDoc(
+        "curve_allowlist_keys",
+        "kvd_curve_allowlist_keys",
+        "gauge",
+        ("face",),
+        "Public keys in the face's CURVE allowlist, as last (re)loaded.",
     ),
     MetricDoc(
         "busy_rejections",
