@@ -45,7 +45,7 @@ from kvd.transport.base import (
     TransportCounts,
 )
 from kvd.transport.prepped import PreppedPoster
-from kvd.transport.split import part_of, split_points
+from kvd.transport.split import part_of, split_bytes
 
 log = logging.getLogger("kvd.transport")
 
@@ -193,7 +193,7 @@ class WorkerSet:
         if len(posting) <= 1 or post.notif:
             return 1
         total = int(post.nbytes.sum())
-        return max(1, min(len(posting), total // self.min_part_nbytes, len(post.nbytes)))
+        return max(1, min(len(posting), total // self.min_part_nbytes))
 
     def _posting_for(self, peer: str) -> list[int]:
         """The posting workers that reach a peer (worker 0, on every rail, if none)."""
@@ -210,7 +210,8 @@ class WorkerSet:
             self._last_post = self.workers[0].last_post
             self._count(0, post)
             return xfer_id, done
-        cuts = split_points(post.local_addrs, post.remote_addrs, post.nbytes, parts)
+        cuts = split_bytes(post.local_addrs, post.remote_addrs, post.nbytes, parts,
+                           self.min_part_nbytes)
         pieces = [part_of(post, lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
         owners = posting[:len(pieces)]
         t0 = time.perf_counter()
