@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvd.config import MAX_POSTING_WORKERS as MAX_WORKERS
 from kvd.errors import TransferError
@@ -52,6 +52,11 @@ log = logging.getLogger("kvd.transport")
 # Parts smaller than this are not worth a thread hop (~0.05-0.5 ms on a busy host): a
 # READ is split into at most nbytes // MIN_PART_NBYTES parts, so small pulls stay whole.
 MIN_PART_NBYTES = 4 << 20
+# A part of at most this many descriptors (a cut contiguous pull: one) is posted on a
+# fresh list, as the daemon posts such READs (kvd.daemon.pull_reads): NIXL validates a
+# few descriptors faster than the poster maps them onto prepared lists, and the part's
+# time before its copy starts is the split's cost.
+FRESH_PART_MAX_DESCRIPTORS = 8
 COMPOSITE_BASE = 1 << 48  # composite transfer ids; worker 0's own ids are far below
 
 
@@ -213,6 +218,9 @@ class WorkerSet:
         cuts = split_bytes(post.local_addrs, post.remote_addrs, post.nbytes, parts,
                            self.min_part_nbytes)
         pieces = [part_of(post, lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+        pieces = [replace(p, local_pools=(), remote_pools=())
+                  if p.local_pools and len(p.nbytes) <= FRESH_PART_MAX_DESCRIPTORS else p
+                  for p in pieces]
         owners = posting[:len(pieces)]
         t0 = time.perf_counter()
         futures = {w: self._threads[w - 1].submit(self.posters[w].post, piece)

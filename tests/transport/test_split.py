@@ -214,3 +214,6 @@ def test_contiguous_read_is_one_descriptor_split_over_every_worker(three) -> Non
     assert np.array_equal(dst, src)
     assert [s.reads for s in ws.stats] == [1, 1, 1]
     assert [s.nbytes for s in ws.stats] == [32 * MiB] * 3
+    # a part of one descriptor goes on a fresh list, as the daemon posts such READs
+    assert [p.fresh_posts for p in ws.posters] == [1, 1, 1]
+    assert [p.prepped_posts for p in ws.posters] == [0, 0, 0]

@@ -5,7 +5,8 @@ NIXL progress; the initiator owns a `WorkerSet` of ``workers`` NIXL agents (what
 daemon with ``posting_workers = N`` has) over a pool of the same kind and READs one
 contiguous descriptor of each size (the pull that the planner merged into one),
 whole on worker 0 (as every READ below twice the threshold is) or cut by bytes into
-2 .. ``workers`` parts (``kvd.transport.split``), each part on its worker's thread.
+2 .. ``workers`` parts (``kvd.transport.split``), each part on its worker's thread;
+a fresh descriptor list each, as the daemon posts a READ of a few descriptors.
 Per size the variants take turns read by read (the same background load falls on
 each), each at a new offset of the pool (no read comes from a cache), timed from the
 post to DONE; medians. The part size where the split first wins is the threshold
@@ -51,7 +52,7 @@ def _target(conn: Any, stop: Any, nbytes: int, shm_dir: str) -> None:
 def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, sizes: list[int],
                parts: list[int], workers: int, repeats: int, shm_dir: str) -> None:
     from kvd.tools.bench.raw import alloc_buffer
-    from kvd.transport.base import PoolSpan, ReadPost
+    from kvd.transport.base import ReadPost
     from kvd.transport.nixl import NixlTransport
     from kvd.transport.workers import WorkerSet
 
@@ -62,8 +63,6 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, sizes
     base = int(buf.ctypes.data)
     ws.register(base, pool_nbytes, "DRAM", 0)
     peer = ws.add_peer(meta)
-    local_pools, remote_pools = (PoolSpan(base, pool_nbytes),), (PoolSpan(remote_base,
-                                                                           pool_nbytes),)
     rows: list[dict[str, Any]] = []
     verified = True
     for size in sizes:
@@ -75,8 +74,7 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, sizes
                 off = ((rep * len(parts) + i) % slots) * size
                 post = ReadPost(peer=peer, local_addrs=np.array([base + off]),
                                 remote_addrs=np.array([remote_base + off]),
-                                nbytes=np.array([size]), mem_type="DRAM", notif=b"",
-                                local_pools=local_pools, remote_pools=remote_pools)
+                                nbytes=np.array([size]), mem_type="DRAM", notif=b"")
                 ws.posting = list(range(k))  # k parts: workers 0 .. k-1
                 t0 = time.perf_counter()
                 xfer, done = ws.post_read(post)
