@@ -143,6 +143,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
                 k["kvd_gbps_consecutive"]
                 / (k.get("nixl_gbps_shm_interleaved_consecutive") or separate), 3),
             "kvd_ms_consecutive": k.get("kvd_ms_consecutive"),
+            "nixl_shm_interleaved_ms_consecutive": k.get("nixl_shm_interleaved_ms_consecutive"),
             "verified_consecutive": k.get("verified_consecutive"),
             "descriptors_consecutive": ndesc[scn.name + ":consecutive"],
             "memcpy_gbps_best": memcpy["memcpy_gbps_best"],
