@@ -49,8 +49,14 @@ from kvd.transport.split import part_of, split_bytes
 
 log = logging.getLogger("kvd.transport")
 
-# Parts smaller than this are not worth a thread hop (~0.05-0.5 ms on a busy host): a
-# READ is split into at most nbytes // MIN_PART_NBYTES parts, so small pulls stay whole.
+# Parts smaller than this cost more than they gain: a READ is split into at most
+# nbytes // MIN_PART_NBYTES parts, so READs under twice this stay whole (every small
+# pull). Measured (`kvd bench split`: one contiguous READ, whole vs 2 parts on 2 workers,
+# real NIXL between processes, 4 KiB shm pools, 2-core VM, 3 runs): a split costs a
+# fixed ~0.15-0.23 ms (256 KiB READ: 78-95 us whole, 219-315 us split); parts of 512
+# KiB lose (0.56-0.72x), 1 MiB too (0.76-0.98x), 2 MiB break even (1.00-1.09x), 3 MiB
+# win 1.17-1.18x, 32 MiB 1.54-1.63x. 4 MiB keeps the break-even zone whole with margin,
+# and every READ the daemon may post inline on its event loop (<= 4 MiB) stays one.
 MIN_PART_NBYTES = 4 << 20
 # A part of at most this many descriptors (a cut contiguous pull: one) is posted on a
 # fresh list, as the daemon posts such READs (kvd.daemon.pull_reads): NIXL validates a
