@@ -150,6 +150,29 @@ def posting(
 
 
 @bench_app.command()
+def split(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    sizes_kib: str = typer.Option(",".join(str(s) for s in (512, 1024, 2048, 4096, 8192,
+                                                              16384, 32768, 65536)),
+                                  "--sizes-kib", help="READ sizes in KiB, comma separated."),
+    workers: int = typer.Option(2, "--workers", help="Posting workers (2..16)."),
+    repeats: int = typer.Option(30, "--repeats", help="Timed READs per size and variant."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir", help="Where both pools live."),
+) -> None:
+    """Where splitting a READ over posting workers starts to pay (the part threshold)."""
+    try:
+        sizes = tuple(int(c) for c in sizes_kib.split(","))
+    except ValueError:
+        _fail(f"--sizes-kib must be integers separated by commas, got {sizes_kib!r}")
+    if repeats < 1 or min(sizes) < 8 or not 2 <= workers <= 16:
+        _fail("--repeats must be >= 1, every --sizes-kib >= 8, --workers 2..16")
+    from kvd.tools.bench.splitting import bench_split, render_split
+
+    res = bench_split(sizes_kib=sizes, workers=workers, repeats=repeats, shm_dir=shm_dir)
+    _report(res, as_json, render_split, bool(res["verified"]))
+
+
+@bench_app.command()
 def pages(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Buffer size in MiB."),

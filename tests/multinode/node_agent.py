@@ -167,9 +167,9 @@ class Node:
     # ------------------------------------------------------------ engines
 
     def register(self, daemon: str, engine_id: str, model: dict[str, Any], tp_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, kv_layout: str = "kv_split") -> None:
         spec = msgspec.convert(model, ModelSpec)
-        shape = EngineShape(tp_size=tp_size, num_blocks=num_blocks)
+        shape = EngineShape(tp_size=tp_size, num_blocks=num_blocks, kv_layout=kv_layout)
         client = self.clients[daemon]
         ranks = [client.register(engine_id, spec, layout_spec(shape), t, tp_size)
                  for t in range(tp_size)]
@@ -218,6 +218,12 @@ class Node:
 
     def now(self) -> float:
         return time.monotonic()
+
+    def iface_bytes(self, dev: str) -> int:
+        """Bytes through one of this node's interfaces, both directions, from its own
+        counters (/sys/class/net/DEV/statistics)."""
+        stats = Path("/sys/class/net") / dev / "statistics"
+        return sum(int((stats / f).read_text()) for f in ("rx_bytes", "tx_bytes"))
 
 
 def _keep_log(path: Path) -> None:
