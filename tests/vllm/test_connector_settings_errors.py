@@ -15,7 +15,7 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
     pytest.skip("vLLM is not installed here; these tests run in .venv-vllm",
                 allow_module_level=True)
 
-from kvd.integrations.vllm.settings import (  # noqa: E402
+from kvd.integrations.connector_core.settings import (  # noqa: E402
     ConnectorConfigError,
     ConnectorSettings,
 )

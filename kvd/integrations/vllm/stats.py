@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvd.integrations.vllm_core.events import TransferTotals
+from kvd.integrations.connector_core.events import TransferTotals
 
 _KEYS = ("pulls_ok", "pulls_failed", "sends_ok", "sends_expired", "nbytes", "descriptors",
          "duration_s")
