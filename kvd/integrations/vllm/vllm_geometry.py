@@ -19,7 +19,6 @@ from kvd.integrations.connector_core.hybrid import (
     VllmHybridGeometry,
     VllmMambaConfig,
 )
-from kvd.integrations.vllm import compat
 
 
 def is_multi_group(kv_cache_config: Any) -> bool:
@@ -50,8 +49,8 @@ def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
     sizes = set()
     for tensor in kv_cache_config.kv_cache_tensors:
         sizes.add(tensor.size)
-        for i, name in enumerate(compat.kv_tensor_layers(tensor)):
-            starts[name] = compat.kv_tensor_layer_start(tensor, i)
+        for i, name in enumerate(tensor.layers):
+            starts[name] = tensor.offset + i * tensor.layer_stride
     if len(sizes) != 1:
         raise LayoutError(f"vLLM KV cache tensors of several sizes {sorted(sizes)}: kvd "
                           "serves one backing allocation")
@@ -61,7 +60,7 @@ def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
 def _tensor_order(kv_cache_config: Any) -> dict[str, int]:
     """Each layer's position in its KVCacheTensor (layers[l] starts at l * layer_stride)."""
     return {name: i for tensor in kv_cache_config.kv_cache_tensors
-            for i, name in enumerate(compat.kv_tensor_layers(tensor))}
+            for i, name in enumerate(tensor.layers)}
 
 
 def _layer_id(name: str) -> int | None:
@@ -243,7 +242,7 @@ def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
         heads_on_rank=spec.num_kv_heads,
         layer_names=tuple(names),
         head_size=spec.head_size,
-        head_size_v=compat.head_size_v(spec),
+        head_size_v=spec.head_size_v,
         dtype=str(spec.dtype).removeprefix("torch."),
         mla=mla,
         block_size_tokens=spec.block_size,
