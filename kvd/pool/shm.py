@@ -10,7 +10,7 @@ allocates every engine rank's pool and hands out a handle:
   the kernel pins every page of both sides per READ and 4 KiB pages cost ~20-40%
   of a READ's speed here (benchmarks/README.md).
 * VRAM: a torch allocation on the rank's device, exported as a CUDA IPC handle
-  (kvd.pool.cuda; untested here: no GPU on the development machines).
+  (kvd.pool.cuda).
 
 This module is the daemon side (`ShmPool`): it creates and removes. The engine
 side only maps (`kvd.pool.mapping.map_pool`). Crash leftovers are reaped by owner

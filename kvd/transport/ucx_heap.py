@@ -1,5 +1,6 @@
 """Zeroed heap memory for UCX's request pool: what keeps a producer alive when a
-consumer severs its READs (issue 21.4).
+consumer severs its READs (docs/reliability.md, "The producer survives a severed
+consumer").
 
 Why: over UCX's TCP transport a READ is emulated with GET request/reply active
 messages. UCX 1.23 (bundled with nixl-cu12 1.5.1, and still so in UCX master)
