@@ -153,7 +153,7 @@ class Producer:
             try:
                 await self.svc.clock.wait_for(fut, min(
                     ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 pass  # acquire() refuses it: never published, or released already
             finally:
                 if entry in waiting:

@@ -62,7 +62,7 @@ class PoolSizeError(KvdError, ValueError):
     code = "too_large"
 
 
-class PoolBacking(str, enum.Enum):
+class PoolBacking(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(member)
     """Where a DRAM pool's pages come from (Config: ``pool_backing``).
 
     ``auto`` tries, per pool, in this order: ``hugetlbfs`` if shm_dir is a hugetlbfs
