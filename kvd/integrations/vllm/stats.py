@@ -71,7 +71,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
 
-        self.pulls = counter("vllm:kvd_pulls", "kvd pulls that completed, by outcome")
+        self.pulls = counter("vllm:kvd_pulls",
+                             "kvd pulls that completed ok (failed: vllm:kvd_pulls_failed)")
         self.failed = counter("vllm:kvd_pulls_failed", "kvd pulls that failed or timed out")
         self.sends = counter("vllm:kvd_sends", "published requests released after reads")
         self.expired = counter("vllm:kvd_sends_expired",
