@@ -18,7 +18,8 @@ has just set to NULL, and the purge only completes the request.
 glibc's ``M_PERTURB`` makes every ``malloc`` return memory filled with the complement of
 the given byte (0xFF: zeros) and fills freed memory with that byte. It is process-wide
 and costs a ``memset`` per allocation and per free (not ``calloc``, not Python's small
-objects, not kvd's pools, which are shared memory); measured in docs/reliability.md.
+objects, not kvd's pools, which are shared memory); measured in
+docs/notes/2026-11-26-ucx-purge-crash.md.
 Measured on this bug: `tests/multinode/ucx_purge_repro.py`.
 """
 
