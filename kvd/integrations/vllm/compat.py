@@ -1,12 +1,14 @@
 """Every difference between the vLLM versions kvd is tested with, in one place.
 
 The tested versions (``TESTED_VLLM``), the check that refuses any other at import, the
-connector hooks one version calls and another does not, and the small readers of
-vLLM objects whose fields moved between versions. Code elsewhere in
-``kvd.integrations.vllm`` reads vLLM through these and names no version itself.
+connector hooks one version calls and another does not (``HOOKS_BY_VERSION``), the
+base-class members KvdConnector leaves alone on purpose (``INHERITED_HOOKS``), and the
+fields kvd reads that both versions have alike (at the end: no reader per version is
+needed today). No code elsewhere branches on the vLLM version.
 Adding a vLLM version: add it to ``TESTED_VLLM`` and ``HOOKS_BY_VERSION``, run the vLLM
 suite against it (tests/vllm/test_connector_hooks.py checks every hook of its
-connector base class), and record each new difference here.
+connector base class), and record each new difference here, a field that moved
+included (as a small reader function that the callers use).
 """
 
 from __future__ import annotations
