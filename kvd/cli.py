@@ -268,8 +268,10 @@ def router(
                                     "value is sent upstream as a Bearer token."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
-    """OpenAI-compatible P/D router: prefill with max_tokens=1, then decode with the
-    prefill's kv_transfer_params (vLLM's standard hand-off; docs/vllm.md)."""
+    """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
+
+    Prefill with max_tokens=1, then decode with the prefill's kv_transfer_params
+    (vLLM's standard hand-off)."""
     import os
 
     def go() -> None:
@@ -289,9 +291,10 @@ def router(
 def tiny_model(
     directory: str = typer.Argument(..., help="Where to write the model (created)."),
 ) -> None:
-    """Write a tiny prompt-sensitive Llama (10 MB, offline, seconds) that vLLM serves: real
-    seeded weights whose output depends on the whole prompt (random or dummy weights
-    ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
+    """Write a tiny prompt-sensitive Llama that vLLM serves (10 MB, offline, seconds).
+
+    Real seeded weights whose output depends on the whole prompt (random or dummy
+    weights ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
 
     def go() -> None:
         try:

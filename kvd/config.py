@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from kvd.errors import ConfigError
 

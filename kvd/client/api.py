@@ -317,7 +317,7 @@ class AsyncKvdClient(_ClientSettings):
         try:
             return Messages.check(await asyncio.wait_for(
                 fut, self.timeout_s if timeout_s is None else timeout_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                   f"{type(msg).__name__}") from None
         finally:

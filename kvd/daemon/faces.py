@@ -149,7 +149,7 @@ class Face:
         every ``SERVE_SLICE_S``: a receive that finds a message waiting does not yield,
         so a burst (1,000 Pulls) would otherwise be taken in one go, and every task it
         spawned would take its first step in one loop turn, holding every other reply
-        (Pings and Polls included) for the whole burst (issue 20.4)."""
+        (Pings and Polls included) for the whole burst."""
         slice_end_s = time.perf_counter() + SERVE_SLICE_S
         while True:
             frames = await self.sock.recv_multipart(copy=False)

@@ -76,7 +76,7 @@ HANDSHAKE_BUCKETS: tuple[float, ...] = (
 )
 
 # How late the event loop wakes: well under 1 ms when nothing holds it; the engine
-# face's budget for a Ping or Poll is 50 ms (issue 20.4).
+# face's budget for a Ping or Poll is 50 ms (an engine step must never wait longer).
 LOOP_LAG_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )

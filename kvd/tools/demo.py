@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +37,23 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
                          Parallelism(decode_tp, decode_pp))
     print(render_table(plan))
     print()
+    # The daemons' logs: removed after a run that passed, kept (path printed) otherwise.
     logs = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
+    passed = False
+    try:
+        passed = _run(model, tokens, pshape, dshape, prefill_tp, prefill_pp, decode_tp,
+                      decode_pp, p_blocks, d_blocks, logs)
+    finally:
+        if passed:
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"the daemons' logs: {logs}", file=sys.stderr)
+    return 0 if passed else 1
+
+
+def _run(model: ModelSpec, tokens: int, pshape: EngineShape, dshape: EngineShape,
+         prefill_tp: int, prefill_pp: int, decode_tp: int, decode_pp: int, p_blocks: int,
+         d_blocks: int, logs: Path) -> bool:
     prefill = DaemonProcess.start("prefill", logs)
     decode = DaemonProcess.start("decode", logs)
     pc, dc = prefill.client(), decode.client()
@@ -64,7 +82,7 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
             sent = pc.wait("prefill-0", rid, "done_sending", timeout_s=10)
             if not ev.ok:
                 print(f"FAILED: pull {rid} did not complete: {ev.error}")
-                return 1
+                return False
             bad = sum(check_shard(r.kv, g, model, dshape, r.tp_rank, r.pp_rank, d_ids)
                       for r in d_ranks)
             runs.append({
@@ -83,9 +101,9 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
                   f"{prefill_pp} to decode TP{decode_tp}xPP{decode_pp}, byte-exact: first pull "
                   f"{cold['seconds'] * 1e3:.1f} ms incl. handshake ({cold['gbps']} GB/s), "
                   f"second {warm['seconds'] * 1e3:.1f} ms ({warm['gbps']} GB/s) end to end")
-            return 0
+            return True
         print("FAILED: decode pools differ from the expected shards")
-        return 1
+        return False
     finally:
         pc.close()
         dc.close()

@@ -3,13 +3,10 @@ those tests skip; what runs everywhere is the clear refusal without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
-from pathlib import Path
 
 import pytest
 
-import kvd
 from kvd.errors import KvdError
 from kvd.tools.localcluster import DaemonProcess
 from kvd.wire.protocol import LayoutSpec, ModelSpec
@@ -80,15 +77,8 @@ def _allocate_inside_pool(handle, q) -> None:
     faulthandler.enable()
     import torch
 
+    from kvd.integrations.connector_core.cuda_alloc import cuda_pool_context
     from kvd.pool.cuda import open_cuda_pool
-
-    # By path: kvd.integrations.vllm refuses to import without vLLM, which the shim
-    # itself does not need.
-    path = Path(kvd.__file__).parent / "integrations" / "vllm" / "cuda_alloc.py"
-    spec = importlib.util.spec_from_file_location("kvd_cuda_alloc", path)
-    shim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shim)
-    cuda_pool_context = shim.cuda_pool_context
 
     pool = open_cuda_pool(handle)
     dev = f"cuda:{handle.device_index}"

@@ -155,7 +155,7 @@ class PeerConnection:
 
         A caller that kept the event loop busy (an inline READ) finds its Acquire's reply
         here at once, instead of one to two loop turns later through the reader task
-        (~50-100 us of a sub-millisecond pull, issue 12.4). Safe beside the reader: pyzmq
+        (~50-100 us of a sub-millisecond pull). Safe beside the reader: pyzmq
         checks the socket's events before it receives, and both run on the loop thread.
         It takes everything queued, never stopping early: ZMQ's descriptor is
         edge-triggered, and a reply left behind here might not wake the reader. (Bounded:

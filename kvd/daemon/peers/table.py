@@ -175,8 +175,8 @@ class PeerTable:
     def send(self, address: str, msg: object, timeout_s: float | None = None
              ) -> asyncio.Future[Reply]:
         """The same request, on the wire before this returns: its reply (or error) is
-        the returned future, so the caller can work meanwhile (issue 12.4: a pull posts
-        its READs while its Acquire travels)."""
+        the returned future, so the caller can work meanwhile (a pull posts its READs
+        while its Acquire travels: one round trip off a small pull's path)."""
         try:
             conn = self.conn(address)
         except KvdError as exc:

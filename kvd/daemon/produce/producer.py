@@ -154,7 +154,7 @@ class Producer:
             try:
                 await self.svc.clock.wait_for(fut, min(
                     ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 pass  # acquire() refuses it: never published, or released already
             finally:
                 if entry in waiting:
@@ -302,7 +302,7 @@ class Producer:
         stopped (SIGSTOP, a stalled host, a stuck loop): the consumers' heartbeats sent
         meanwhile still wait in its socket, and a consumer's READ may still be running
         against these blocks. Expiring now would hand them back to the engine under
-        that READ; the leases are moved on by the gap instead (issue 20/21).
+        that READ (a write after hand-back); the leases are moved on by the gap instead.
         """
         last, self._last_expire_s = self._last_expire_s, now_s
         if now_s - last > STALL_S:

@@ -125,7 +125,7 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
         raise RuntimeError("raw NIXL READ did not deliver the expected bytes")
 
     logs = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-    # The best single stream again, timed between kvd's repeats (issue 23's ratio): a
+    # The best single stream again, timed between kvd's repeats (the target's ratio): a
     # baseline from a minute earlier saw other background load than kvd did.
     raw = RawStream(nbytes, shm_dir)
     try:

@@ -1,8 +1,8 @@
 """VRAM -> VRAM: kvd with CUDA IPC pools next to raw NIXL on GPU buffers, one GPU, one run.
 
-UNTESTED ON A GPU: the development machines have none. ``device="cpu"`` runs the very
-same code on DRAM (heap buffers for raw NIXL, shm pools for kvd), which is how its
-plumbing is checked here; ``device="cuda"`` is what to run on a GPU node.
+``device="cuda"`` runs it on a GPU node (run on an H200: benchmarks/README.md);
+``device="cpu"`` runs the very same code on DRAM (heap buffers for raw NIXL, shm pools
+for kvd), which checks its plumbing on a machine without a GPU.
 
 Phases (each frees its buffers before the next):
 
