@@ -108,8 +108,8 @@ class PullDriver:
         if isinstance(act, Assemble):
             return self._assembled()
         if isinstance(act, Post):
-            if not self.mover.can_post_now(list(act.posts)):
-                return None
+            if not self.mover.can_post_now(list(act.posts)) or not self.engine.live_ranks():
+                return None  # (an engine gone: the task fails the pull, `_pin`)
             if not act.again:
                 try:
                     self.quarantine.check_room(pull.nbytes)
@@ -322,8 +322,14 @@ class PullDriver:
         self._unpin()
 
     def _pin(self) -> None:
+        """Pin the engine's pools for the READs about to be posted; none left (the engine
+        left meanwhile, e.g. during a read-again's first READ) fails the pull: unpinned, a
+        retired pool is freed under the READs that write into it."""
         assert self.engine is not None
-        for r in self.engine.live_ranks():
+        ranks = self.engine.live_ranks()
+        if not ranks:
+            raise KvdError(f"engine {self.engine.engine_id!r} left before its READs were posted")
+        for r in ranks:
             r.pins += 1
             self.pull.pinned.append(r)
 
