@@ -83,10 +83,7 @@ class Knobs:
     horizon_s: float = 4.0  # work and faults start within it
     ops: int = 10  # transfers (a publish and its pulls) the engines start
     max_faults: int = 6
-    # Freezes of up to 1.8 s (< lease_s): a consumer frozen past its producer's lease is a
-    # known open bug (tests/sim/test_fleet_sim.py::test_consumer_frozen_past_the_lease);
-    # Knobs(max_freeze_s=3.0) runs them.
-    max_freeze_s: float = 1.8
+    max_freeze_s: float = 3.0  # past lease_s and liveness_s
     lease_s: float = 2.0
     heartbeat_interval_s: float = 0.25
     liveness_s: float = 1.0
@@ -175,7 +172,12 @@ NOP = _Nop()
 
 @dataclass
 class SimRank:
+    reg: Reg
     pins: int = 0
+
+    @property
+    def gone(self) -> bool:
+        return self.reg.state != "live"
 
 
 @dataclass
@@ -195,7 +197,7 @@ class Reg:
         self.pool = pool
         self.epoch = epoch
         self.state = "live"
-        self.rank = SimRank()
+        self.rank = SimRank(self)
         self.model = MODEL
         self.par = parallelism(1, 1, None)
         self.layout = Layout(pool.shape[0])

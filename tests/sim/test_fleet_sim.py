@@ -130,19 +130,51 @@ def test_without_the_fix_that_seed_fails_and_shrinks_to_its_three_faults(
         assert fails(2341, small[:i] + small[i + 1:]) is None
 
 
-# Seed 1977 with freezes past the lease: a pull's early READ stalls (partition); the
-# consumer daemon is frozen 2.8 s just after the partition heals, longer than the 2 s
-# lease its Acquire took (the producer, not frozen, rightly expires the hold and its
-# engine reuses the blocks). Thawed, the consumer takes the Acquire's 3 s old reply as
-# good, reads again, and reports ok with the reused blocks' bytes. Nothing on the
-# consumer side notices that it could not renew the lease while frozen.
+# Seed 1977: a pull's early READ stalls (partition); the consumer daemon is frozen 2.8 s
+# just after the partition heals, longer than the 2 s lease its Acquire took (the
+# producer, not frozen, rightly expires the hold and its engine reuses the blocks).
+# Thawed, the consumer took the Acquire's 3 s old reply as good, read again and reported
+# ok with the reused blocks' bytes (seed 132 of Knobs(max_freeze_s=6, max_faults=10,
+# ops=16): one freeze of 2.5 s mid-READ, the same). Fixed in Pull._stalled: a pull not
+# stepped for more than peer_liveness_timeout_s in its read phase fails peer_lost.
 CONSUMER_FROZEN_PAST_THE_LEASE = [
     Fault(kind="partition", at_s=2.8701, dur_s=0.9963, a=2, b=1),
     Fault(kind="freeze", at_s=3.8663, dur_s=2.8096, a=1),
 ]
+FROZEN_MID_READ = [Fault(kind="freeze", at_s=2.3854, dur_s=2.497, a=0)]
+BUSY = Knobs(max_freeze_s=6.0, max_faults=10, ops=16)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a consumer frozen past the producer's lease "
-                   "trusts its Acquire's reply (docs/reliability.md, fleet simulation)")
-def test_consumer_frozen_past_the_lease() -> None:
-    run(1977, CONSUMER_FROZEN_PAST_THE_LEASE, Knobs(max_freeze_s=3.0))
+def test_a_consumer_frozen_past_the_lease_fails_its_pull() -> None:
+    sim = run(1977, CONSUMER_FROZEN_PAST_THE_LEASE)
+    (pull,) = [p for p in sim.pulls if p.label == "pull#27(e11:r25)"]
+    assert pull.outcome == "failed"
+    sim = run(132, FROZEN_MID_READ, BUSY)
+    (pull,) = [p for p in sim.pulls if p.label == "pull#48(e01:r44)"]
+    assert pull.outcome == "failed"
+
+
+# Seed 968 of BUSY: a request with two consumers; the first read it, then its producer
+# engine left (the acquired hold runs on, its pool pinned) and registered again (a new
+# pool) while the second consumer's daemon was frozen. Thawed, that consumer greeted the
+# new registration and its Acquire joined the old hold: the READ took the request's
+# block ids from the new pool and the pull ended ok with its bytes. Fixed in
+# Producer.acquire: a hold whose pinned ranks are gone refuses new Acquires.
+PRODUCER_ENGINE_REGISTERED_AGAIN = [
+    Fault(kind="freeze", at_s=2.0752, dur_s=2.0574, a=0),
+    Fault(kind="leave", at_s=2.3706, dur_s=1.2995, a=1, b=1),
+]
+
+
+def test_an_acquire_never_joins_a_hold_of_an_earlier_registration() -> None:
+    sim = run(968, PRODUCER_ENGINE_REGISTERED_AGAIN, BUSY)
+    (first,) = [p for p in sim.pulls if p.label == "pull#27(e20:r22)"]
+    (second,) = [p for p in sim.pulls if p.label == "pull#28(e01:r22)"]
+    assert first.outcome == "ok" and second.outcome == "failed"
+
+
+def test_busier_schedules_keep_every_invariant() -> None:
+    """Longer freezes, more faults and more transfers per run, fewer runs."""
+    for seed in range(int(os.environ.get("KVD_SIM_BUSY_SEEDS", "300"))):
+        if fails(seed, None, BUSY) is not None:
+            pytest.fail(report(seed, BUSY), pytrace=False)

@@ -403,9 +403,14 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer daemon frozen longer than the lease (SIGSTOP, a stalled host) could not
     hear the consumer's heartbeats meanwhile: waking up, it moves its leases on by the
-    time it was frozen instead of handing the blocks back under the READ (issue 20/21)."""
+    time it was frozen instead of handing the blocks back under the READ (issue 20/21).
+
+    Both daemons share the fake clock, so the jump is a stall of the consumer too; its
+    liveness timeout is set past it, as it would have to be for a real producer frozen
+    this long to keep its consumer's pull (a pull whose own daemon stalled longer than
+    that fails: the producers' leases may have lapsed meanwhile)."""
     async def body() -> None:
-        async with daemon_pair(heartbeat_interval_s=0.5) as p:
+        async with daemon_pair(heartbeat_interval_s=0.5, peer_liveness_timeout_s=30.0) as p:
             await register(p.pc, "pre")
             await register(p.dc, "dec")
             await p.pc.publish("pre", "r1", [1, 2], lease_s=5.0)
