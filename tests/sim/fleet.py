@@ -1476,7 +1476,7 @@ class Sim:
 
     def check_quiescent(self) -> None:
         for rec in self.pulls:
-            if rec.accepted and not rec.outcome:
+            if not rec.outcome:
                 if rec.daemon.inc != rec.inc:
                     rec.outcome = "lost"  # its daemon died: the engine heard on_lost
                     continue

@@ -18,7 +18,7 @@ from fleet import Fault, Knobs, Sim, fails, report, run, shrink
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.driver import PullDriver
 
-SEEDS = 2500
+SEEDS = 4000
 
 
 def _seeds() -> range:
