@@ -969,10 +969,12 @@ class SimDriver:
 
     def do(self, act: M.Action, rest: list[M.Action]) -> list[M.Action] | None:
         pull, d, sim = self.pull, self.d, self.sim
-        if isinstance(act, M.WaitRanks):
-            if d.svc.registry.engines.get(pull.msg.engine_id) is None:
+        if isinstance(act, M.WaitRanks):  # as PullDriver's: the same registration, or fail
+            reg = d.svc.registry.engines.get(pull.msg.engine_id)
+            if reg is None:
                 raise NotFoundError(f"engine {pull.msg.engine_id!r} is not registered")
-            self.reg = d.svc.registry.engines[pull.msg.engine_id]
+            if reg is not self.reg:
+                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the pull")
             return pull.ranks_ready()
         if isinstance(act, M.Greet):
             self.greet(rest)

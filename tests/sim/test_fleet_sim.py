@@ -178,3 +178,32 @@ def test_busier_schedules_keep_every_invariant() -> None:
     for seed in range(int(os.environ.get("KVD_SIM_BUSY_SEEDS", "300"))):
         if fails(seed, None, BUSY) is not None:
             pytest.fail(report(seed, BUSY), pytrace=False)
+
+
+# Seed 552 of WIDE: the producer engine had registered again (its epoch changed), so the
+# pull's Acquire reply made it discard its early READ (stalled: a READ fault, then the
+# producer frozen) and greet again; meanwhile the consumer engine left and registered
+# again with a new pool. Greeting again, the pull took the engine's new registration and
+# read into the new pool's blocks, which the new engine had not given it. Fixed in
+# PullDriver (WaitRanks): another registration of the engine than the Pull's fails it.
+WIDE = Knobs(daemons=4, max_faults=12, ops=20, max_freeze_s=4.0)
+CONSUMER_ENGINE_REGISTERED_AGAIN = [
+    Fault(kind="leave", at_s=0.7017, dur_s=1.0155, a=3, b=1),
+    Fault(kind="read", at_s=2.4591, dur_s=0.8424, a=1, x="stall"),
+    Fault(kind="freeze", at_s=3.2302, dur_s=2.5632, a=3),
+    Fault(kind="leave", at_s=3.7516, dur_s=0.782, a=1, b=1),
+]
+
+
+def test_a_pull_greeting_again_never_writes_into_a_new_registration() -> None:
+    sim = run(552, CONSUMER_ENGINE_REGISTERED_AGAIN, WIDE)
+    (pull,) = [p for p in sim.pulls if p.label == "pull#58(e11:r56)"]
+    assert pull.outcome == "failed"
+    assert not any(w[4] == pull.label for w in sim.transport.writes)
+
+
+def test_wider_fleets_keep_every_invariant() -> None:
+    """Four daemons, more faults and transfers per run, fewer runs."""
+    for seed in range(int(os.environ.get("KVD_SIM_WIDE_SEEDS", "200"))):
+        if fails(seed, None, WIDE) is not None:
+            pytest.fail(report(seed, WIDE), pytrace=False)

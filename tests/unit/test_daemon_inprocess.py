@@ -467,3 +467,35 @@ def test_one_block_pulls_follow_a_rank_that_registers_again() -> None:
             await pull("r4", 11, 7, dr2.kv, bigger)
 
     run(body())
+
+
+def test_a_pull_greeting_again_fails_if_its_engine_registered_again() -> None:
+    """Found by the fleet simulation (tests/sim, seed 552 of its wide schedule): a pull
+    whose Acquire reply names a new epoch of the producer discards its early READ and
+    greets again; if its own engine left and registered again meanwhile (a new pool),
+    the pull must fail, not read into the new pool's blocks (which the new engine never
+    gave it)."""
+    async def body() -> None:
+        async with daemon_pair() as p:
+            pr = await register(p.pc, "pre")
+            dr = await register(p.dc, "dec")
+            addr = p.prefill.cfg.peer_address
+            await p.pc.publish("pre", "r0", [0])
+            await p.dc.pull("dec", "r0", "pre", addr, [0], [0])
+            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            await p.pc.deregister(pr)
+            pr2 = await register(p.pc, "pre")  # a new epoch: the cached handshake is stale
+            pr2.kv[...] = 7
+            await p.pc.publish("pre", "r1", [1, 2])
+            p.decode.datapath.transport.hold_reads = True  # the early READ stays in flight
+            await p.dc.pull("dec", "r1", "pre", addr, [1, 2], [5, 6])
+            await p.clock.run(0.2)  # the reply came: discarding the READ before greeting
+            await p.dc.deregister(dr)
+            dr2 = await register(p.dc, "dec")
+            dr2.kv[...] = 0
+            p.decode.datapath.transport.hold_reads = False
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=5.0)
+            assert not ev.ok and "registered again" in ev.error, ev
+            assert not dr2.kv.any()  # nothing written into the new pool
+
+    run(body())

@@ -209,8 +209,14 @@ class PullDriver:
     async def _do(self, act: Action) -> list[Action]:
         pull, svc, clock = self.pull, self.svc, self.svc.clock
         if isinstance(act, WaitRanks):
-            self.engine = await svc.registry.complete(pull.msg.engine_id,
-                                                      svc.cfg.handshake_timeout_s)
+            engine = await svc.registry.complete(pull.msg.engine_id,
+                                                 svc.cfg.handshake_timeout_s)
+            if self.engine is not None and engine is not self.engine:
+                # It left and registered again (greeting again, or waiting for its ranks):
+                # the pull's blocks are the old registration's, not the new pool's.
+                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the "
+                               "pull")
+            self.engine = engine
             return pull.ranks_ready()
         if isinstance(act, Greet):
             assert self.engine is not None
