@@ -84,6 +84,8 @@ class Knobs:
     ops: int = 10  # transfers (a publish and its pulls) the engines start
     max_faults: int = 6
     max_freeze_s: float = 3.0  # past lease_s and liveness_s
+    kinds: tuple[str, ...] = FAULT_KINDS  # the faults drawn
+    msg_fault_p: float = 0.5  # share of the messages a ``msg`` window hits
     lease_s: float = 2.0
     heartbeat_interval_s: float = 0.25
     liveness_s: float = 1.0
@@ -130,9 +132,10 @@ class Fault:
 
 def fault_schedule(seed: int, knobs: Knobs) -> list[Fault]:
     rng = random.Random(f"faults-{seed}")
+    more = random.Random(f"faults2-{seed}")  # later additions: the first stream stays
     out = []
     for _ in range(rng.randint(0, knobs.max_faults)):
-        kind = rng.choice(FAULT_KINDS)
+        kind = rng.choice(knobs.kinds)
         at = round(rng.uniform(0.0, knobs.horizon_s), 4)
         a = rng.randrange(knobs.daemons)
         b = rng.choice([i for i in range(knobs.daemons) if i != a])
@@ -147,8 +150,12 @@ def fault_schedule(seed: int, knobs: Knobs) -> list[Fault]:
             out.append(Fault(kind, at, round(rng.uniform(0.1, 2.0), 4), a, b,
                              x=rng.choice(["drop", "delay", "dup", "reorder"])))
         elif kind == "read":
-            out.append(Fault(kind, at, round(rng.uniform(0.1, 1.5), 4), a,
-                             x=rng.choice(["stall", "fail", "late"])))
+            dur, x = round(rng.uniform(0.1, 1.5), 4), rng.choice(["stall", "fail", "late"])
+            if more.random() < 0.3:  # past the lease, or the pull's deadline
+                dur = round(dur * 4, 4)
+            if x == "stall" and more.random() < 0.4:  # READs that never end unless severed
+                x = "hang"
+            out.append(Fault(kind, at, dur, a, x=x))
         else:
             out.append(Fault(kind, at, round(rng.uniform(0.1, 2.0), 4), a, rng.randrange(2)))
     return sorted(out, key=lambda f: f.at_s)
@@ -370,6 +377,8 @@ class Transport:
         if x.mode == "fail":
             self._fail(x, "injected READ failure")
             return
+        if x.mode == "hang":  # a READ the transport never ends: only a sever (or death) does
+            return
         if (d.frozen or owner.frozen or sim.partitioned(d.index, owner.index)
                 or (x.mode == "stall" and sim.read_fault_active(d, "stall"))):
             sim.after(0.02, self._step, x)  # no progress while either side cannot run
@@ -446,6 +455,7 @@ class PullRec:
     outcome: str = ""
     outcome_s: float = 0.0
     accepted: bool = False
+    big: bool = False
 
     @property
     def label(self) -> str:
@@ -814,7 +824,7 @@ class Network:
         rng = self.sim.net_rng
         base = rng.uniform(0.0001, 0.001)
         kind = self.sim.msg_fault(a, b)
-        if kind is None or rng.random() < 0.5:
+        if kind is None or rng.random() < 1.0 - self.sim.knobs.msg_fault_p:
             return [base]
         if kind == "drop":
             return []
@@ -986,7 +996,7 @@ class SimDriver:
         if isinstance(act, M.Assemble):
             return self.assemble()
         if isinstance(act, M.Post):
-            if not act.again and (d.q_pulls >= sim.cfg.max_quarantined_pulls):
+            if not act.again and (d.q_pulls >= sim.cfg.max_quarantined_pulls):  # check_room
                 raise BusyError("pulls are quarantined (max_quarantined_pulls)")
             self.pin()
             results = sim.transport.post(d, list(act.posts), self.rec, self.reg)
@@ -1129,6 +1139,8 @@ class SimDriver:
         agent = remote.daemons[addr].agent
         n = len(rec.local_blocks)
         nbytes = n * self.sim.knobs.block_bytes
+        if rec.big:  # nominally past EARLY_POST_MAX_BYTES: posted after the replies
+            nbytes = n * (M.EARLY_POST_MAX_BYTES // 2 + 1)
         post = ReadPost(peer=agent, local_addrs=np.array(pull.msg.local_block_ids, np.uint64),
                         remote_addrs=np.array([remote.pools * POOL_SPAN + b
                                                for b in pull.msg.remote_block_ids], np.uint64),
@@ -1276,6 +1288,7 @@ class Sim:
         self.work_rng = random.Random(f"work-{seed}")
         self.net_rng = random.Random(f"net-{seed}")
         self.data_rng = np.random.default_rng(seed)
+        self.big_rng = random.Random(f"big-{seed}")
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
@@ -1405,6 +1418,7 @@ class Sim:
         expected = pub.expected if pub is not None else None
         rec = PullRec(next(self.uids), c, d, d.inc, rid, prod.name, rid, local, expected,
                       self.now, (prod.daemon.instance, prod.name, rid))
+        rec.big = self.big_rng.random() < 0.3
         for b in local:
             c.owner[b] = rec
         c.pulls[rid] = rec
@@ -1469,8 +1483,11 @@ class Sim:
             self.violate(f"{d.instance} holds {len(d.producer.held)} requests")
         if len(d.drivers) > cfg.max_inflight_pulls:
             self.violate(f"{d.instance} runs {len(d.drivers)} pulls")
-        if d.q_pulls > cfg.max_quarantined_pulls or d.q_pulls < 0:
-            self.violate(f"{d.instance} has {d.q_pulls} quarantined pulls")
+        # max_quarantined_pulls refuses new posts once reached; pulls posted before may
+        # still fail into the quarantine, which stays within the pulls in flight
+        if not 0 <= d.q_pulls <= min(cfg.max_inflight_pulls, len(d.drivers)):
+            self.violate(f"{d.instance} has {d.q_pulls} quarantined pulls of "
+                         f"{len(d.drivers)} in flight")
         if len(d.remotes) > 4 * len(self._engines()) ** 2:
             self.violate(f"{d.instance} caches {len(d.remotes)} handshakes")
         if len(d.pending) > 10_000:
