@@ -190,13 +190,13 @@ class Producer:
         return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
                           hold_id=held.hold_id)
 
-    def abandon(self, msg: P.Abandon) -> P.Ok:
+    def abandon(self, msg: P.Abandon, consumer_instance: str = "") -> P.Ok:
         for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
                                                    ()):
             if consumer == msg.consumer_engine_id:
                 _resolve(fut, False)  # its Acquire, still waiting, is refused
         held = self.held.get(msg.producer_engine_id, msg.request_id)
-        if held.abandon(msg.consumer_engine_id):
+        if held.abandon(msg.consumer_engine_id, consumer_instance):
             self.finish(held, "cancelled")
         return P.Ok()
 
