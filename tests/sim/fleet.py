@@ -1132,6 +1132,7 @@ class SimDriver:
                     self.resume(self.pull.on_replies(list(acq), self.replies(),  # type: ignore
                                                      self.sim.now), self.acq_rest)
             d.request(addr, msg, None, got)
+        pull.acquire_sent(self.sim.now)
 
     def replies(self) -> list[Reply | BaseException] | None:
         if self.acq is None or any(v is None for v in self.acq.values()):

@@ -81,3 +81,22 @@ def test_steps_within_the_liveness_timeout_end_ok() -> None:
     pull.on_replies([ADDR], [_reply(1.0 + LIVENESS_S - 0.1)], 1.0 + LIVENESS_S - 0.1)
     acts = pull.on_poll({11: DONE}, 2.0 * LIVENESS_S - 0.3)
     assert _released(pull, acts, 6.0).ok
+
+
+def test_a_reply_taken_a_stall_after_the_acquire_fails_a_pull_that_waits_to_post() -> None:
+    """A large pull posts only once the replies are in: its Acquire's time is the start."""
+    msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
+                 remote_address=ADDR, remote_block_ids=[1], local_block_ids=[5])
+    pull = M.Pull(msg=msg, started_s=0.0, liveness_timeout_s=LIVENESS_S)
+    pull.begin(RemoteEngine(desc=None, daemons={  # type: ignore[arg-type]
+        ADDR: RemoteDaemon(ADDR, agent=AGENT, instance="i", epoch=1)}))
+    pull.acquire_sent(1.0)
+    big = np.array([M.EARLY_POST_MAX_BYTES + 1], dtype=np.uint64)
+    post = ReadPost(peer=AGENT, local_addrs=big, remote_addrs=big, nbytes=big,
+                    mem_type="DRAM", notif=b"")
+    assert pull.assembled([post], [], int(big[0]), 1, answered=False) == [M.AwaitReplies()]
+    acts = pull.on_replies([ADDR], [_reply(1.0 + LIVENESS_S + 1)], 1.0 + LIVENESS_S + 1)
+    assert not _released(pull, acts, 6.0).ok  # nothing posted: failed at once
+    on_time = _pull()
+    on_time.acquire_sent(1.0)
+    assert on_time.on_replies([ADDR], [_reply(2.0)], 2.0) == [M.Post(on_time.posts)]

@@ -279,6 +279,7 @@ class PullDriver:
         self.acquiring = Acquiring({a: svc.peers.send(a, msg) for a in remote.daemons},
                                    svc.peers.take_ready)
         self._acquired_from = remote
+        pull.acquire_sent(svc.clock.now())
 
     _acquired_from: RemoteEngine | None = None
 

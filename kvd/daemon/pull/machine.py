@@ -490,6 +490,12 @@ class Pull:
                                                                           frozenset())]
         return [Release()]
 
+    def acquire_sent(self, now_s: float) -> None:
+        """The Acquire left (the driver says when): its reply is due within
+        ``liveness_timeout_s``, like every later step of the read phase (`_stalled`)."""
+        if self._stepped_s is None:
+            self._stepped_s = now_s
+
     def _stalled(self, now_s: float) -> str:
         """Why nothing read can be trusted, when this pull was not stepped for more than
         ``liveness_timeout_s`` since its last step of the read phase (polls come
