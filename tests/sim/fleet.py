@@ -6,14 +6,16 @@ What is real and what is simulated:
   decisions), each published request a `kvd.daemon.produce.held.HeldRequest` in the
   real `HeldTable`, and the producer side is the real `kvd.daemon.produce.producer.
   Producer` (publish, acquire, heartbeats, notices, abandon, lease expiry with the
-  frozen-daemon postponement, engine gone) over a stand-in `Services`;
+  frozen-daemon postponement, engine gone) over a stand-in `Services`; what a post pins
+  is `PullDriver._pin`'s own decision;
 * simulated: the pull's driver (`SimDriver`, carrying out the machine's actions with the
   semantics of kvd.daemon.pull.driver, on sim time: a Sever fails a stalled READ at its
   next poll, Release happens only once the transfers ended, the deadline cancels what
   the pull waits for, the end is never cancelled), the cached handshakes (as
   kvd.daemon.peers.table), the control network (requests and replies with delays;
-  partitions; dropped, delayed, duplicated and reordered messages; liveness that
-  notices a silent peer after ``peer_liveness_timeout_s``), the transport (`Transport`:
+  partitions; dropped, delayed, duplicated and reordered messages, in order on one
+  connection unless ``Knobs.fifo`` is off; liveness that notices a silent peer after
+  ``peer_liveness_timeout_s``, and a dead one at once), the transport (`Transport`:
   READs that copy bytes between numpy pools descriptor by descriptor, each write
   recorded with its time), the engines (publish, pull, take their events, leave and
   come back) and the faults.
