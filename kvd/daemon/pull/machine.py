@@ -276,7 +276,8 @@ class Pull:
         once the replies are: a refused Acquire explains a failed READ better."""
         self._to(On.POST)
         self._posted = True
-        self.posted_s = self._stepped_s = posted_s
+        self.posted_s = posted_s
+        self._stepped_s = posted_s + post_s  # a large post itself may take a while
         self.handles = [r.xfer_id for r in results if r.xfer_id is not None]
         self.live = set(self.handles)
         self.reading_from = {r.xfer_id: p.peer for p, r in zip(self.posts, results, strict=True)
