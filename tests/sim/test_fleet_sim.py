@@ -234,3 +234,22 @@ def test_wider_fleets_keep_every_invariant() -> None:
     for seed in range(int(os.environ.get("KVD_SIM_WIDE_SEEDS", "200"))):
         if fails(seed, None, WIDE) is not None:
             pytest.fail(report(seed, WIDE), pytrace=False)
+
+
+# Open, a configuration bound rather than a code path: with a lease shorter than one
+# heartbeat interval plus the liveness timeout (here 1.5 s < 0.9 s + 1 s), a consumer
+# stall just under the liveness timeout (0.87 s, so no stall is detected) lets the lease
+# lapse before its first renewal, and a read-again then reads the reused blocks (seed
+# 2493). kvd's defaults keep it far (lease 30 s, heartbeats 2 s, liveness 3 s); a
+# Publish may still ask for any lease.
+SHORT_LEASE = Knobs(heartbeat_interval_s=0.9, lease_s=1.5, max_faults=8)
+STALL_UNDER_LIVENESS = [
+    Fault(kind="read", at_s=2.2817, dur_s=1.1388, a=0, x="stall"),
+    Fault(kind="freeze", at_s=3.413, dur_s=0.8725, a=0),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="open: lease_s < heartbeat_interval_s + "
+                   "peer_liveness_timeout_s is not refused (docs/reliability.md)")
+def test_a_lease_shorter_than_a_heartbeat_and_a_liveness_timeout() -> None:
+    run(2493, STALL_UNDER_LIVENESS, SHORT_LEASE)
