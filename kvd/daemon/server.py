@@ -406,8 +406,8 @@ class Daemon:
         async def heartbeat(m: P.Heartbeat, _: Request) -> P.HeartbeatAck:
             return producer.heartbeat(m)
 
-        async def abandon(m: P.Abandon, _: Request) -> P.Ok:
-            return producer.abandon(m)
+        async def abandon(m: P.Abandon, req: Request) -> P.Ok:
+            return producer.abandon(m, req.header.instance)
 
         async def notice(m: P.ReadNotice, req: Request) -> P.Ok:
             producer.on_notice(m, req.header.instance or "peer")
