@@ -504,9 +504,11 @@ class Pull:
         connection): its daemon stalled (frozen, a stuck loop), no heartbeat renewed the
         producers' leases meanwhile, and a hold may have ended under our READ, its blocks
         reused by their engine. A producer that stalled moves its leases on instead
-        (kvd.daemon.produce.producer.Producer.expire)."""
+        (kvd.daemon.produce.producer.Producer.expire). Not for a local pull: its producer
+        is this very daemon, stalled with it, and moved its leases on by the same gap."""
         last, self._stepped_s = self._stepped_s, now_s
-        if last is None or now_s - last <= self.liveness_timeout_s:
+        if (self.path == "local" or last is None
+                or now_s - last <= self.liveness_timeout_s):
             return ""
         return (f"{PeerLostError.code}: this daemon stalled {now_s - last:.1f}s during the "
                 "pull, no lease renewed meanwhile: the producers' holds may have ended")
