@@ -40,6 +40,9 @@ def test_local_scenario_pulls_locally_and_checks_its_bytes(tmp_path: Path) -> No
         assert r["samples"] == res["repeats"] and len(r["memcpy_ms"]) == r["samples"] + 1
         ratios = alternated_ratios(r["memcpy_ms"], r["local_ms"])
         assert r["ratio_local_memcpy"] == pytest.approx(statistics.median(ratios), abs=2e-3)
+        # the copy primitive alone, on the same descriptors
+        assert r["copier_gbps"] > 0 and r["ratio_copier_memcpy"] > 0
+        assert r["copier_descriptors"] >= 1
     lat = res["latency"]
     assert lat["verified"] is True and lat["samples"] == 6 and lat["copy_threads"] == 2
     assert lat["nbytes"] == geom.block_nbytes

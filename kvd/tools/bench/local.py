@@ -11,7 +11,11 @@ on one daemon per copy-thread count (``--set copy_threads=N``):
   buffers like the pools, timed **alternately** with the pulls: memcpy, pull, memcpy,
   pull, ..., memcpy. Pull i is compared with the mean of the memcpys either side of it
   (`alternated_ratios`) and the figure is the median of those ratios, so both see the
-  same background load on a shared host. Each scenario's bytes are checked after the
+  same background load on a shared host. Between each pull and the next memcpy, the
+  bare copy primitive runs too: `LocalCopier` (as many copy threads) in this process
+  on the same descriptors (``geometry.kvd_descriptors``) between two shm buffers, so
+  that a shortfall splits into the copy itself and the daemon's per-pull work (its own
+  accepted -> done time is reported as well). Each scenario's bytes are checked after the
   warm-up pull and once more at the end (destination zeroed first); the daemon's own
   status must show the pulls took the local path.
 - 1-block pull latency: a local pull (consumer on the producer's daemon) and a pull
@@ -146,6 +150,44 @@ def local_verified(local: dict[str, Any]) -> bool:
 # ------------------------------------------------------------------ measuring
 
 
+class CopierTimer:
+    """The copy primitive alone: `kvd.transport.localcopy.LocalCopier` (the daemon's
+    copier, ``threads`` copy threads) copying one pull's descriptors between two shm
+    buffers like the pools, in this process; no daemon, no messages."""
+
+    def __init__(self, geom: Geometry, scn: Scenario, pool_blocks: int, p_ids: list[int],
+                 d_ids: list[int], threads: int, shm_dir: str = DEFAULT_SHM_DIR) -> None:
+        from kvd.daemon.pull.local import local_copier
+        from kvd.tools.bench.geometry import kvd_descriptors
+
+        lo, ro, nb, lbytes, rbytes = kvd_descriptors(geom, scn, pool_blocks, pool_blocks,
+                                                     p_ids, d_ids)
+        self._src, self._src_pool = alloc_buffer("shm", rbytes, shm_dir)
+        self._dst, self._dst_pool = alloc_buffer("shm", lbytes, shm_dir)
+        self._src.fill(1)
+        self._dst.fill(0)
+        self._copier = local_copier(threads)
+        self._args = (lo.astype(np.uint64) + self._dst.ctypes.data,
+                      ro.astype(np.uint64) + self._src.ctypes.data, nb.astype(np.uint64))
+        self.descriptors = len(nb)
+        self.time()  # warm
+
+    def time(self) -> float:
+        t0 = time.perf_counter()
+        handle = self._copier.post(*self._args)
+        self._copier.wait(handle, 60)
+        seconds = time.perf_counter() - t0
+        self._copier.release(handle)
+        return seconds
+
+    def close(self) -> None:
+        self._copier.close()
+        del self._src, self._dst
+        for pool in (self._src_pool, self._dst_pool):
+            if pool is not None:
+                pool.close()
+
+
 class MemcpyTimer:
     """A single-thread memcpy (``np.copyto``) of ``nbytes`` between two shm buffers like
     the daemons' pools (`kvd.tools.bench.raw.alloc_buffer`), pre-faulted; the baseline
@@ -181,7 +223,7 @@ def _pull_path(client: Any, request_id: str) -> str | None:
 
 def _throughput(c: Any, addr: str, geom: Geometry, scn: Scenario, pool_blocks: int,
                 p_ids: list[int], d_ids: list[int], repeats: int,
-                memcpy: MemcpyTimer) -> dict[str, Any]:
+                memcpy: MemcpyTimer, copier: CopierTimer | None = None) -> dict[str, Any]:
     from kvd.tools.sim import layout_spec
 
     model = geom.model()
@@ -201,11 +243,13 @@ def _throughput(c: Any, addr: str, geom: Geometry, scn: Scenario, pool_blocks: i
 
         warm_s, _, ev = pull(f"{deng}-warm")  # page faults of the new pools
         verified = check_pulled_blocks(pkvs, dkvs, geom, p_ids, d_ids)
-        memcpy_s, pull_s, daemon_s = [memcpy.time()], [], []
+        memcpy_s, pull_s, daemon_s, copy_s = [memcpy.time()], [], [], []
         for i in range(repeats):
             t, _, ev = pull(f"{deng}-{i}")
             pull_s.append(t)
             daemon_s.append(ev.duration_s)
+            if copier is not None:
+                copy_s.append(copier.time())
             memcpy_s.append(memcpy.time())
         for kv in dkvs:
             kv.fill(0)
@@ -216,6 +260,11 @@ def _throughput(c: Any, addr: str, geom: Geometry, scn: Scenario, pool_blocks: i
                "path": _pull_path(c, f"{deng}-check"), "warmup_ms": ms(warm_s),
                "verified": verified}
         row.update(summarize_throughput(ev.nbytes, memcpy_s, pull_s, daemon_s))
+        if copy_s:
+            row["copier_gbps"] = gbps(ev.nbytes, statistics.median(copy_s))
+            row["ratio_copier_memcpy"] = round(statistics.median(
+                alternated_ratios(memcpy_s, copy_s)), 3)
+            row["copier_descriptors"] = copier.descriptors if copier is not None else None
         return row
     finally:
         for h in dranks + pranks:
@@ -293,8 +342,12 @@ def bench_local(geom: Geometry, blocks: int, pool_blocks: int, p_ids: list[int],
             c = d.client(timeout_s=30)
             try:
                 for scn in scenarios:
-                    row = _throughput(c, d.peer_address, geom, scn, pool_blocks, p_ids, d_ids,
-                                      repeats, memcpy)
+                    copier = CopierTimer(geom, scn, pool_blocks, p_ids, d_ids, threads, shm_dir)
+                    try:
+                        row = _throughput(c, d.peer_address, geom, scn, pool_blocks, p_ids,
+                                          d_ids, repeats, memcpy, copier)
+                    finally:
+                        copier.close()
                     row["copy_threads"] = threads
                     rows.append(row)
                 if n == len(copy_threads) - 1 and latency_pulls > 0:
@@ -327,11 +380,13 @@ def render_local(local: dict[str, Any]) -> str:
             ("local", "local_gbps", "{:.2f}"), ("in daemon", "local_daemon_gbps", "{:.2f}"),
             ("local/memcpy", "ratio_local_memcpy", "{:.2f}"),
             ("min", "ratio_local_memcpy_min", "{:.2f}"),
-            ("max", "ratio_local_memcpy_max", "{:.2f}"), ("path", "path", "{}"),
+            ("max", "ratio_local_memcpy_max", "{:.2f}"),
+            ("copier", "copier_gbps", "{:.2f}"), ("copier/memcpy", "ratio_copier_memcpy", "{:.2f}"),
+            ("path", "path", "{}"),
             ("verified", "verified", "{}")]
     table = [[c[0] for c in cols]]
     for r in local["rows"]:
-        vals = [r[k] / MiB if k == "nbytes" else r[k] for _, k, _ in cols]
+        vals = [r[k] / MiB if k == "nbytes" else r.get(k) for _, k, _ in cols]
         table.append(["-" if v is None else f.format(v)
                       for v, (_, _, f) in zip(vals, cols, strict=True)])
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
@@ -340,7 +395,9 @@ def render_local(local: dict[str, Any]) -> str:
     lat = local.get("latency") or {}
     lines.append(f"local: one daemon, producer and consumer engines both on it; GB/s medians "
                  f"of {local['repeats']}; local/memcpy: median of per-pull ratios to a "
-                 "single-thread memcpy timed alternately with the pulls")
+                 "single-thread memcpy timed alternately with the pulls; in daemon: its own "
+                 "accepted -> done; copier: the copy primitive alone in this process, same "
+                 "descriptors and copy threads")
     if lat:
         lines.append(
             f"1-block ({lat['nbytes'] / MiB:.1f} MiB) local pull p50 {lat['local_p50_ms']} ms "
