@@ -111,3 +111,17 @@ def test_render_shows_each_row_and_the_targets() -> None:
     text = render_local(local)
     assert text.count("local_tp1_tp1") == 2 and "0.95" in text and "1.20" in text
     assert "x0.45" in text and "local_1block_p50_ratio: met" in text
+
+
+def test_bench_exit_code_needs_the_local_bytes_verified(monkeypatch, capsys) -> None:
+    import kvd.tools.bench as bench
+
+    good = _local([_row("local_tp1_tp1", 1, 1, 2, 1.0)], 0.4)
+    fake = {"scenarios": [{"verified": True}], "local": good}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: fake)
+    assert bench.main(as_json=True) == 0
+    fake["local"] = {**good, "rows": [{**good["rows"][0], "verified": False}]}
+    assert bench.main(as_json=True) == 1
+    fake["local"] = {**good, "rows": [{**good["rows"][0], "path": "remote"}]}
+    assert bench.main(as_json=True) == 1
+    capsys.readouterr()
