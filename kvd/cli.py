@@ -235,7 +235,8 @@ def demo(
     decode_block_size: int = typer.Option(16, help="Decode block size (tokens)."),
     mla: bool = typer.Option(False, "--mla", help="MLA model (one latent cache)."),
 ) -> None:
-    """Two daemons on loopback, simulated engines, one request pulled and checked byte for byte."""
+    """Two daemons on loopback, simulated engines: a same-node pull on one daemon (a local
+    copy) and a pull between the two daemons (NIXL), each checked byte for byte."""
     from kvd.errors import KvdError
     from kvd.tools.demo import run_demo
 

@@ -39,7 +39,7 @@ from kvd.daemon.engines.table import Engine, check_block_ids
 from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.assemble import PullAssembler
 from kvd.daemon.pull.driver import Peers, PullDriver
-from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers
+from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, NixlMover
 from kvd.daemon.pull.quarantine import QuarantineCounts
@@ -51,7 +51,6 @@ from kvd.errors import (
     KvdError,
     TooLargeError,
 )
-from kvd.transport.localcopy import LocalCopier
 from kvd.transport.samehost import local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
@@ -90,7 +89,7 @@ class Consumer:
         self._local: Route | None = None
         if local_dispatch is not None:
             own = cfg.peer_advertise or cfg.peer_address
-            copier = LocalCopier(threads=cfg.copy_threads)
+            copier = local_copier(cfg.copy_threads)
             self._local = Route(
                 LocalMover(copier, cuda_copier=_cuda_copier),
                 LocalPeers(svc.registry, local_dispatch, own, svc.datapath.agent_name,
