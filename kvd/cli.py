@@ -193,8 +193,9 @@ def keys(
                              "NAME.key_secret (keypair, mode 0600)."),
     force: bool = typer.Option(False, "--force", help="Replace existing files."),
 ) -> None:
-    """Create a CURVE keypair for a daemon or an engine (docs/security.md). Prints the
-    public key only."""
+    """Create a CURVE keypair for a daemon or an engine (docs/security.md).
+
+    Prints the public key only."""
     from kvd.wire.curve import load_public_key, write_keypair
 
     def go() -> None:
@@ -235,8 +236,10 @@ def demo(
     decode_block_size: int = typer.Option(16, help="Decode block size (tokens)."),
     mla: bool = typer.Option(False, "--mla", help="MLA model (one latent cache)."),
 ) -> None:
-    """Two daemons on loopback, simulated engines: a same-node pull on one daemon (a local
-    copy) and a pull between the two daemons (NIXL), each checked byte for byte."""
+    """Pull simulated KV on one daemon (a local copy) and between two, byte-checked.
+
+    Two daemons on loopback with simulated engines: a same-node pull on one daemon (a
+    local copy) and a pull between the two daemons (NIXL), each checked byte for byte."""
     from kvd.errors import KvdError
     from kvd.tools.demo import run_demo
 
