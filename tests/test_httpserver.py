@@ -47,8 +47,8 @@ def test_metrics_exposition(server: tuple[HttpServerHandle, Metrics]) -> None:
     metrics.transfer_finished("consumer", "ok", 8192, 0.01)
     code, ctype, body = get(handle.url + "/metrics")
     assert code == 200 and ctype.startswith("text/plain")
-    assert 'kvd_transfers_total{outcome="ok",role="consumer"} 1.0' in body
-    assert 'kvd_transferred_bytes_total{role="consumer"} 8192.0' in body
+    assert 'kvd_transfers_total{outcome="ok",path="remote",role="consumer"} 1.0' in body
+    assert 'kvd_transferred_bytes_total{path="remote",role="consumer"} 8192.0' in body
     assert "# TYPE kvd_transfer_duration_seconds histogram" in body
     # only this daemon's registry: no process/python collectors from the global default
     assert "python_gc_objects_collected_total" not in body

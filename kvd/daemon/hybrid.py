@@ -4,7 +4,7 @@ and the consumer's pull assembly.
 A request names one block-id list per KV-cache group (the flat fields carry their
 concatenation, so the existing range and acquire checks see every id); a pull is
 planned by ``plan_hybrid`` and assembled by ``assemble_hybrid_pull``. The geometry
-these need (model, pool layout) is ``kvd.pool.hybrid``, which ``kvd.daemon.engines``
+these need (model, pool layout) is ``kvd.pool.geometry``, which ``kvd.daemon.engines.table``
 also uses; this module sits above both and nothing below imports it.
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvd.daemon.engines import Engine
-from kvd.daemon.peers import RemoteEngine
+from kvd.daemon.engines.table import Engine
+from kvd.daemon.peers.table import RemoteEngine
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner.assembly import ProducerReads
-from kvd.planner.hybrid import plan_hybrid
-from kvd.planner.hybrid_assembly import HybridRankPool, assemble_hybrid_pull
+from kvd.planner.hybrid.assembly import HybridRankPool, assemble_hybrid_pull
+from kvd.planner.hybrid.plan import plan_hybrid
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
-from kvd.pool.hybrid import HybridPool, hybrid_model, rank_layout
+from kvd.pool.geometry import HybridPool, hybrid_model, hybrid_rank_layout
 from kvd.wire import protocol as P
 
 
@@ -66,7 +66,7 @@ def assemble_pull(engine: Engine, remote: RemoteEngine, msg: P.Pull
     local = [HybridRankPool(r.rank, r.cache.layout, r.pool.addr, r.device_id)
              for r in engine.live_ranks() if isinstance(r.cache, HybridPool)]
     remote_pools = {
-        rid: HybridRankPool(rid, rank_layout(spec, rdesc.layout, rpar, rid.pp_rank,
+        rid: HybridRankPool(rid, hybrid_rank_layout(spec, rdesc.layout, rpar, rid.pp_rank,
                                              rr.desc.num_blocks),
                             rr.desc.base_addr, rr.desc.device_id, owner=rr.agent)
         for rid, rr in remote.ranks.items()}

@@ -15,9 +15,9 @@ from typing import Any
 from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.datapath import DataPath
+from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.events import EventHub
-from kvd.daemon.peers import PeerTable
-from kvd.daemon.registry import EngineRegistry
+from kvd.daemon.peers.table import PeerTable
 from kvd.ops.metrics import Metrics
 
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import kvd
 from kvd.ops.metric_docs import (
+    CURVE_REASONS,
     FACES,
     HANDSHAKE_OUTCOMES,
     METRIC_DOCS,
@@ -50,6 +51,8 @@ class Metrics:
     invalid_blocks: Counter
     protocol_errors: Counter
     auth_failures: Counter
+    curve_refusals: Counter
+    curve_allowlist_keys: Gauge
     busy_rejections: Counter
     events_dropped: Counter
     inflight_transfers: Gauge
@@ -70,30 +73,35 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         for doc in METRIC_DOCS:
             setattr(self, doc.attr, _make(doc, self.registry))
-        for role in ROLES:
-            self.transferred_bytes.labels(role=role)
-            self.transfer_duration.labels(role=role)
+        for role in ROLES:  # remote: every deployment has it; local appears when used
+            self.transferred_bytes.labels(role=role, path="remote")
+            self.transfer_duration.labels(role=role, path="remote")
             for outcome in TRANSFER_OUTCOMES:
-                self.transfers.labels(role=role, outcome=outcome)
+                self.transfers.labels(role=role, path="remote", outcome=outcome)
         for outcome in HANDSHAKE_OUTCOMES:
             self.handshakes.labels(outcome=outcome)
         for face in FACES:
             self.auth_failures.labels(face=face)
+            for reason in CURVE_REASONS:
+                self.curve_refusals.labels(face=face, reason=reason)
             for reason in PROTOCOL_REASONS:
                 self.protocol_errors.labels(face=face, reason=reason)
         self.build_info.labels(version=kvd.__version__).set(1)
         self._rails_seen: dict[tuple[int, str], tuple[int, int]] = {}
 
-    def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float) -> None:
+    def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float,
+                          path: str = "remote") -> None:
         """Record one finished request in the three transfer metrics at once.
 
         Bytes count only for ``ok``: a failed pull's partial reads were not
         delivered to the engine, so counting them would overstate throughput.
+        ``path``: "local" when the bytes were copied inside this daemon (both engines
+        registered here), "remote" when they crossed to or from another daemon.
         """
-        self.transfers.labels(role=role, outcome=outcome).inc()
+        self.transfers.labels(role=role, path=path, outcome=outcome).inc()
         if outcome == "ok" and nbytes:
-            self.transferred_bytes.labels(role=role).inc(nbytes)
-        self.transfer_duration.labels(role=role).observe(duration_s)
+            self.transferred_bytes.labels(role=role, path=path).inc(nbytes)
+        self.transfer_duration.labels(role=role, path=path).observe(duration_s)
 
     def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
         """Record one pull's posted READs: build time per descriptor of each, and their

@@ -51,8 +51,13 @@ def format_status(st: Status, as_json: bool = False) -> str:
     lines += [f"  {h.engine_id:<20} {h.request_id:<24} {h.state:<8} blocks={h.blocks} "
               f"lease {h.lease_remaining_s:.1f}s" for h in st.held]
     lines += ["", f"pulls in flight ({len(st.pulls)})"]
-    lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} "
+    lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} {p.path:<6} "
               f"age {p.age_s:.3f}s" for p in st.pulls]
+    if st.finished_pulls:  # path local: copied inside this daemon, no network
+        lines += ["", f"finished pulls, last {len(st.finished_pulls)}"]
+        lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} {p.path:<6} "
+                  f"{p.nbytes / 2**20:.1f} MiB{'  ' + p.error if p.error else ''}"
+                  for p in st.finished_pulls]
     if st.rails:
         lines += ["", f"posting workers ({len(st.rails)})"]
         lines += [f"  {r.worker:<3} {r.rail or '(any)':<16} {r.agent:<28} reads={r.reads} "

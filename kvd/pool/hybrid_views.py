@@ -1,7 +1,7 @@
 """Engine side: per-group numpy views of a hybrid rank's flat pool.
 
 A hybrid rank's pool is one flat region laid out as vLLM's hybrid allocator
-does (kvd.planner.hybrid_layout.vllm_rank_layout). An engine that computes
+does (kvd.planner.hybrid.layout.vllm_rank_layout). An engine that computes
 into it needs each group as arrays: attention groups in the pool's kv_layout
 ([layer, kernel block, K|V, head, token, dim] for blocks_first, [layer,
 kernel block, head, token, K||V channel] for vLLM's LBHNC), Mamba groups as conv
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.planner.hybrid import HybridModel
-from kvd.planner.hybrid_layout import AttentionGroupLayout, vllm_rank_layout
-from kvd.planner.mamba import mamba_rank_shape
-from kvd.planner.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.layout import AttentionGroupLayout, vllm_rank_layout
+from kvd.planner.hybrid.mamba import mamba_rank_shape
+from kvd.planner.hybrid.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.plan import HybridModel
 from kvd.planner.topology import Parallelism
 
 _INT_OF = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -109,6 +109,26 @@ def bench(
 
 
 @bench_app.command()
+def curve(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Large pull size in MiB."),
+    repeats: int = typer.Option(5, "--repeats", help="Large pulls per mode."),
+    latency_pulls: int = typer.Option(200, "--latency-pulls", help="1-block pulls per mode."),
+    handshakes: int = typer.Option(20, "--handshakes", help="Fresh ZMTP handshakes per mode."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir", help="Directory of the pools."),
+) -> None:
+    """CurveZMQ on the peer face against plaintext, two daemon pairs, alternating: large
+    pull throughput, 1-block pull p50/p99, handshake time."""
+    if min(nbytes_mib, repeats, latency_pulls, handshakes) < 1:
+        _fail("--nbytes-mib, --repeats, --latency-pulls and --handshakes must be >= 1")
+    from kvd.tools.bench.curve import bench_curve, render_curve
+
+    res = bench_curve(nbytes_mib=nbytes_mib, repeats=repeats, latency_pulls=latency_pulls,
+                      handshakes=handshakes, shm_dir=shm_dir)
+    _report(res, as_json, render_curve, all(res["verified"].values()))
+
+
+@bench_app.command()
 def posting(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Bytes moved per READ, in MiB."),

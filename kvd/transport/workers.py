@@ -59,7 +59,7 @@ log = logging.getLogger("kvd.transport")
 # and every READ the daemon may post inline on its event loop (<= 4 MiB) stays one.
 MIN_PART_NBYTES = 4 << 20
 # A part of at most this many descriptors (a cut contiguous pull: one) is posted on a
-# fresh list, as the daemon posts such READs (kvd.daemon.pull_reads): NIXL validates a
+# fresh list, as the daemon posts such READs (kvd.daemon.pull.movers): NIXL validates a
 # few descriptors faster than the poster maps them onto prepared lists, and the part's
 # time before its copy starts is the split's cost.
 FRESH_PART_MAX_DESCRIPTORS = 8

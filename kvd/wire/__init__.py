@@ -1,6 +1,5 @@
 """What crosses a socket: the message schema (``protocol``), its one decode boundary
 (``codec``) and the bounded peek at a frame before decoding (``peek``).
 
-Above the planner and transport, below pools, client, ops and daemon. ``kvd.protocol``
-is a one-release alias of ``kvd.wire.protocol`` for code written before the move.
+Above the planner and transport, below pools, client, ops and daemon.
 """

@@ -36,7 +36,10 @@ def pod_spec(workload: Doc) -> Doc:
 
 
 def kvd_container(spec: Doc) -> Doc:
-    (kvd,) = [c for c in spec.get("initContainers", []) if c["name"] == "kvd"]
+    """The kvd container: a native sidecar (init container) or, for the per-node
+    DaemonSet, a plain container."""
+    (kvd,) = [c for c in spec.get("initContainers", []) + spec.get("containers", [])
+              if c["name"] == "kvd"]
     return kvd
 
 
@@ -44,10 +47,13 @@ def env_map(container: Doc) -> dict[str, Doc]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
-def effective_config(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) -> Config:
+def effective_config(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path,
+                     shm_dir_here: Path | None = None) -> Config:
     """What `kvd serve` would run with in this pod: the mounted ConfigMap's kvd.toml
     (written to a file and read by kvd.config.load) plus the container's KVD_*
-    environment, with the downward-API pod IP and the mounted token substituted."""
+    environment, with the downward-API pod IP and the mounted token substituted.
+    ``shm_dir_here``: an existing directory standing in for shm_dir (a host path that
+    does not exist on this machine; config validation requires it to)."""
     spec = pod_spec(workload)
     kvd = kvd_container(spec)
     args = kvd.get("args", [])
@@ -76,7 +82,55 @@ def effective_config(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) 
             env[item["name"]] = value
     if "KVD_AUTH_TOKEN_FILE" in env:
         env["KVD_AUTH_TOKEN_FILE"] = str(token)
+    if shm_dir_here is not None:
+        env["KVD_SHM_DIR"] = str(shm_dir_here)
+    if "KVD_CURVE_SECRET_KEY_FILE" in env:  # stand-ins for the mounted Secrets
+        from kvd.wire.curve import write_keypair
+
+        pub, sec = write_keypair(tmp_path / "curve", "kvd", force=True)
+        allow = tmp_path / "curve-allow"
+        allow.mkdir(exist_ok=True)
+        (allow / pub.name).write_text(pub.read_text())
+        env["KVD_CURVE_SECRET_KEY_FILE"], env["KVD_CURVE_ALLOWLIST"] = str(sec), str(allow)
     return load(toml_file, env=env)
+
+
+def check_curve(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path,
+                secrets: set[str] | None = None) -> None:
+    """The pod runs kvd with CURVE: keypair and allowlist mounted from Secrets, the
+    keypair file never open to other users, readable by kvd's group, and kvd's own
+    start-up checks (load_token, load_curve) pass on the effective config."""
+    import os
+
+    from kvd.daemon.run import load_curve, load_token
+
+    cfg = effective_config(workload, configmaps, tmp_path)
+    assert cfg.curve_secret_key_file and cfg.curve_allowlist
+    spec = pod_spec(workload)
+    kvd = kvd_container(spec)
+    env = env_map(kvd)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in kvd["volumeMounts"]}
+    key_path = Path(env["KVD_CURVE_SECRET_KEY_FILE"]["value"])
+    key_mount = mounts[str(key_path.parent)]
+    key_secret = volumes[key_mount["name"]]["secret"]
+    assert key_mount.get("readOnly") is True
+    assert [i["path"] for i in key_secret["items"]] == [key_path.name]
+    mode = key_secret["defaultMode"]
+    assert mode & 0o007 == 0, f"keypair Secret mode {mode:o} is open to other users"
+    assert mode & 0o040, "kvd reads its keypair through the pod's fsGroup"
+    assert spec["securityContext"]["fsGroup"] == kvd["securityContext"]["runAsGroup"]
+    allow_mount = mounts[env["KVD_CURVE_ALLOWLIST"]["value"]]
+    assert "secret" in volumes[allow_mount["name"]]
+    if secrets is not None:
+        assert {key_secret["secretName"],
+                volumes[allow_mount["name"]]["secret"]["secretName"]} <= secrets
+    os.chmod(cfg.curve_secret_key_file, mode)  # as kubelet writes it
+    if cfg.auth_token_file:
+        Path(cfg.auth_token_file).write_text("test-token-0123456789abcdef")
+    load_token(cfg)
+    keys = load_curve(cfg)
+    assert keys is not None and "secret" not in repr(keys)
 
 
 def check_kvd_pod(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) -> Config:
@@ -157,7 +211,9 @@ def check_podmonitor(monitor: Doc, workload: Doc) -> None:
     assert monitor["kind"] == "PodMonitor"
     pod_labels = workload["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    pod_ports = {p["name"] for c in pod_spec(workload)["initContainers"] for p in c["ports"]}
+    spec = pod_spec(workload)
+    pod_ports = {p["name"] for c in spec.get("initContainers", []) + spec["containers"]
+                 for p in c.get("ports", [])}
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["port"] in pod_ports
         assert endpoint.get("path", "/metrics") == "/metrics"
@@ -187,3 +243,96 @@ def check_dashboard(raw: str) -> None:
     assert any('outcome!="ok"' in e for e in exprs)
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+FILE_BACKINGS = ("shm", "tmpfs_huge", "hugetlbfs")  # pools other pods can open by path
+
+
+def check_node_daemon(daemonset: Doc, engines: list[Doc], configmaps: dict[str, Doc],
+                      tmp_path: Path) -> Config:
+    """The per-node shape: a DaemonSet kvd that every engine pod of the node reaches
+    through two host directories (socket, pools), both that uid's alone. Returns
+    the effective config (its shm_dir is the manifest's, not the stand-in)."""
+    import tomllib
+
+    assert daemonset["kind"] == "DaemonSet"
+    spec = pod_spec(daemonset)
+    kvd = kvd_container(spec)
+    assert kvd in spec["containers"], "the per-node kvd is a plain container"
+    stand_in = tmp_path / "pools-here"
+    stand_in.mkdir(exist_ok=True)
+    cfg = effective_config(daemonset, configmaps, tmp_path, shm_dir_here=stand_in)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (cm_mount,) = [m for m in kvd["volumeMounts"] if m["mountPath"] == "/etc/kvd/kvd.toml"]
+    toml_text = configmaps[volumes[cm_mount["name"]]["configMap"]["name"]]["data"]["kvd.toml"]
+    shm_dir = tomllib.loads(toml_text)["kvd"]["shm_dir"]
+    assert cfg.shm_dir == str(stand_in)
+
+    # Engines connect to a unix socket in a host directory, never a node TCP port.
+    assert cfg.engine_address.startswith("ipc:///"), cfg.engine_address
+    socket_path = cfg.engine_address[len("ipc://"):]
+    socket_dir = str(Path(socket_path).parent)
+    assert cfg.pool_backing in FILE_BACKINGS, "engines in other pods cannot open a memfd"
+    assert socket_dir != shm_dir
+
+    def host_mount(container: Doc, pod_volumes: dict[str, Doc], path: str, kind: str) -> str:
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+        host_path = pod_volumes[mount["name"]]["hostPath"]
+        assert host_path == {"path": path, "type": kind}, "same path on host and in pod"
+        return mount["name"]
+
+    sock_vol = host_mount(kvd, volumes, socket_dir, "DirectoryOrCreate")
+    pool_vol = host_mount(kvd, volumes, shm_dir, "DirectoryOrCreate")
+
+    # The one root step makes both host directories kvd's uid's alone (0700).
+    uid = kvd["securityContext"]["runAsUser"]
+    assert kvd["securityContext"].get("runAsNonRoot") is True
+    (init,) = [c for c in spec.get("initContainers", []) if c["name"] != "kvd"]
+    script = " ".join(str(x) for x in init["command"])
+    assert "0o700" in script and f"os.chown(d, {uid}, " in script
+    init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert init_mounts.keys() == {sock_vol, pool_vol}
+    for path in init_mounts.values():
+        assert path in init["command"], f"init container does not fix {path}"
+    caps = init["securityContext"]["capabilities"]
+    assert caps["drop"] == ["ALL"] and caps["add"] == ["CHOWN"]
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+
+    assert spec.get("hostIPC", False) is False and spec.get("hostPID", False) is False
+    assert spec.get("hostNetwork", False) is False
+
+    ports = {p["name"]: p["containerPort"] for p in kvd["ports"]}
+    assert ports == {"kvd-peer": port_of(cfg.peer_address), "kvd-metrics": cfg.metrics_port}
+    for probe, path in (("startupProbe", "/readyz"), ("readinessProbe", "/readyz"),
+                        ("livenessProbe", "/livez")):
+        assert kvd[probe]["httpGet"] == {"path": path, "port": "kvd-metrics"}, probe
+    assert cfg.metrics_host == "10.1.2.3"
+    assert cfg.peer_address == f"tcp://10.1.2.3:{port_of(DEFAULTS.peer_address)}"
+    assert "IPC_LOCK" in kvd["securityContext"]["capabilities"]["add"]
+    assert spec["terminationGracePeriodSeconds"] > cfg.drain_timeout_s
+    token_file = env_map(kvd)["KVD_AUTH_TOKEN_FILE"]["value"]
+    (token_mount,) = [m for m in kvd["volumeMounts"]
+                      if token_file.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert "secret" in volumes[token_mount["name"]]
+
+    assert engines, "no engine workload"
+    for workload in engines:
+        espec = pod_spec(workload)
+        engine_volumes = {v["name"]: v for v in espec["volumes"]}
+        assert not [c for c in espec["containers"] + espec.get("initContainers", [])
+                    if c["name"] == "kvd"], "engine pods carry no kvd of their own"
+        for engine in espec["containers"]:
+            assert engine.get("image"), f"{engine['name']} has no image (patch mismatch?)"
+            env = env_map(engine)
+            assert env["KVD_ENGINE_ADDRESS"]["value"] == cfg.engine_address
+            assert env["KVD_AUTH_TOKEN_FILE"]["value"] == token_file
+            # Same host directories at the same paths; must exist (the node's kvd
+            # made them): an engine on a node without kvd waits instead.
+            host_mount(engine, engine_volumes, socket_dir, "Directory")
+            host_mount(engine, engine_volumes, shm_dir, "Directory")
+            assert engine["securityContext"]["runAsUser"] == uid, \
+                "engines must run as kvd's uid: the directories are 0700"
+            mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+            secret = engine_volumes[mounts[str(Path(token_file).parent)]]["secret"]
+            assert secret["secretName"] == volumes[token_mount["name"]]["secret"]["secretName"]
+    return cfg

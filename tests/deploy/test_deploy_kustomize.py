@@ -107,7 +107,7 @@ def render_kustomization(directory: Path) -> list[Doc]:
             doc["metadata"].setdefault("labels", {}).update(group["pairs"])
     for image in kust.get("images", []):
         for doc in docs:
-            if doc["kind"] in ("Deployment", "StatefulSet"):
+            if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
                 spec = doc["spec"]["template"]["spec"]
                 for c in spec.get("containers", []) + spec.get("initContainers", []):
                     if c.get("image", "").split(":")[0] == image["name"]:

@@ -18,7 +18,7 @@ from support.inprocess import start_daemon
 from support.standin import scratch_shm_dir, start_standin
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon.engines import resolve_registration, validate_registration
+from kvd.daemon.engines.table import resolve_registration, validate_registration
 from kvd.errors import KvdError, TransferError
 from kvd.pool.mapping import map_pool
 from kvd.tools.sim import EngineShape, layout_spec

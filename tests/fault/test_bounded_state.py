@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 from support.inprocess import daemon_pair, run
 
-from kvd.daemon.engines import compat_hash
+from kvd.daemon.engines.table import compat_hash
 from kvd.tools.sim import EngineShape, layout_spec
 from kvd.wire import protocol as P
 

@@ -143,7 +143,7 @@ def test_metrics_after_transfers_are_exact(cluster: Cluster) -> None:
     c = cluster
     before_p, before_d = scrape(c.prefill), scrape(c.decode)
     # Fresh daemons: every labelled child exists up front, at zero.
-    assert value(before_d, "kvd_transfers_total", role="consumer", outcome="ok") == 0
+    assert value(before_d, "kvd_transfers_total", role="consumer", path="remote", outcome="ok") == 0
     assert value(before_d, "kvd_handshakes_total", outcome="ok") == 0
     assert value(before_p, "kvd_engines_registered") == 0
 
@@ -156,13 +156,14 @@ def test_metrics_after_transfers_are_exact(cluster: Cluster) -> None:
 
     p, d = scrape(c.prefill), scrape(c.decode)
     # consumer side
-    assert value(d, "kvd_transfers_total", role="consumer", outcome="ok") == 1
+    assert value(d, "kvd_transfers_total", role="consumer", path="remote", outcome="ok") == 1
     for outcome in ("failed", "expired", "cancelled"):
-        assert value(d, "kvd_transfers_total", role="consumer", outcome=outcome) == 0
-    assert value(d, "kvd_transferred_bytes_total", role="consumer") == expected_bytes
-    assert value(d, "kvd_transfer_duration_seconds_count", role="consumer") == 1
-    assert 0 < value(d, "kvd_transfer_duration_seconds_sum", role="consumer") < 20
-    assert value(d, "kvd_transfer_duration_seconds_bucket", role="consumer", le="+Inf") == 1
+        assert value(d, "kvd_transfers_total", role="consumer", path="remote", outcome=outcome) == 0
+    assert value(d, "kvd_transferred_bytes_total", role="consumer", path="remote") == expected_bytes
+    assert value(d, "kvd_transfer_duration_seconds_count", role="consumer", path="remote") == 1
+    assert 0 < value(d, "kvd_transfer_duration_seconds_sum", role="consumer", path="remote") < 20
+    assert value(d, "kvd_transfer_duration_seconds_bucket", role="consumer", path="remote",
+                 le="+Inf") == 1
     assert value(d, "kvd_transfer_post_duration_seconds_count") == 1
     assert value(d, "kvd_descriptors_posted_total") > 0
     assert value(d, "kvd_handshakes_total", outcome="ok") == 1
@@ -177,11 +178,11 @@ def test_metrics_after_transfers_are_exact(cluster: Cluster) -> None:
     assert value(d, "kvd_engines_registered") == 1
     assert value(d, "kvd_pool_registered_bytes") == sum(r.pool.handle.nbytes for r in d_ranks)
     # producer side
-    assert value(p, "kvd_transfers_total", role="producer", outcome="ok") == 1
-    assert value(p, "kvd_transfers_total", role="producer", outcome="expired") == 0
-    assert value(p, "kvd_transfer_duration_seconds_count", role="producer") == 1
-    assert value(p, "kvd_transferred_bytes_total", role="producer") == expected_bytes
-    assert value(p, "kvd_transfers_total", role="consumer", outcome="ok") == 0
+    assert value(p, "kvd_transfers_total", role="producer", path="remote", outcome="ok") == 1
+    assert value(p, "kvd_transfers_total", role="producer", path="remote", outcome="expired") == 0
+    assert value(p, "kvd_transfer_duration_seconds_count", role="producer", path="remote") == 1
+    assert value(p, "kvd_transferred_bytes_total", role="producer", path="remote") == expected_bytes
+    assert value(p, "kvd_transfers_total", role="consumer", path="remote", outcome="ok") == 0
     assert value(p, "kvd_held_requests") == 0
     assert value(p, "kvd_leases_expired_total") == 0
     assert value(p, "kvd_notifications_failed_total") == 0
@@ -200,11 +201,13 @@ def test_metrics_after_transfers_are_exact(cluster: Cluster) -> None:
     assert value(d, "kvd_plan_cache_hits_total") == 1
     assert value(d, "kvd_plan_cache_misses_total") == 1
     assert value(d, "kvd_handshakes_total", outcome="ok") == 1
-    assert value(d, "kvd_transfers_total", role="consumer", outcome="ok") == 2
-    assert value(d, "kvd_transferred_bytes_total", role="consumer") == nbytes + nbytes2
-    assert value(d, "kvd_transfer_duration_seconds_count", role="consumer") == 2
-    assert value(p, "kvd_transfers_total", role="producer", outcome="ok") == 2
-    assert value(p, "kvd_transferred_bytes_total", role="producer") == nbytes + nbytes2
+    assert value(d, "kvd_transfers_total", role="consumer", path="remote", outcome="ok") == 2
+    assert (value(d, "kvd_transferred_bytes_total", role="consumer", path="remote")
+            == nbytes + nbytes2)
+    assert value(d, "kvd_transfer_duration_seconds_count", role="consumer", path="remote") == 2
+    assert value(p, "kvd_transfers_total", role="producer", path="remote", outcome="ok") == 2
+    assert (value(p, "kvd_transferred_bytes_total", role="producer", path="remote")
+            == nbytes + nbytes2)
     assert value(p, "kvd_held_requests") == 0
     assert value(d, "kvd_inflight_transfers") == 0
 
@@ -227,7 +230,7 @@ def test_metrics_after_transfers_are_exact(cluster: Cluster) -> None:
     assert value(d, "kvd_pool_registered_bytes") == 0
     assert value(p, "kvd_engines_registered") == 0 == value(d, "kvd_engines_registered")
     assert value(p, "kvd_held_requests") == 0
-    assert value(p, "kvd_transfers_total", role="producer", outcome="cancelled") == 1
+    assert value(p, "kvd_transfers_total", role="producer", path="remote", outcome="cancelled") == 1
 
 
 def test_readyz_turns_503_while_draining_then_exits_0(tmp_path: Path) -> None:

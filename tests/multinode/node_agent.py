@@ -42,8 +42,9 @@ class Node:
     # ------------------------------------------------------------ daemons
 
     def start_daemon(self, name: str, peer_address: str, token: str, engine_port: int,
-                     metrics_port: int, args: list[str], env: dict[str, str] | None = None
-                     ) -> dict[str, Any]:
+                     metrics_port: int, args: list[str], env: dict[str, str] | None = None,
+                     engine_host: str = "127.0.0.1",
+                     client_env: dict[str, str] | None = None) -> dict[str, Any]:
         token_file = self.log_dir / f"{name}.token"
         token_file.write_text(token + "\n")
         # The engines played here do not ping (a ping thread would share the client's
@@ -51,8 +52,12 @@ class Node:
         extra = ["--auth-token-file", str(token_file), "--set", "pool_backing=shm",
                  "--set", "engine_timeout_s=600", *args]
         d = DaemonProcess._spawn(name, self.log_dir, extra, env,
-                                 f"tcp://127.0.0.1:{engine_port}", peer_address, metrics_port,
-                                 token)
+                                 f"tcp://{engine_host}:{engine_port}", peer_address,
+                                 metrics_port, token)
+        # What this node's engines read (KVD_CLIENT_CURVE_*_FILE for a CURVE engine face).
+        for var in ("KVD_CLIENT_CURVE_SECRET_KEY_FILE", "KVD_CLIENT_CURVE_SERVER_KEY_FILE"):
+            os.environ.pop(var, None)
+        os.environ.update(client_env or {})
         t0 = time.monotonic()
         d.wait_ready(30.0)
         self.daemons[name] = d
@@ -138,6 +143,18 @@ class Node:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+    def remote_status(self, address: str, token: str = "",
+                      env: dict[str, str] | None = None) -> Any:
+        """A status call to another node's engine face (with this node's env plus env)."""
+        saved = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            with KvdClient(address, token=token, ping_interval_s=0, timeout_s=10) as c:
+                return msgspec.to_builtins(c.status())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     def status(self, name: str) -> Any:
         return msgspec.to_builtins(self.clients[name].status())

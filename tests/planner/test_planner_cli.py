@@ -70,7 +70,7 @@ def test_plan_path_does_not_import_heavy_modules():
     import subprocess
     import sys
 
-    code = ("import sys, kvd.cli, kvd.planner.render; "
+    code = ("import sys, kvd.cli, kvd.tools.plan.render; "
             "print(sorted(m for m in ('torch', 'nixl', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,6 +1,6 @@
 """Hybrid models: the Mamba byte oracle over TP 1..8 x 1..8, and the model description.
 
-The oracle shares no offset arithmetic with kvd.planner.mamba_layout: it shards a
+The oracle shares no offset arithmetic with kvd.planner.hybrid.mamba_layout: it shards a
 global conv state ([x | B | C] channels x state steps) and SSM state (heads x
 head_dim x d_state) with its own slicing, writes whole per-rank arrays into
 byte pools at the offsets a MambaStateLayout's fields name, replays the
@@ -16,7 +16,14 @@ import pytest
 from planner_sim import apply_descriptors
 
 from kvd.errors import LayoutError, PlanError
-from kvd.planner.hybrid import (
+from kvd.planner.hybrid.layout import (
+    HybridRankLayout,
+    build_hybrid_descriptors,
+    physical_blocks_per_logical,
+)
+from kvd.planner.hybrid.mamba import MambaSpec, mamba_rank_shape
+from kvd.planner.hybrid.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.plan import (
     AttentionSpec,
     HybridModel,
     KVGroup,
@@ -27,13 +34,6 @@ from kvd.planner.hybrid import (
     plan_hybrid,
     vllm_groups,
 )
-from kvd.planner.hybrid_layout import (
-    HybridRankLayout,
-    build_hybrid_descriptors,
-    physical_blocks_per_logical,
-)
-from kvd.planner.mamba import MambaSpec, mamba_rank_shape
-from kvd.planner.mamba_layout import MambaStateLayout
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
 

@@ -7,9 +7,9 @@ import json
 from typer.testing import CliRunner
 
 from kvd.cli import app
-from kvd.planner.hybrid import plan_hybrid
-from kvd.planner.hybrid_render import PRESETS, load_model, vllm_3read_count
+from kvd.planner.hybrid.plan import plan_hybrid
 from kvd.planner.topology import Parallelism
+from kvd.tools.plan.hybrid_render import PRESETS, load_model, vllm_3read_count
 
 runner = CliRunner()
 
@@ -111,7 +111,7 @@ def test_hybrid_plan_path_does_not_import_heavy_modules():
     import subprocess
     import sys
 
-    code = ("import sys, kvd.cli, kvd.planner.hybrid_render; "
+    code = ("import sys, kvd.cli, kvd.tools.plan.hybrid_render; "
             "print(sorted(m for m in ('torch', 'nixl', 'zmq') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

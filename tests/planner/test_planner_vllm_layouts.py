@@ -19,7 +19,7 @@ from planner_sim import apply_descriptors, global_kv
 from planner_sim import fill_pool as fill_split_pool
 from test_planner_properties import HEAD_DIM, byte_cases, ranks
 
-from kvd.daemon.engines import compat_hash, rank_layout
+from kvd.daemon.engines.table import compat_hash
 from kvd.errors import LayoutError
 from kvd.planner import (
     CacheLayout,
@@ -33,8 +33,9 @@ from kvd.planner import (
     rank_heads,
     stage_layers,
 )
-from kvd.planner.blocks import match_blocks
+from kvd.planner.assembly import match_tail
 from kvd.planner.layout import VLLM_LAYOUTS
+from kvd.pool.geometry import rank_layout
 from kvd.tools import sim
 from kvd.wire.protocol import ModelSpec
 
@@ -216,7 +217,8 @@ def run_vllm_bytes(model: ModelGeometry, prefill: Parallelism, decode: Paralleli
         ids_p.sort()
     if sorted_ids[1]:
         ids_d.sort()
-    local_ids, remote_ids = match_blocks(ids_d[skip_tokens // bs_d:], ids_p, bs_d, bs_p)
+    local_ids, remote_ids = match_tail(ids_d[skip_tokens // bs_d:], ids_p, bs_d, bs_p,
+                                       num_tokens)
     p_pools = {}
     for p_rank in ranks(prefill):
         lay = _layout(model, prefill, p_rank.pp_rank, bs_p, pool_p, names[0])
@@ -266,7 +268,7 @@ def vllm_cases(draw, same_name: bool):
     big = max(bs_p, bs_d)
     skip = big * draw(st.integers(0, (num_tokens - 1) // big))
     if bs_p > bs_d and math.ceil((num_tokens - skip) / bs_d) % (bs_p // bs_d):
-        skip = 0  # match_blocks cannot tell such a tail from a prefix of partial blocks
+        skip = 0  # match_tail cannot tell such a tail from a prefix of partial blocks
     sorted_ids = (draw(st.booleans()), draw(st.booleans()))
     return model, prefill, decode, bs_p, bs_d, num_tokens, names, seed, skip, sorted_ids
 

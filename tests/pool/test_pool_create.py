@@ -112,3 +112,19 @@ def test_default_pool_round_trip(pool_dir: Path) -> None:
     mapped.close()
     pool.close()
     assert os.listdir(pool_dir) == []
+
+
+def test_both_pool_kinds_satisfy_the_pool_protocol(tmp_path) -> None:
+    """The engine table and registry hold pools only through kvd.pool.base.Pool."""
+    from kvd.pool.base import Pool
+    from kvd.pool.cuda import CudaPool
+    from kvd.pool.shm import ShmPool
+
+    pool = ShmPool.create("kvd-proto", 1 << 16, tmp_path)
+    try:
+        assert isinstance(pool, Pool) and pool.addr and pool.nbytes >= 1 << 16
+    finally:
+        pool.close()
+    # CudaPool needs a GPU to exist; its class carries every member of the protocol
+    for member in ("name", "nbytes", "addr", "handle", "close"):
+        assert hasattr(CudaPool, member) or member in CudaPool.__dataclass_fields__, member

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.planner.hybrid import stage_ranges
-from kvd.planner.hybrid_layout import (
+from kvd.planner.hybrid.layout import (
     AttentionGroupLayout,
     HybridRankLayout,
     hybrid_head_layout,
     vllm_rank_layout,
 )
-from kvd.planner.mamba import MambaSpec
-from kvd.planner.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.mamba import MambaSpec
+from kvd.planner.hybrid.mamba_layout import MambaStateLayout
+from kvd.planner.hybrid.plan import stage_ranges
 from kvd.planner.topology import Parallelism
 from kvd.wire.protocol import HybridSpec, LayerSpec, LayoutSpec, MambaSpecMsg, ModelSpec
 
@@ -94,7 +94,7 @@ class Side:
     """One engine's geometry: layouts per PP stage, its ratio, its shards."""
 
     def __init__(self, spec: ModelSpec, shape: HybridShape) -> None:
-        from kvd.pool.hybrid import hybrid_model
+        from kvd.pool.geometry import hybrid_model
 
         self.spec, self.shape = spec, shape
         self.model = hybrid_model(spec)

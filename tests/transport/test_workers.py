@@ -121,7 +121,7 @@ def test_one_failed_worker_fails_the_read_once_all_parts_ended(workers) -> None:
 
 
 def test_sever_ends_every_workers_part_so_no_byte_lands_after(workers) -> None:
-    """The quarantine severs a stuck split READ (kvd.daemon.quarantine): every part must
+    """The quarantine severs a stuck split READ (kvd.daemon.pull.machine): every part must
     end in failure and none of its copies may happen afterwards, on whichever worker."""
     ws, peer, src, dst = workers
     for t in ws.workers:

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvd.daemon.engines import geometry, parallelism, rank_layout
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import RankId, plan_transfer
 from kvd.planner.assembly import RankPool, assemble_pull, match_tail, read_descriptors
 from kvd.planner.descriptors import build_read_descriptors
 from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS
+from kvd.pool.geometry import geometry, parallelism, rank_layout
 from kvd.tools.sim import EngineShape, global_kv, layout_spec, write_shard
 from kvd.wire.protocol import ModelSpec
 

@@ -15,14 +15,14 @@ from support.hybrid_sim import HybridShape, hybrid_spec
 
 from kvd.client.core import Messages, split_block_ids
 from kvd.daemon import hybrid
-from kvd.daemon.engines import compat_hash, validate_registration
+from kvd.daemon.engines.table import compat_hash, validate_registration
 from kvd.errors import BlockIdError, LayoutError, PlanError
-from kvd.planner.hybrid import plan_hybrid
-from kvd.planner.hybrid_assembly import HybridRankPool, assemble_hybrid_pull
-from kvd.planner.hybrid_layout import build_hybrid_descriptors
+from kvd.planner.hybrid.assembly import HybridRankPool, assemble_hybrid_pull
+from kvd.planner.hybrid.layout import build_hybrid_descriptors
+from kvd.planner.hybrid.plan import plan_hybrid
 from kvd.planner.plan import RankId
 from kvd.planner.topology import Parallelism
-from kvd.pool import hybrid as hybrid_geometry
+from kvd.pool import geometry as hybrid_geometry
 from kvd.wire import protocol as P
 
 MAMBA = P.MambaSpecMsg(num_heads=24, head_dim=2, n_groups=2, d_state=4, conv_kernel=4)
@@ -92,7 +92,7 @@ def test_registration_sizes_the_pool_by_the_hybrid_layout() -> None:
     for tp in (1, 2, 4, 6, 8):
         par, pool, first = validate_registration(register(tp))
         assert isinstance(pool, hybrid_geometry.HybridPool) and first == 0
-        lay = hybrid_geometry.rank_layout(spec(), HybridShape(tp).layout, par, 0)
+        lay = hybrid_geometry.hybrid_rank_layout(spec(), HybridShape(tp).layout, par, 0)
         assert pool.layout == lay
         assert lay.end_nbytes <= pool.total_nbytes < lay.end_nbytes + hybrid_geometry.POOL_ALIGN
         assert pool.shape == (pool.total_nbytes // 4,)  # float32 elements
@@ -137,8 +137,8 @@ def test_notices_add_up_to_the_plans_consumer_counts(p_tp: int, d_tp: int) -> No
     m = hybrid_geometry.hybrid_model(spec())
     p_par, d_par = Parallelism(p_tp), Parallelism(d_tp)
     plan = plan_hybrid(m, p_par, d_par)
-    p_lay = hybrid_geometry.rank_layout(spec(), HybridShape(p_tp).layout, p_par, 0)
-    d_lay = hybrid_geometry.rank_layout(spec(), HybridShape(d_tp).layout, d_par, 0)
+    p_lay = hybrid_geometry.hybrid_rank_layout(spec(), HybridShape(p_tp).layout, p_par, 0)
+    d_lay = hybrid_geometry.hybrid_rank_layout(spec(), HybridShape(d_tp).layout, d_par, 0)
     owner = {t: f"agent{t % 2}" for t in range(p_tp)}  # two producer daemons
     remote = {RankId(t): HybridRankPool(RankId(t), p_lay, 1 << 40 | t << 32, owner=owner[t])
               for t in range(p_tp)}

@@ -13,7 +13,7 @@ from test_daemon_inprocess import register
 
 from kvd.client import AsyncKvdClient
 from kvd.config import Config
-from kvd.daemon.liveness import ConnectionTracker
+from kvd.daemon.engines.liveness import ConnectionTracker
 
 
 def _live(status_engines: list) -> set[str]:

@@ -1,6 +1,6 @@
 """kv_layout "auto" (issue 12.3): the engine's daemon picks the layout, per model kind.
 
-The rules (kvd.daemon.engines.AUTO_LAYOUTS), each checked against the planner's own
+The rules (kvd.daemon.engines.table.AUTO_LAYOUTS), each checked against the planner's own
 descriptor counts: plain HND attention -> head_major, NHD -> cross_layer, MLA ->
 cross_layer, hybrid -> LBHNC (NHD: LBNHC). The resolution never depends on TP, PP or
 block size, so two engines that may pair resolve alike and their compatibility hashes
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from support.hybrid_sim import HybridShape, hybrid_spec
 
-from kvd.daemon.engines import (
+from kvd.daemon.engines.table import (
     AUTO_LAYOUTS,
     EngineTable,
     auto_kv_layout,
@@ -34,9 +34,9 @@ from kvd.planner import (
     stage_layers,
 )
 from kvd.planner.descriptors import build_read_descriptors
-from kvd.planner.hybrid_layout import HYBRID_KV_LAYOUTS, hybrid_head_layout
+from kvd.planner.hybrid.layout import HYBRID_KV_LAYOUTS, hybrid_head_layout
 from kvd.planner.layout import ALL_KV_LAYOUTS, VLLM_LAYOUTS, CacheLayout, vllm_head_layout
-from kvd.pool.hybrid import HybridPool
+from kvd.pool.geometry import HybridPool
 from kvd.wire import protocol as P
 
 PLAIN = P.ModelSpec(name="auto-plain", num_kv_heads=8, num_layers=4, head_dim=64)

@@ -15,7 +15,7 @@ import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon.engines import compat_hash
+from kvd.daemon.engines.table import compat_hash
 from kvd.tools.sim import EngineShape, check_shard, global_kv, write_shard
 from kvd.wire import protocol as P
 

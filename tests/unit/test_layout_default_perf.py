@@ -12,7 +12,7 @@ from kvd.wire import protocol as P
 
 
 def test_layout_spec_defaults_to_auto_which_is_head_major_for_hnd() -> None:
-    from kvd.daemon.engines import resolve_layout
+    from kvd.daemon.engines.table import resolve_layout
 
     spec = P.LayoutSpec(num_blocks=8, block_size_tokens=16)
     assert spec.kv_layout == "auto" and spec.head_layout == "HND"

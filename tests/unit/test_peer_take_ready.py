@@ -19,10 +19,10 @@ import zmq
 import zmq.asyncio
 from support.inprocess import run
 
-from kvd.daemon import pull_reads
 from kvd.daemon.clock import MonotonicClock
-from kvd.daemon.peerconn import PeerConnection, Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.conn import PeerConnection, Reply
+from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.pull.acquire import Acquiring, Replies
 from kvd.tools.localcluster import free_port
 from kvd.wire import protocol as P
 
@@ -121,12 +121,14 @@ def test_settle_takes_queued_replies_before_it_waits() -> None:
         remote = RemoteEngine(desc=None, daemons={  # type: ignore[arg-type] - unused here
             "tcp://p:1": RemoteDaemon("tcp://p:1", agent="agent-p", instance="inst-a",
                                       epoch=1)})
-        acq = pull_reads.Acquiring(pull_reads.PullJob(msg=msg, started_s=0.0), remote,
-                                   {"tcp://p:1": fut}, take_ready)
+        acq = Acquiring({"tcp://p:1": fut}, take_ready)
         # settled in this very step: nothing else may run on the loop meanwhile
-        step = asyncio.ensure_future(acq.settle())
+        step = asyncio.ensure_future(acq.wait())
         await asyncio.sleep(0)
-        assert step.done() and step.result() is True
+        assert step.done()
+        assert Replies(dict(zip(acq.addresses, step.result(), strict=True))).current(
+            remote.daemons) is True
+        assert msg.remote_address in acq.addresses
         assert taken == [["tcp://p:1"]]
 
     run(body())

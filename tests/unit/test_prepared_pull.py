@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.daemon.engines import geometry, parallelism
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import plan_transfer
 from kvd.planner.assembly import assemble_pull, match_tail, prepare_pull
+from kvd.pool.geometry import geometry, parallelism
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec
 from tests.unit.test_assembly import _pools, pulls

@@ -15,7 +15,7 @@ import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
 from kvd.client import Messages, engine_hold_id
-from kvd.daemon import producer as producer_mod
+from kvd.daemon.produce import producer as producer_mod
 from kvd.errors import NotFoundError, ProtocolError
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.wire import protocol as P

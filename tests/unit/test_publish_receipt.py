@@ -14,9 +14,10 @@ import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon import pull_reads
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon
+from kvd.daemon.pull import machine
+from kvd.daemon.pull.acquire import Acquiring, Replies, may_predate_publish, receipted
 from kvd.errors import BlockIdError
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.wire import protocol as P
@@ -90,18 +91,19 @@ def _order_of_post_and_reply(monkeypatch: pytest.MonkeyPatch, with_receipt: bool
                              ) -> list[str]:
     """Every pull counts as big (> EARLY_POST_MAX_BYTES): in which order did the READ go
     out and the Acquire's replies get settled?"""
-    monkeypatch.setattr(pull_reads, "EARLY_POST_MAX_BYTES", 0)
+    monkeypatch.setattr(machine, "EARLY_POST_MAX_BYTES", 0)
     order: list[str] = []
-    settle = pull_reads.Acquiring.settle
+    wait = Acquiring.wait
 
-    async def settle_and_note(self: pull_reads.Acquiring) -> bool:
-        ok = await settle(self)
+    async def wait_and_note(self: Acquiring) -> list[object]:
+        got = await wait(self)
         order.append("replies")
-        return ok
+        return got
 
-    monkeypatch.setattr(pull_reads.Acquiring, "settle", settle_and_note)
+    monkeypatch.setattr(Acquiring, "wait", wait_and_note)
     # the replies are never in before the pull looks (as over a real network)
-    monkeypatch.setattr(pull_reads.Acquiring, "answered", property(lambda self: False))
+    monkeypatch.setattr(Acquiring, "answered", property(lambda self: False))
+    monkeypatch.setattr(Acquiring, "ready", lambda self: None)
 
     async def body() -> None:
         async with daemon_pair() as p:
@@ -145,19 +147,29 @@ def test_without_a_receipt_a_big_pull_waits_for_the_acquire_reply(
 # ------------------------------------------------------------ the read-again rule
 
 
-def _acquiring(receipt: str, reply_instance: str, hold_id: int, held_s: float
-               ) -> pull_reads.Acquiring:
+class _Judged:
+    """The read-again rules (kvd.daemon.pull.acquire) over one pull and its replies."""
+
+    def __init__(self, msg: P.Pull, daemons: dict[str, RemoteDaemon], replies: Replies
+                 ) -> None:
+        self.msg, self.daemons, self.replies = msg, daemons, replies
+
+    def may_predate_publish(self, agent: str, posted_s: float) -> bool:
+        return may_predate_publish(self.msg, self.daemons, self.replies, agent, posted_s)
+
+    def receipted(self, agent: str) -> bool:
+        return receipted(self.msg, self.daemons, agent)
+
+
+def _acquiring(receipt: str, reply_instance: str, hold_id: int, held_s: float) -> _Judged:
     msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
                  remote_address="tcp://p:1", remote_block_ids=[1], local_block_ids=[2],
                  publish_receipt=receipt)
-    job = pull_reads.PullJob(msg=msg, started_s=0.0)
-    remote = RemoteEngine(desc=None, daemons={  # type: ignore[arg-type] - unused here
-        "tcp://p:1": RemoteDaemon("tcp://p:1", agent="agent-p", instance="inst-a", epoch=1)})
-    acq = pull_reads.Acquiring(job, remote, {})
-    acq._replies = {"tcp://p:1": Reply(body=P.Acquired(epoch=1, held_s=held_s,
-                                                       hold_id=hold_id),
-                                       instance=reply_instance, received_s=10.0)}
-    return acq
+    daemons = {"tcp://p:1": RemoteDaemon("tcp://p:1", agent="agent-p", instance="inst-a",
+                                         epoch=1)}
+    return _Judged(msg, daemons, Replies({"tcp://p:1": Reply(
+        body=P.Acquired(epoch=1, held_s=held_s, hold_id=hold_id), instance=reply_instance,
+        received_s=10.0)}))
 
 
 @pytest.mark.parametrize(("receipt", "reply_instance", "hold_id", "predates"), [

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvd.daemon.engines import MISSING_RANKS_SHOWN, Engine
+from kvd.daemon.engines.table import MISSING_RANKS_SHOWN, Engine
 from kvd.errors import PlanError
 from kvd.planner import ModelGeometry, Parallelism, RankId, check_parallelism
 from kvd.planner.topology import MAX_PARALLEL_SIZE

@@ -1,32 +1,44 @@
-"""`Acquiring.settle_now`: judging an Acquire's replies without waiting, for a pull
-reported in the engine's request itself (issue 23.4). It may only say True when every
-reply is in, none is an error, and each names the cached incarnation and epoch; in every
-other case the pull's task must judge (and report) as before."""
+"""Judging an Acquire's replies without waiting, for a pull reported in the engine's
+request itself: `Acquiring.ready` hands them over only when every reply is in, and the
+pull (kvd.daemon.pull.machine) reports ok only when none is an error and each names the
+cached incarnation and epoch; a refusal fails the pull (its holder is told to abandon),
+a stale reply makes it greet again."""
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
-from kvd.daemon import pull_reads
-from kvd.daemon.peerconn import Reply
-from kvd.daemon.peers import RemoteDaemon, RemoteEngine
+from kvd.daemon.datapath import PostResult
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.pull.acquire import Acquiring
+from kvd.daemon.pull.machine import ForgetHandshake, Pull, Release, Report, WaitRanks
+from kvd.daemon.pull.state import PullState
 from kvd.errors import BlockIdError
+from kvd.transport.base import ReadPost
 from kvd.wire import protocol as P
 
 ADDRS = ("tcp://p:1", "tcp://p:2")
 
 
-def _acquiring(futs: dict[str, asyncio.Future[Reply]], taken: list[int]
-               ) -> pull_reads.Acquiring:
+def _pull() -> Pull:
+    """A small pull whose READ was posted before the replies, and is done already."""
     msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
                  remote_address=ADDRS[0], remote_block_ids=[1], local_block_ids=[2])
-    job = pull_reads.PullJob(msg=msg, started_s=0.0)
     remote = RemoteEngine(desc=None, daemons={  # type: ignore[arg-type] - unused here
         a: RemoteDaemon(a, agent=f"agent-{i}", instance=f"inst-{i}", epoch=3)
         for i, a in enumerate(ADDRS)})
-    return pull_reads.Acquiring(job, remote, futs, lambda _: taken.append(1))
+    pull = Pull(msg=msg, started_s=0.0)
+    pull.begin(remote)
+    one = np.array([4096], dtype=np.uint64)
+    post = ReadPost(peer="agent-0", local_addrs=one, remote_addrs=one, nbytes=one,
+                    mem_type="DRAM", notif=b"")
+    assert pull.assembled([post], [], 4096, 1, answered=False)[0].posts == (post,)
+    assert pull.posted([PostResult(None, True)], posted_s=0.5, post_s=0.0) != []
+    return pull
 
 
 def _reply(i: int, epoch: int = 3, instance: str = "") -> Reply:
@@ -36,7 +48,7 @@ def _reply(i: int, epoch: int = 3, instance: str = "") -> Reply:
 
 @pytest.mark.parametrize("case", ["both", "one_missing", "one_refused", "stale_epoch",
                                   "restarted"])
-def test_settle_now_is_true_only_for_every_good_reply(case: str) -> None:
+def test_replies_judged_now_only_when_every_one_is_in(case: str) -> None:
     async def body() -> None:
         loop = asyncio.get_running_loop()
         futs = {a: loop.create_future() for a in ADDRS}
@@ -50,22 +62,30 @@ def test_settle_now_is_true_only_for_every_good_reply(case: str) -> None:
         elif case == "restarted":
             futs[ADDRS[1]].set_result(_reply(1, instance="inst-new"))
         taken: list[int] = []
-        acq = _acquiring(futs, taken)
-        got = acq.settle_now()
-        if case == "both":
-            assert got is True and acq.settled and acq.job.acquired == list(ADDRS)
+        acq = Acquiring(futs, lambda _: taken.append(1))
+        pull = _pull()
+        got = acq.ready()
+        if case == "one_missing":
+            assert got is None  # not judged here: the task waits for it
+            assert taken == [1]  # replies already queued were looked for first
+            futs[ADDRS[1]].set_result(_reply(1))
+            got = await acq.wait()
+        assert got is not None
+        acts = pull.on_replies(acq.addresses, got, now_s=1.0)
+        if case in ("both", "one_missing"):
+            assert acts == [Release()] and pull.acquired == list(ADDRS)
+            (report,) = pull.released(now_s=1.0)
+            assert isinstance(report, Report) and report.event.ok
+            assert pull.state is PullState.DONE
         elif case in ("stale_epoch", "restarted"):
-            assert got is False  # judged: the task starts over (handshake again)
-            assert acq.settled
-        else:  # not judged here: the task's settle waits, or raises the refusal
-            assert got is None and not acq.settled
-            if case == "one_missing":
-                assert taken == [1]  # replies already queued were looked for first
-                futs[ADDRS[1]].set_result(_reply(1))
-                assert await acq.settle() is True
-            else:
-                with pytest.raises(BlockIdError):
-                    await acq.settle()
-                assert acq.job.acquired == [ADDRS[0]]  # the one holding it is abandoned
+            # judged: the pull starts over (handshake again), nothing reported
+            assert acts == [ForgetHandshake(), WaitRanks()]
+            assert pull.state is PullState.WAITING_RANKS and not pull.ending
+        else:  # the refusal fails the pull; the daemon holding it is told to abandon
+            assert acts == [Release()] and pull.error.startswith("bad_block_ids")
+            assert pull.acquired == [ADDRS[0]]
+            (report,) = pull.released(now_s=1.0)
+            assert isinstance(report, Report) and not report.event.ok
+            assert report.abandon == (ADDRS[0],) and report.event.invalid_block_ids == [2]
 
     asyncio.run(body())

@@ -64,6 +64,20 @@ def daemon_pair(tmp_path_factory: pytest.TempPathFactory, names: tuple[str, str]
             assert rc == 0, d.log_path.read_text()[-3000:]
 
 
+def one_daemon(tmp_path_factory: pytest.TempPathFactory, name: str
+               ) -> Iterator[list[DaemonProcess]]:
+    """The body of a ``daemons`` fixture for one ``kvd serve`` serving both engines (the
+    node-level shape): yielded as [daemon, daemon] so that start_pd puts the prefill and
+    the decode engine on it, and their pulls are local copies. It must exit 0 at the end."""
+    logs = tmp_path_factory.mktemp(f"{name}-daemon")
+    d = DaemonProcess.start(f"{name}{uuid.uuid4().hex[:6]}", logs)
+    try:
+        yield [d, d]
+    finally:
+        rc = d.stop()
+        assert rc == 0, d.log_path.read_text()[-3000:]
+
+
 def start_pd(start_engine: StartEngine, daemons: list[DaemonProcess], names: tuple[str, str],
              **kwargs: Any) -> Iterator[tuple[EngineProc, EngineProc]]:
     """The body of an ``engines`` fixture: a prefill and a decode engine (engine ids

@@ -186,7 +186,7 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
 
 
 def _posting(daemon: Any) -> tuple[float, float, float, float, float]:
-    """The decode daemon's posting counters (issue 12.1): descriptors posted, seconds
+    """The decode daemon's posting counters: descriptors posted, seconds
     building NIXL requests, pulls, their total seconds, page size of its pools."""
     return (daemon.metric("kvd_descriptors_posted_total"),
             daemon.metric("kvd_pull_posting_seconds_sum"),
@@ -245,7 +245,7 @@ def _concurrency(pc: Any, dc: Any, addr: str, deng: str, peng: str, geom: Geomet
                  dkvs: list[np.ndarray]) -> dict[str, Any]:
     """``pulls`` concurrent pulls of 32 MiB (disjoint destination blocks, issued back to
     back: aggregate bytes / first pull call -> last done_recving) against one such pull
-    at a time (median), the same blocks, in one run (issue 23: >= 0.9x)."""
+    at a time (median), the same blocks, in one run (target: >= 0.9x)."""
     per = max(1, CONC_PULL_NBYTES // geom.block_nbytes)
     pulls = max(1, min(pulls, pool_blocks // per))
     src = random.Random(11).sample(range(pool_blocks), per)
@@ -253,8 +253,8 @@ def _concurrency(pc: Any, dc: Any, addr: str, deng: str, peng: str, geom: Geomet
     timed_pull(pc, dc, addr, deng, "conc-warm", src, dst[0], peng)
     single, agg = [], []
     for rep in range(max(3, repeats)):
-        # one pull alone, then the concurrent round (issue 23: taking turns, both see
-        # the same background load)
+        # one pull alone, then the concurrent round (taking turns, both see the same
+        # background load)
         single.append(timed_pull(pc, dc, addr, deng, f"conc-1-{rep}", src, dst[0], peng)[1])
         rids = [f"conc-{pulls}-{rep}-{i}" for i in range(pulls)]
         receipts = [pc.publish(peng, rid, src) for rid in rids]

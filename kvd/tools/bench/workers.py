@@ -1,4 +1,4 @@
-"""Workers x size curve (issue 23): one pull of 32 MiB ... 1 GiB through daemons with 1, 2
+"""Workers x size curve: one pull of 32 MiB ... 1 GiB through daemons with 1, 2
 and 4 posting workers, next to the best single-stream raw NIXL READ of the same bytes.
 
 One run, same machine, same memory kind (pools like kvd's, in ``shm_dir``): raw NIXL

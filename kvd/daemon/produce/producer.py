@@ -1,0 +1,337 @@
+"""Producer side: hello, publish, acquire, heartbeats, READ notices, progress, lease expiry.
+
+A held request pins the pools of every rank of its engine hosted here, from
+publish until it ends (all expected notices, lease expiry, or release because
+its engine left before anyone acquired it). Expected notices per consumer
+engine come from the planner's consumer counts for the ranks hosted here and
+the consumer's parallelism (sent in its Acquire), so a consumer can neither
+release early nor be waited for forever: the lease bounds every hold.
+
+The progress loop lives here too: it drives NIXL so that consumers' READs, and
+the notices riding on them, complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+from kvd.daemon import hybrid
+from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
+from kvd.daemon.produce.held import HeldRequest, HeldState, HeldTable
+from kvd.daemon.services import Services
+from kvd.errors import (
+    IncompatibleError,
+    LayoutError,
+    NotFoundError,
+    ProtocolError,
+    TooLargeError,
+)
+from kvd.planner import Parallelism, check_parallelism
+from kvd.pool.geometry import geometry, parallelism
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.producer")
+
+# Housekeeping runs every 50 ms: a gap longer than this means the daemon was frozen.
+STALL_S = 1.0
+
+_END_REASONS = {
+    "ok": "",
+    "expired": "lease expired before every consumer read the request",
+    "cancelled": "released without a complete read (a consumer abandoned it, its engine left, "
+                 "or the daemon stopped)",
+}
+
+# Progress polling: every FAST_POLL_S for HOT_WINDOW_S after activity (a READ is likely
+# landing), then backing off x2 to READING_POLL_MAX_S while some acquired request is
+# being read, or IDLE_POLL_MAX_S when none is (an idle daemon costs ~1% of a core).
+FAST_POLL_S = 0.001
+HOT_WINDOW_S = 0.005
+READING_POLL_MAX_S = 0.002
+IDLE_POLL_MAX_S = 0.05
+
+
+# An Acquire for a request not (yet) published here waits this long for its Publish: an
+# engine that sends its Publish without waiting (vLLM's connector) may be overtaken by
+# the consumer's Acquire when this daemon was frozen or slow (the two come in on
+# different sockets, in either order). At most a quarter of handshake_timeout_s, so the
+# consumer (same setting, as a rule) hears "not found" before its Acquire times out.
+ACQUIRE_WAITS_FOR_PUBLISH_S = 1.0
+
+
+def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
+    if not fut.done():
+        fut.set_result(woke)
+
+
+class Producer:
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+        self.held = HeldTable(svc.cfg.max_held_requests)
+        self._pinned: dict[tuple[str, str], list] = {}
+        self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
+        self._plans = PlanCache()
+        self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
+        # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
+        self._unpublished: dict[tuple[str, str], list[tuple[str, asyncio.Future[bool]]]] = {}
+        self._last_expire_s = svc.clock.now()  # housekeeping's last look at the leases
+        svc.registry.on_engine_gone(self.engine_gone)
+
+    @property
+    def reading(self) -> bool:
+        """Some consumer is reading from us now: the progress loop must poll often."""
+        return bool(self._reading)
+
+    def wake(self) -> None:
+        """READ notices may come soon (publish, acquire): poll now."""
+        if self._waker is not None:
+            _resolve(self._waker, True)
+
+    # ------------------------------------------------------------ engine face
+
+    def publish(self, msg: P.Publish) -> P.Published:
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
+        if len(msg.block_ids) > cfg.max_blocks_per_request:
+            raise TooLargeError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request "
+                                f"({cfg.max_blocks_per_request})")
+        check_block_ids(msg.block_ids, engine.layout.num_blocks, "published")
+        hybrid.check_group_ids(engine.model, msg.block_ids, msg.group_block_ids, "publish")
+        if 0 < msg.hold_id < P.ENGINE_HOLD_ID_MIN:
+            raise ProtocolError(f"hold_id {msg.hold_id} is below {P.ENGINE_HOLD_ID_MIN}: an "
+                           "engine's own hold ids must not collide with the daemon's")
+        lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
+        held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
+                                 msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id)
+        ranks = engine.live_ranks()
+        for r in ranks:
+            r.pins += 1
+        self._pinned[(held.engine_id, held.request_id)] = ranks
+        self.svc.metrics.held_requests.set(len(self.held))
+        self.wake()
+        for _, fut in self._unpublished.pop((held.engine_id, held.request_id), ()):
+            _resolve(fut, True)
+        return P.Published(receipt=P.receipt(self.svc.instance_id, held.hold_id))
+
+    # ------------------------------------------------------------ peer face
+
+    async def hello(self, msg: P.Hello) -> P.HelloReply:
+        if msg.consumer.layout.kv_layout == P.AUTO_KV_LAYOUT:
+            raise LayoutError("the consumer engine's kv_layout must be concrete: 'auto' is "
+                              "resolved by its own daemon at registration, never sent")
+        engine = self.svc.registry.get(msg.remote_engine_id)
+        if msg.compat_hash != engine.compat:
+            raise IncompatibleError(
+                f"engine {engine.engine_id!r} here is incompatible with consumer "
+                f"{msg.consumer.engine_id!r}: model/dtype/layout differ "
+                f"({engine.model} {engine.layout} vs {msg.consumer.model} {msg.consumer.layout})")
+        dp = self.svc.datapath
+        return P.HelloReply(daemon_id=self.svc.daemon_id, agent_name=dp.agent_name,
+                            agent_metadata=await dp.metadata(), engine=engine.desc(),
+                            engine_daemons=list(engine.engine_daemons))
+
+    def acquire_must_wait(self, msg: P.Acquire) -> bool:
+        """Whether an Acquire arrived before its Publish (the engine is registered here,
+        the request unknown): the peer face then answers it later, never holding every
+        other peer message (heartbeats, notices, other Acquires) while it waits."""
+        return ((msg.producer_engine_id, msg.request_id) not in self.held.items
+                and msg.producer_engine_id in self.svc.registry.engines)
+
+    async def acquire_when_published(self, msg: P.Acquire, consumer_instance: str
+                                     ) -> P.Acquired:
+        """``acquire``, after waiting up to ACQUIRE_WAITS_FOR_PUBLISH_S for a Publish that
+        has not come yet. An Abandon from the same consumer meanwhile (it gave up the pull)
+        ends the wait with a refusal: answered out of order, the Acquire must not take a
+        hold that its consumer has already let go."""
+        key = (msg.producer_engine_id, msg.request_id)
+        if self.acquire_must_wait(msg):
+            fut = asyncio.get_running_loop().create_future()
+            waiting = self._unpublished.setdefault(key, [])
+            entry = (msg.consumer_engine_id, fut)
+            waiting.append(entry)
+            try:
+                await self.svc.clock.wait_for(fut, min(
+                    ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
+            except TimeoutError:
+                pass  # acquire() refuses it: never published, or released already
+            finally:
+                if entry in waiting:
+                    waiting.remove(entry)
+                if not waiting:
+                    self._unpublished.pop(key, None)
+            if fut.done() and not fut.cancelled() and fut.result() is False:
+                raise NotFoundError(f"request {msg.request_id!r}: its consumer "
+                                    f"{msg.consumer_engine_id!r} abandoned it before it "
+                                    "was published")
+        return self.acquire(msg, consumer_instance)
+
+    def acquire(self, msg: P.Acquire, consumer_instance: str) -> P.Acquired:
+        held = self.held.get(msg.producer_engine_id, msg.request_id)
+        engine = self.svc.registry.engines.get(msg.producer_engine_id)
+        if engine is None:
+            raise NotFoundError(f"engine {msg.producer_engine_id!r} is not registered here")
+        cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
+                           msg.consumer_layer_partition)
+        check_parallelism(geometry(engine.model), cpar, "consumer")
+        if any(r.gone for r in self._pinned.get((held.engine_id, held.request_id), ())):
+            # Its blocks are in the pools of the registration that published it (kept while
+            # pinned), not in those the engine registered since: a consumer that greeted the
+            # new registration would read the request's block ids there.
+            raise NotFoundError(f"request {msg.request_id!r}: engine {engine.engine_id!r} "
+                                "left after publishing it; its blocks are not in the pools "
+                                "registered now")
+        now = self.svc.clock.now()
+        held.acquire(msg.consumer_engine_id, msg.block_ids, now,
+                     self.expected_reads(engine, cpar), consumer_instance)
+        self._reading.add((held.engine_id, held.request_id))
+        self.wake()
+        return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
+                          hold_id=held.hold_id)
+
+    def abandon(self, msg: P.Abandon, consumer_instance: str = "") -> P.Ok:
+        for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
+                                                   ()):
+            if consumer == msg.consumer_engine_id:
+                _resolve(fut, False)  # its Acquire, still waiting, is refused
+        held = self.held.get(msg.producer_engine_id, msg.request_id)
+        if held.abandon(msg.consumer_engine_id, consumer_instance):
+            self.finish(held, "cancelled")
+        return P.Ok()
+
+    def heartbeat(self, msg: P.Heartbeat) -> P.HeartbeatAck:
+        now, unknown = self.svc.clock.now(), []
+        for rid in msg.request_ids:
+            try:
+                self.held.get(msg.producer_engine_id, rid).renew(now)
+            except NotFoundError:
+                unknown.append(rid)
+        return P.HeartbeatAck(unknown=unknown)
+
+    def expected_reads(self, engine: Engine, consumer: Parallelism) -> int:
+        """Reads the planner sends to the producer ranks hosted on this daemon."""
+        if engine.model.hybrid is not None:
+            return hybrid.expected_reads(engine.model, engine.par, consumer,
+                                         self.svc.registry.rank_ids(engine.engine_id))
+        plan, _ = self._plans.get(geometry(engine.model), engine.par, consumer)
+        return sum(plan.consumers.get(rank, 0)
+                   for rank in self.svc.registry.rank_ids(engine.engine_id))
+
+    # ------------------------------------------------------------ notices and progress
+
+    def on_notification(self, agent: str, raw: bytes) -> None:
+        if not raw:  # a READ posted without a notification (some transports report one)
+            return
+        try:
+            notice = P.decode_notice(raw)
+        except ProtocolError as exc:
+            self.svc.metrics.protocol_error("peer", exc.reason)
+            self.svc.metrics.notifications_failed.inc()
+            log.warning("bad notification from %s: %s", agent, exc, extra={"peer": agent})
+            return
+        self.on_notice(notice, agent)
+
+    def on_notice(self, notice: P.ReadNotice, sender: str) -> None:
+        """A consumer's READs from here are done: by NIXL notification or peer request."""
+        agent = sender
+        try:
+            held = self.held.get(notice.producer_engine_id, notice.request_id)
+        except NotFoundError as exc:
+            log.warning("notice for a request not held (expired or never published): %s", exc,
+                        extra={"request_id": notice.request_id, "peer": agent})
+            return
+        if held.notice(notice.consumer_engine_id, notice.reads, notice.nbytes):
+            self.finish(held, "ok")
+
+    async def run_progress(self) -> None:
+        """Drive NIXL: collect READ notices, polling fast after activity, then backing off."""
+        clock = self.svc.clock
+        interval_s, last_activity_s = FAST_POLL_S, clock.now()
+        while True:
+            try:
+                notices = await self.svc.datapath.notifications()
+                for agent, raw in notices:
+                    self.on_notification(agent, raw)
+            except Exception:  # noqa: BLE001 - one bad poll must not stop progress
+                log.exception("notification poll failed")
+                notices = []
+            now_s = clock.now()
+            if notices:
+                last_activity_s = now_s
+            if now_s - last_activity_s < HOT_WINDOW_S:
+                interval_s = FAST_POLL_S
+            else:
+                cap_s = READING_POLL_MAX_S if self.reading else IDLE_POLL_MAX_S
+                interval_s = min(interval_s * 2, cap_s)
+            # A pause that wake() ends early: a future and a timer, no task per turn.
+            self._waker = waker = asyncio.get_running_loop().create_future()
+            timer = clock.call_later(interval_s, functools.partial(_resolve, waker, False))
+            try:
+                woke = await waker
+            finally:
+                timer.cancel()
+            if woke:
+                interval_s, last_activity_s = FAST_POLL_S, clock.now()
+
+    # ------------------------------------------------------------ endings
+
+    def finish(self, held: HeldRequest, outcome: str) -> None:
+        """End a hold exactly once: unpin, emit done_sending, count."""
+        key = (held.engine_id, held.request_id)
+        if self.held.items.get(key) is not held:
+            return
+        held.end(outcome)
+        self.held.pop(held)
+        self._reading.discard(key)
+        for r in self._pinned.pop(key, []):
+            r.pins -= 1
+        m = self.svc.metrics
+        m.held_requests.set(len(self.held))
+        duration_s = self.svc.clock.now() - held.published_s
+        local = bool(held.readers) and all(r.instance == self.svc.instance_id
+                                           for r in held.readers.values())
+        m.transfer_finished("producer", outcome, held.nbytes, duration_s,
+                            "local" if local else "remote")
+        if outcome == "expired":
+            m.leases_expired.inc()
+            log.warning("lease expired before every consumer read the request",
+                        extra={"request_id": held.request_id, "engine_id": held.engine_id})
+        self.svc.events.push(held.engine_id, P.Event(
+            kind="done_sending", request_id=held.request_id, ok=outcome == "ok",
+            error=_END_REASONS.get(outcome, outcome),
+            nbytes=held.nbytes if outcome == "ok" else 0, duration_s=duration_s))
+
+    def expire(self, now_s: float) -> None:
+        """End the holds whose lease ran out, not counting time this daemon was frozen.
+
+        Housekeeping calls this every 50 ms. A longer gap means the daemon itself was
+        stopped (SIGSTOP, a stalled host, a stuck loop): the consumers' heartbeats sent
+        meanwhile still wait in its socket, and a consumer's READ may still be running
+        against these blocks. Expiring now would hand them back to the engine under
+        that READ (a write after hand-back); the leases are moved on by the gap instead.
+        """
+        last, self._last_expire_s = self._last_expire_s, now_s
+        if now_s - last > STALL_S:
+            self.held.postpone(now_s - last)
+            log.warning("daemon was stalled %.1fs: leases extended by as much", now_s - last)
+        for held in self.held.expired(now_s):
+            self.finish(held, "expired")
+
+    def engine_gone(self, engine_id: str) -> None:
+        """Held requests nobody has acquired are released now; acquired ones run to the end."""
+        for held in self.held.of_engine(engine_id):
+            if held.state is HeldState.HELD:
+                self.finish(held, "cancelled")
+
+    def cancel_all(self) -> None:
+        for held in list(self.held.items.values()):
+            self.finish(held, "cancelled")
+
+    def status(self) -> list[P.HeldStatus]:
+        now = self.svc.clock.now()
+        return [P.HeldStatus(engine_id=h.engine_id, request_id=h.request_id, state=h.state.value,
+                             blocks=len(h.block_ids),
+                             lease_remaining_s=round(h.deadline_s - now, 3),
+                             consumers_done=len(h.consumers_done), consumers=h.consumers)
+                for h in self.held.items.values()]

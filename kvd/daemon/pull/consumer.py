@@ -1,0 +1,195 @@
+"""Consumer side: admission of every pull, its mover, its plan cache, status.
+
+A pull is one `Pull` (kvd.daemon.pull.machine: the record and every decision, over the
+transition table in kvd.daemon.pull.state) carried out by one `PullDriver`
+(kvd.daemon.pull.driver: inline in the engine's request, then in the pull's task) with
+the mover chosen here (kvd.daemon.pull.movers), its descriptors from
+kvd.daemon.pull.assemble. Its states:
+
+    queued --early_acquire--> acquiring
+    queued --wait_ranks--> waiting_ranks
+    queued --fail--> failed
+    waiting_ranks --handshake--> handshaking
+    waiting_ranks --fail--> failed
+    handshaking --acquire--> acquiring
+    handshaking --fail--> failed
+    acquiring --assembled--> reading
+    acquiring --fail--> failed
+    reading --post--> reading
+    reading --stale--> waiting_ranks
+    reading --finish--> done
+    reading --fail--> failed
+    reading --quarantine--> quarantined
+    quarantined --fail--> failed
+
+A producer found restarted or gone while the pull depends on it fails the pull with
+``peer_lost``; the cached handshake is dropped so the next pull greets the new
+incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from kvd.daemon import hybrid
+from kvd.daemon.engines.table import Engine, check_block_ids
+from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.pull.assemble import PullAssembler
+from kvd.daemon.pull.driver import Peers, PullDriver
+from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
+from kvd.daemon.pull.machine import Pull
+from kvd.daemon.pull.movers import Mover, NixlMover
+from kvd.daemon.pull.quarantine import QuarantineCounts
+from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S
+from kvd.daemon.services import Services
+from kvd.errors import (
+    BlockIdError,
+    BusyError,
+    KvdError,
+    TooLargeError,
+)
+from kvd.transport.samehost import local_host_names, names_this_daemon
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.consumer")
+
+MAX_NAMED = 256  # remote addresses whose "is it me?" answer is kept; cleared past it
+
+
+class Route(NamedTuple):
+    """How a pull reaches its producer: the mover of its bytes and the peers it asks."""
+
+    mover: Mover
+    peers: Peers
+
+
+def _cuda_copier() -> object:
+    from kvd.transport.cudacopy import CudaCopier
+
+    return CudaCopier()
+
+
+class Consumer:
+    """Every pull of this daemon's engines: admission, the mover, the plan cache, status."""
+
+    def __init__(self, svc: Services, local_dispatch: Dispatch | None = None) -> None:
+        self.svc = svc
+        self.jobs: dict[tuple[str, str], Pull] = {}
+        self.drivers: dict[tuple[str, str], PullDriver] = {}
+        self.finished: deque[Pull] = deque(maxlen=FINISHED_KEEP)
+        self.assembler = PullAssembler(svc.metrics)
+        self.quarantine = QuarantineCounts(svc.cfg, svc.metrics)
+        cfg = svc.cfg
+        own_ports = tuple(sorted({p for p in (_port(cfg.peer_address), _port(cfg.engine_address),
+                                              cfg.metrics_port) if p}))
+        self._remote = Route(NixlMover(svc.datapath, svc.peers, own_ports), svc.peers)
+        self._local: Route | None = None
+        if local_dispatch is not None:
+            own = cfg.peer_advertise or cfg.peer_address
+            copier = local_copier(cfg.copy_threads)
+            self._local = Route(
+                LocalMover(copier, cuda_copier=_cuda_copier),
+                LocalPeers(svc.registry, local_dispatch, own, svc.datapath.agent_name,
+                           svc.instance_id, svc.clock.now))
+        self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
+        self._local_hosts = local_host_names()
+        self._names_me: dict[str, bool] = {}
+
+    def route_for(self, msg: P.Pull) -> Route:
+        """The one place a pull's mover (and the peers it talks to) is chosen: a producer
+        daemon address that names this very daemon, however it is spelled (loopback or
+        advertised, a wildcard bind), is a local pull; any other goes over the network."""
+        if self._local is None:
+            return self._remote
+        me = self._names_me.get(msg.remote_address)
+        if me is None:
+            me = names_this_daemon(msg.remote_address, self._own_addresses,
+                                   self._local_hosts)
+            if len(self._names_me) >= MAX_NAMED:
+                self._names_me.clear()
+            self._names_me[msg.remote_address] = me
+        return self._local if me else self._remote
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.mover.close()
+
+    def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
+        """Validate cheaply and queue; the outcome arrives later as a done_recving event,
+        queued for the engine's polls or, with ``reply_to`` (identity, request id), sent
+        as the answer to that one request."""
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
+        if (msg.engine_id, msg.request_id) in self.jobs:
+            raise KvdError(f"request {msg.request_id!r} is already being pulled")
+        if len(self.jobs) >= cfg.max_inflight_pulls:
+            raise BusyError(f"{len(self.jobs)} pulls in flight (max_inflight_pulls)")
+        for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
+            if len(ids) > cfg.max_blocks_per_request:
+                raise TooLargeError(f"{len(ids)} {name} blocks exceed max_blocks_per_request "
+                                    f"({cfg.max_blocks_per_request})")
+        check_block_ids(msg.local_block_ids, engine.layout.num_blocks, "local")
+        negative = [b for b in msg.remote_block_ids if b < 0]
+        if negative:
+            raise BlockIdError(f"remote block ids {negative[:8]} are negative")
+        hybrid.check_pull(engine.model, msg)
+        route = self.route_for(msg)
+        pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
+                    path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
+                    transfer_timeout_s=cfg.transfer_timeout_s)
+        self.jobs[pull.key] = pull
+        self.svc.metrics.inflight_transfers.inc()
+        driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
+                            self.assembler, self._reported)
+        self.drivers[pull.key] = driver
+        if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
+            driver.task = self.svc.spawn(driver.run())
+
+    def _cached(self, msg: P.Pull, engine: Engine, peers: Peers) -> RemoteEngine | None:
+        """The cached handshake, when every rank of the engine is here: then the Acquire
+        leaves now, before the pull's task even starts (its round trip overlaps the rest)."""
+        svc = self.svc
+        remote = peers.cached(msg.engine_id, msg.remote_engine_id, msg.remote_address)
+        if remote is None or engine.missing_ranks(svc.cfg.peer_advertise):
+            return None
+        return remote
+
+    def _reported(self, pull: Pull) -> None:
+        self.jobs.pop(pull.key, None)
+        self.drivers.pop(pull.key, None)
+        self.finished.append(pull)
+
+    def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
+        """Fail every pull now (drain timeout): each releases its transfers, then reports."""
+        tasks = []
+        for driver in list(self.drivers.values()):
+            task = driver.task
+            if task is not None and not task.done():
+                driver.pull.cancel_reason = reason
+                task.cancel()
+                tasks.append(task)
+        return tasks
+
+    def status(self) -> tuple[list[P.PullStatus], list[P.PullStatus]]:
+        """Pulls in flight, and the last ones finished (for ``FINISHED_KEEP_S``)."""
+        now = self.svc.clock.now()
+        while self.finished and now - self.finished[0].finished_s > FINISHED_KEEP_S:
+            self.finished.popleft()
+        return ([_row(p, now) for p in self.jobs.values()],
+                [_row(p, now) for p in self.finished])
+
+
+def _row(p: Pull, now: float) -> P.PullStatus:
+    return P.PullStatus(engine_id=p.msg.engine_id, request_id=p.msg.request_id,
+                        state=p.state.value, age_s=round(now - p.started_s, 3),
+                        remote_engine_id=p.msg.remote_engine_id, nbytes=p.nbytes,
+                        path=p.path, error=p.error)
+
+
+def _port(address: str) -> int:
+    """The port of a "tcp://host:port" endpoint (0 when there is none)."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() and "://" in address else 0

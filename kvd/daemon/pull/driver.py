@@ -1,0 +1,516 @@
+"""Carrying out a pull's actions: inline in the engine's request, then in its task.
+
+`PullDriver.run_now` drives a fresh `Pull` (kvd.daemon.pull.machine) as far as it goes
+without waiting, in the engine's request itself: with the handshake cached, a small
+pull's Acquire leaves, its READ is posted and, when that READ is done and the Acquire's
+replies are already here, it is reported in that same step. Whatever needs waiting (a
+poll, a reply, a handshake, a large post) is left to `PullDriver.run`, the pull's task,
+which goes on with the same object from the action it stopped at. There is one
+implementation of each action; only waiting differs.
+
+The task also keeps the producers' leases alive while transfers run (heartbeats), and
+owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
+fails the pull. The end of a pull (quarantine, release, report) is shielded from any
+further cancellation, so every pull is reported exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from kvd.daemon.engines.table import Engine
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.pull.acquire import Acquiring
+from kvd.daemon.pull.machine import (
+    Action,
+    Assemble,
+    AwaitReplies,
+    Discard,
+    ForgetHandshake,
+    Greet,
+    PollAfter,
+    Post,
+    Probe,
+    Pull,
+    Quarantine,
+    Release,
+    Report,
+    SendAcquire,
+    Sever,
+    WaitRanks,
+    Warn,
+)
+from kvd.daemon.pull.movers import Mover, build_posts
+from kvd.daemon.pull.quarantine import QuarantineCounts
+from kvd.daemon.services import Services
+from kvd.errors import DrainingError, KvdError, ProtocolError, TransferError
+from kvd.planner.assembly import ProducerReads
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.consumer")
+
+# After a failed READ: is the producer daemon still the same one? A heartbeat's round
+# trip; short, since a partition's failure waits for it before the engine hears.
+PROBE_TIMEOUT_S = 0.5
+
+Assembler = Callable[[Pull, Engine, RemoteEngine], dict[str, ProducerReads]]
+
+
+class Peers(Protocol):
+    """What a pull needs of the producer's daemons: kvd.daemon.peers.table.PeerTable over
+    the network, kvd.daemon.pull.local.LocalPeers for this daemon's own producer side."""
+
+    conns: Mapping[str, Any]
+
+    def send(self, address: str, msg: object, timeout_s: float | None = None
+             ) -> asyncio.Future[Reply]: ...
+
+    async def request(self, address: str, msg: object, timeout_s: float | None = None
+                      ) -> Reply: ...
+
+    def take_ready(self, addresses: Iterable[str]) -> None: ...
+
+    def drop_address(self, address: str, why: str) -> None: ...
+
+    def forget(self, local_engine: str, remote_engine: str) -> None: ...
+
+    def cached(self, engine_id: str, remote_engine: str, address: str
+               ) -> RemoteEngine | None: ...
+
+    async def remote_engine(self, engine: Engine, remote_engine: str, address: str
+                            ) -> RemoteEngine: ...
+
+
+class PullDriver:
+    """The I/O of one pull: its mover, its Acquire on the wire, its task."""
+
+    def __init__(self, svc: Services, pull: Pull, mover: Mover, peers: Peers,
+                 quarantine: QuarantineCounts, assemble: Assembler,
+                 on_reported: Callable[[Pull], None]) -> None:
+        self.svc = svc
+        self.pull = pull
+        self.mover = mover
+        self.peers = peers  # the producer's daemons (this daemon itself for a local pull)
+        self.quarantine = quarantine
+        self._assemble = assemble
+        self._on_reported = on_reported
+        self.engine: Engine | None = None
+        self.acquiring: Acquiring | None = None
+        self.task: asyncio.Task[None] | None = None
+        self._pending: list[Action] = []
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._timing_out = False
+        self.reported = False
+
+    # ------------------------------------------------------------ inline
+
+    def run_now(self, engine: Engine, cached: RemoteEngine | None) -> bool:
+        """Drive the pull without waiting; True when it is reported already (else start
+        `run`, which goes on from where this stopped)."""
+        self.engine = engine
+        acts = self.pull.begin(cached)
+        while acts:
+            more = self._now(acts[0])
+            if more is None:
+                break
+            acts = more + acts[1:]
+        self._pending = acts
+        return self.reported
+
+    def _now(self, act: Action) -> list[Action] | None:
+        """``act`` carried out now, and the pull's next actions; None when it needs waiting
+        (nothing of it done)."""
+        pull, svc = self.pull, self.svc
+        if isinstance(act, SendAcquire):
+            try:
+                self._send_acquire()
+            except Exception:  # noqa: BLE001 - the task sends it again, and reports its failure
+                log.debug("early Acquire not sent", exc_info=True)
+                return None
+            return []
+        if isinstance(act, Assemble):
+            return self._assembled()
+        if isinstance(act, Post):
+            if not self.mover.can_post_now(list(act.posts)) or not self.engine.live_ranks():
+                return None  # (an engine gone: the task fails the pull, `_pin`)
+            if not act.again:
+                try:
+                    self.quarantine.check_room(pull.nbytes)
+                except KvdError:
+                    return None  # the task meets it again, and reports it
+            posted_s, t0 = svc.clock.now(), time.perf_counter()
+            self._pin()
+            results = self.mover.post_now(list(act.posts))
+            if results is None:  # the NIXL lock was taken meanwhile (a thread): not posted
+                self._unpin()
+                return None
+            return pull.posted(results, posted_s, time.perf_counter() - t0)
+        if isinstance(act, AwaitReplies):
+            assert self.acquiring is not None
+            got = self.acquiring.ready()
+            if got is None:
+                return None
+            return self._replies(got)
+        if isinstance(act, Release):
+            if pull.handles:
+                return None
+            self._unpin()
+            return pull.released(svc.clock.now())
+        return self._simple(act)
+
+    def _simple(self, act: Action) -> list[Action] | None:
+        """The actions that never wait; None for one that does."""
+        if isinstance(act, Report):
+            self._report(act)
+            return []
+        if isinstance(act, Warn):
+            log.warning(act.text, extra={"request_id": self.pull.msg.request_id})
+            return []
+        if isinstance(act, Quarantine):
+            (self.quarantine.enter if act.enter else self.quarantine.leave)(act.nbytes)
+            return []
+        if isinstance(act, ForgetHandshake):
+            msg = self.pull.msg
+            self.peers.forget(msg.engine_id, msg.remote_engine_id)
+            return []
+        return None
+
+    # ------------------------------------------------------------ the task
+
+    async def run(self) -> None:
+        pull, clock = self.pull, self.svc.clock
+        task = asyncio.current_task()
+        assert task is not None
+        # The deadline cancels this very task (clock.wait_for would run the pull in a task
+        # of its own: two more loop turns per pull).
+        timer = clock.call_later(
+            max(0.0, pull.transfer_timeout_s - (clock.now() - pull.started_s)),
+            lambda: self._time_out(task))
+        acts = self._pending
+        try:
+            acts = await self._drive(acts)
+        except asyncio.CancelledError:
+            if self._timing_out and pull.cancel_reason is None:
+                task.uncancel()
+                acts = pull.on_deadline(clock.now())
+            else:
+                acts = pull.cancel(pull.cancel_reason or DrainingError(
+                    "pull cancelled (engine gone or daemon stopping)"))
+        except Exception as exc:  # noqa: BLE001 - never let one pull take the daemon down
+            if not isinstance(exc, (KvdError, TimeoutError)):
+                log.exception("pull %s crashed", pull.msg.request_id)
+            acts = pull.fail(pull.describe(exc), clock.now())
+        finally:
+            timer.cancel()
+        # The end: quarantine, release, report. Shielded: a drain that cancels the task
+        # meanwhile makes the quarantine end (cancel_reason), never skips the report.
+        await asyncio.shield(self._end(acts))
+
+    def _time_out(self, task: asyncio.Task[None]) -> None:
+        if not task.done() and not self.pull.ending:
+            self._timing_out = True
+            task.cancel()
+
+    async def _drive(self, acts: list[Action]) -> list[Action]:
+        """Until the pull ends (its outcome is known): the actions left for the end."""
+        while acts and not self.pull.ending:
+            act, acts = acts[0], acts[1:]
+            acts = await self._do(act) + acts
+        return acts
+
+    async def _end(self, acts: list[Action]) -> None:
+        try:
+            while acts:
+                act, acts = acts[0], acts[1:]
+                acts = await self._do(act) + acts
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+        if not self.reported:  # cannot happen: the table ends every pull with a report
+            log.error("pull %s ended without a report", self.pull.msg.request_id)
+
+    async def _do(self, act: Action) -> list[Action]:
+        pull, svc, clock = self.pull, self.svc, self.svc.clock
+        if isinstance(act, WaitRanks):
+            engine = await svc.registry.complete(pull.msg.engine_id,
+                                                 svc.cfg.handshake_timeout_s)
+            if self.engine is not None and engine is not self.engine:
+                # It left and registered again (greeting again, or waiting for its ranks):
+                # the pull's blocks are the old registration's, not the new pool's.
+                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the "
+                               "pull")
+            self.engine = engine
+            return pull.ranks_ready()
+        if isinstance(act, Greet):
+            assert self.engine is not None
+            msg = pull.msg
+            remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
+                                                    msg.remote_address)
+            return pull.greeted(remote)
+        if isinstance(act, SendAcquire):
+            self._send_acquire()
+            return []
+        if isinstance(act, Post):
+            return await self._post(act)
+        if isinstance(act, AwaitReplies):
+            assert self.acquiring is not None
+            return self._replies(await self.acquiring.wait())
+        if isinstance(act, PollAfter):
+            self._renew()
+            await clock.sleep(act.delay_s)
+            return pull.on_poll(await self.mover.poll(sorted(pull.live)), clock.now(),
+                                self._unreachable())
+        if isinstance(act, Probe):
+            return pull.on_probed(act.error, await self._probe(act))
+        if isinstance(act, Discard):
+            self._renew()
+            follow: list[Action] = [PollAfter(0.0)] if pull.live else []
+            while follow:
+                (step,) = follow
+                assert isinstance(step, PollAfter)
+                await clock.sleep(step.delay_s)
+                follow = pull.on_poll(await self.mover.poll(sorted(pull.live)), clock.now())
+            await self._release()
+            return pull.discarded(clock.now())
+        if isinstance(act, Sever):
+            await self.mover.sever(act.producers)
+            return []
+        if isinstance(act, Release):
+            await self._release()
+            return pull.released(clock.now())
+        if isinstance(act, Assemble):
+            return self._assembled()
+        done = self._simple(act)
+        assert done is not None, act
+        return done
+
+    # ------------------------------------------------------------ the parts
+
+    def _send_acquire(self) -> None:
+        """The Acquire to every producer daemon of the handshake the pull works with (one
+        already sent to that same handshake is kept)."""
+        pull, svc = self.pull, self.svc
+        remote, engine = pull.remote, self.engine
+        assert remote is not None and engine is not None
+        old = self.acquiring
+        if old is not None and self._acquired_from is remote:
+            return
+        if old is not None:  # superseded: only its replies are collected
+            svc.spawn(old.forget())
+        par = engine.par
+        msg = Acquiring.acquire_msg(pull.msg, par.tp_size, par.pp_size, par.layer_partition)
+        self.acquiring = Acquiring({a: self.peers.send(a, msg) for a in remote.daemons},
+                                   self.peers.take_ready)
+        self._acquired_from = remote
+        pull.acquire_sent(svc.clock.now())
+
+    _acquired_from: RemoteEngine | None = None
+
+    def _assembled(self) -> list[Action]:
+        pull = self.pull
+        assert self.engine is not None and pull.remote is not None
+        try:
+            groups = self._assemble(pull, self.engine, pull.remote)
+        except Exception as exc:  # noqa: BLE001 - reported once the replies are in
+            if not isinstance(exc, KvdError):
+                log.exception("pull %s: assembly crashed", pull.msg.request_id)
+            return pull.assembly_failed(pull.describe(exc))
+        posts, notices, nbytes, descriptors = build_posts(pull.msg, self.engine, pull.remote,
+                                                          groups)
+        assert self.acquiring is not None
+        return pull.assembled(posts, notices, nbytes, descriptors, self.acquiring.answered)
+
+    def _replies(self, got: list[Reply | BaseException]) -> list[Action]:
+        assert self.acquiring is not None
+        addrs = self.acquiring.addresses
+        return self.pull.on_replies(addrs, got, self.svc.clock.now())
+
+    async def _post(self, act: Post) -> list[Action]:
+        """Pin the local pools and post, noting the handles even when cancelled meanwhile:
+        the transfers exist either way, and must end before the pools are unpinned."""
+        pull, svc = self.pull, self.svc
+        posts = list(act.posts)
+        if not act.again:
+            self.quarantine.check_room(pull.nbytes)
+        posted_s, t0 = svc.clock.now(), time.perf_counter()
+        self._pin()
+        results = self.mover.post_now(posts)  # a small post: no task, no loop turn
+        if results is None:
+            post = asyncio.ensure_future(self.mover.post(posts))
+            try:
+                results = await asyncio.shield(post)
+            except asyncio.CancelledError:
+                pull.posted(await post, posted_s, time.perf_counter() - t0)
+                raise
+        return pull.posted(results, posted_s, time.perf_counter() - t0)
+
+    async def _release(self) -> None:
+        pull = self.pull
+        if pull.handles:
+            handles, pull.handles = pull.handles, []
+            await asyncio.shield(self.mover.release(handles))
+        self._unpin()
+
+    def _pin(self) -> None:
+        """Pin the engine's pools for the READs about to be posted; none left (the engine
+        left meanwhile, e.g. during a read-again's first READ) fails the pull: unpinned, a
+        retired pool is freed under the READs that write into it."""
+        assert self.engine is not None
+        ranks = self.engine.live_ranks()
+        if not ranks:
+            raise KvdError(f"engine {self.engine.engine_id!r} left before its READs were posted")
+        for r in ranks:
+            r.pins += 1
+            self.pull.pinned.append(r)
+
+    def _unpin(self) -> None:
+        """Only once no transfer of the pull can land any more."""
+        assert not self.pull.handles, "unpinned with transfer handles not released"
+        for r in self.pull.pinned:
+            r.pins -= 1
+        self.pull.pinned = []
+
+    def _unreachable(self) -> frozenset[str]:
+        """Producer daemons whose control connection liveness lost (ZMTP heartbeats silent
+        for peer_liveness_timeout_s: dead, partitioned or frozen; or its TCP connection
+        closed): a pull reading from one fails without waiting for the transport."""
+        remote = self.pull.remote
+        if remote is None:
+            return frozenset()
+        conns = self.peers.conns
+        return frozenset(a for a in remote.daemons
+                         if (c := conns.get(a)) is not None and c.connected is False)
+
+    async def _probe(self, act: Probe) -> dict[str, Reply | None]:
+        """Drop the cached producer daemons; then ask each, in order, whether it is still
+        the incarnation we greeted, up to the first that is not (None: unreachable)."""
+        svc, pull = self.svc, self.pull
+        assert pull.remote is not None
+        for addr in act.addresses:
+            self.peers.drop_address(addr, "READ failed")
+        answers: dict[str, Reply | None] = {}
+        unreachable = self._unreachable()
+        for addr in act.addresses:
+            if addr in unreachable:
+                answers[addr] = None
+                break
+            try:
+                reply = await self.peers.request(addr, P.Heartbeat(
+                    producer_engine_id=pull.msg.remote_engine_id, request_ids=[]),
+                    min(PROBE_TIMEOUT_S, svc.cfg.handshake_timeout_s))
+            except KvdError:
+                answers[addr] = None
+                break
+            answers[addr] = reply
+            if reply.instance != pull.remote.daemons[addr].instance:
+                break
+        return answers
+
+    # ------------------------------------------------------------ leases
+
+    def _renew(self) -> None:
+        if self._heartbeat is None and self.pull.renewing:
+            self._heartbeat = self.svc.spawn(self._beat())
+
+    async def _beat(self) -> None:
+        """Keep the producers' leases alive while our transfers run; notice a lost request."""
+        svc, pull = self.svc, self.pull
+        beat = P.Heartbeat(producer_engine_id=pull.msg.remote_engine_id,
+                           request_ids=[pull.msg.producer_request_id])
+        while True:
+            await svc.clock.sleep(svc.cfg.heartbeat_interval_s)
+            if not pull.renewing:
+                continue
+            for addr in pull.lease_addresses():
+                try:
+                    reply = await self.peers.request(addr, beat)
+                except KvdError as exc:
+                    log.warning("lease heartbeat to %s failed: %s", addr, exc,
+                                extra={"request_id": pull.msg.request_id, "peer": addr})
+                    continue
+                pull.on_lease_reply(addr, reply, svc.clock.now())
+
+    # ------------------------------------------------------------ the report
+
+    def _report(self, act: Report) -> None:
+        pull, svc = self.pull, self.svc
+        msg = pull.msg
+        if act.abandon:
+            # Our transfers are released: tell the producers not to hold the blocks for us
+            # until the lease ends (best effort; the lease still bounds the hold).
+            svc.spawn(self._abandon(list(act.abandon)))
+        if pull.reply_to is not None:
+            svc.events.answer(*pull.reply_to, act.event)
+        else:
+            svc.events.push(msg.engine_id, act.event)
+        self.reported = True
+        self._on_reported(pull)
+        # Metrics and the log after the engine's answer (off its path); in the same loop
+        # turn, so no later request sees them stale.
+        m = svc.metrics
+        for post_s, descriptors, timings in pull.post_records:
+            m.post_duration.observe(post_s)
+            m.descriptors_posted.inc(descriptors)
+            m.reads_posted(timings)
+        m.inflight_transfers.dec()
+        m.transfer_finished("consumer", pull.outcome, pull.nbytes, act.event.duration_s,
+                            pull.path)
+        if not act.event.ok:
+            m.invalid_blocks.inc(len(act.event.invalid_block_ids))
+            log.warning("pull failed (%s): %s", pull.path, pull.error,
+                        extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
+                               "peer": msg.remote_address})
+        # The producers count our reads only now, after the engine heard (a notice is not
+        # on the pull's path): every READ is done and every Acquire answered.
+        for agent, notice in act.notices:
+            self._notify(agent, notice)
+
+    def _notify(self, agent: str, notice: P.ReadNotice) -> None:
+        """Send a producer its ReadNotice as a peer request, not awaited (the pull is done:
+        its bytes are read and the hold confirmed). Not a NIXL notification: a standalone
+        one holds up the next READ on that connection until the producer progresses NIXL.
+        A daemon that refuses the request (an earlier v2) gets the notification; one that
+        cannot be reached releases the hold when the lease ends."""
+        svc, pull = self.svc, self.pull
+        assert pull.remote is not None
+        addrs = [a for a, d in pull.remote.daemons.items() if d.agent == agent]
+        if not addrs:
+            return
+
+        def sent(fut: asyncio.Future[Reply]) -> None:
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, ProtocolError):  # "unknown message kind": an earlier v2
+                svc.spawn(self._notify_by_nixl(agent, notice))
+            elif exc is not None:
+                svc.metrics.notifications_failed.inc()
+                log.info("READ notice to %s not delivered (%s); the lease will release the "
+                         "request", addrs[0], exc,
+                         extra={"request_id": pull.msg.request_id, "peer": addrs[0]})
+
+        self.peers.send(addrs[0], notice).add_done_callback(sent)
+
+    async def _notify_by_nixl(self, agent: str, notice: P.ReadNotice) -> None:
+        try:
+            await self.svc.datapath.send_notif(agent, P.encode_notice(notice))
+        except TransferError as exc:
+            self.svc.metrics.notifications_failed.inc()
+            log.info("READ notice to %s not delivered (%s); the lease will release the "
+                     "request", agent, exc, extra={"request_id": self.pull.msg.request_id})
+
+    async def _abandon(self, addrs: list[str]) -> None:
+        msg = self.pull.msg
+        note = P.Abandon(request_id=msg.producer_request_id,
+                         producer_engine_id=msg.remote_engine_id,
+                         consumer_engine_id=msg.engine_id)
+        for addr in addrs:
+            try:
+                await self.peers.request(addr, note)
+            except KvdError as exc:
+                log.info("abandon to %s not delivered (%s); the lease will release it", addr,
+                         exc, extra={"request_id": msg.request_id, "peer": addr})
+

@@ -1,0 +1,567 @@
+"""One pull, as a sans-IO object: its record, and every decision about it.
+
+`Pull` owns everything known about one consumer pull (what the PullJob record and four
+modules used to share) and changes its own state only through the table in
+kvd.daemon.pull.state. Its steps take what happened (the handshake, the assembled
+transfers, their post results, the Acquire's replies, a poll, a lease renewal's
+answer, a probe, the deadline, a failure) and return what to do next, as `Action`
+values; they never wait, never call a socket or NIXL, and read time only from the
+``now_s`` they are given. kvd.daemon.pull.driver carries the actions out, inline in the
+engine's request while nothing needs waiting and then in the pull's task, on the same
+object; a simulator or a unit test can drive it as well.
+
+The rules it keeps:
+
+* nothing read is trusted before every Acquire reply is in and judged
+  (kvd.daemon.pull.acquire); a refused Acquire fails the pull, a stale handshake makes
+  it greet again (twice at most), a READ that may predate the publish is read again;
+* a pull is reported only once none of its transfers can land any more: a failing pull
+  with transfers still running is QUARANTINED, and the producers they read from are
+  severed at once past the deadline or when their control connection is lost, else
+  after ``peer_liveness_timeout_s``;
+* a failed pull reports every local block invalid, never ok with wrong bytes; its
+  producers are told to stop holding (abandon), an ok pull's producers get their READ
+  notices, both only after the engine has its answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.daemon.datapath import PostResult, XferState, XferStatus
+from kvd.daemon.engines.table import EngineRank
+from kvd.daemon.peers.conn import Reply
+from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.pull.acquire import Replies, may_predate_publish, receipted
+from kvd.daemon.pull.state import On, PullState, next_state
+from kvd.errors import KvdError, PeerLostError, TransferError
+from kvd.transport.base import ReadPost
+from kvd.wire import protocol as P
+
+# READ completion polling: SPIN_POLLS polls a loop turn apart, then from FIRST_POLL_S
+# doubling to MAX_POLL_S (a 1-block pull completes in well under a millisecond; a
+# multi-GiB one takes seconds).
+FIRST_POLL_S = 0.0001
+MAX_POLL_S = 0.002
+SPIN_POLLS = 8
+QUARANTINE_POLL_S = 0.05  # a failing pull's transfers, polled until the transport ends them
+QUARANTINE_LOG_S = 10.0
+# Pulls of at most this many bytes post their READs before the Acquire's reply comes.
+EARLY_POST_MAX_BYTES = 4 << 20
+# A producer that no longer holds our request (or restarted) fails the pull only if the
+# READ from it is still pending this long after: a producer releases the hold when our
+# READ's notice arrives, which may be a moment before we see the READ done ourselves.
+LOST_GRACE_S = 0.05
+GREETINGS = 2  # handshakes a pull may go through (the cached one counts) before failing
+
+Notice = tuple[str, P.ReadNotice]  # (producer agent, its notice)
+
+
+# ------------------------------------------------------------------ actions
+
+
+@dataclass(frozen=True)
+class WaitRanks:
+    """Wait (bounded) until every rank of the consumer engine is registered."""
+
+
+@dataclass(frozen=True)
+class Greet:
+    """Handshake with the producer's daemons (cached per engine pair)."""
+
+
+@dataclass(frozen=True)
+class ForgetHandshake:
+    """The cached handshake proved stale (a producer daemon restarted, or its pools
+    changed): drop it, so that the next greeting is a fresh one."""
+
+
+@dataclass(frozen=True)
+class SendAcquire:
+    """Ask every producer daemon to hold the request for us (replies come later)."""
+
+
+@dataclass(frozen=True)
+class Assemble:
+    """Plan the descriptors and build the transfers (`Pull.assembled`)."""
+
+
+@dataclass(frozen=True)
+class Post:
+    """Pin the local pools and post these transfers (after checking the quarantine caps
+    unless ``again``: a read-again is the same pull's transfers)."""
+
+    posts: tuple[ReadPost, ...]
+    again: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitReplies:
+    """Every reply to the Acquire is needed before going on (`Pull.on_replies`)."""
+
+
+@dataclass(frozen=True)
+class PollAfter:
+    """Poll the transfers that have not ended, after ``delay_s`` (0: a loop turn)."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A transfer failed: drop the cached producer daemons and ask each whether it is
+    still the incarnation we greeted (`Pull.on_probed`)."""
+
+    addresses: tuple[str, ...]
+    error: TransferError
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Let every transfer posted end (failed or not), release them, unpin
+    (`Pull.discarded`): their bytes are not trusted."""
+
+
+@dataclass(frozen=True)
+class Sever:
+    """Tear down the data connections to these producers (agent -> control addresses):
+    their transfers fail at the next poll."""
+
+    producers: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """Count the pull as quarantined (``enter``) or not any more."""
+
+    enter: bool
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Warn:
+    text: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release every transfer handle (none can land any more), unpin, then
+    `Pull.released`."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """Deliver the outcome to the engine, then count it; ``notices`` (ok) or ``abandon``
+    (failed: producer daemons that hold the request for us) after that."""
+
+    event: P.Event
+    notices: tuple[Notice, ...]
+    abandon: tuple[str, ...]
+
+
+Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
+          | PollAfter | Probe | Discard | Sever | Quarantine | Warn | Release | Report)
+
+
+# ------------------------------------------------------------------ the pull
+
+
+@dataclass
+class Pull:
+    msg: P.Pull
+    started_s: float
+    reply_to: tuple[bytes, int] | None = None  # (identity, request id): answer when done
+    path: str = "remote"  # which mover carries it: "remote" (NIXL READs) or "local"
+    liveness_timeout_s: float = 10.0  # producers of a quarantined pull severed after it
+    transfer_timeout_s: float = 60.0
+    state: PullState = PullState.QUEUED
+    remote: RemoteEngine | None = None  # the handshake the pull works with
+    posts: tuple[ReadPost, ...] = ()
+    notices: tuple[Notice, ...] = ()
+    nbytes: int = 0
+    descriptors: int = 0
+    replies: Replies | None = None
+    acquired: list[str] = field(default_factory=list)  # producer daemons holding it for us
+    handles: list[int] = field(default_factory=list)  # transfer handles not released
+    live: set[int] = field(default_factory=set)  # posted, not yet ended by the transport
+    reading_from: dict[int, str] = field(default_factory=dict)  # pending handle -> agent
+    pinned: list[EngineRank] = field(default_factory=list)
+    lost: dict[str, tuple[float, PeerLostError]] = field(default_factory=dict)  # by agent
+    posted_s: float = 0.0
+    # per post: (seconds, descriptors, PostTiming per READ), for the metrics once reported
+    post_records: list[tuple[float, int, list[Any]]] = field(default_factory=list)
+    timed_out: bool = False
+    cancel_reason: KvdError | None = None  # why the daemon stops the pull (draining)
+    outcome: str = ""  # "" while running; then "ok", "failed" or "cancelled"
+    error: str = ""
+    greetings_left: int = GREETINGS
+    finished_s: float = 0.0
+    _post_errors: list[TransferError] = field(default_factory=list)
+    _failure: str = ""  # an assembly failure, reported once the replies say who holds it
+    _then: str = ""  # what follows a Discard: "post" (read again) or "greet"
+    _posted: bool = False  # the transfers went out (since the last discard)
+    _polls: int = 0
+    _poll_s: float = FIRST_POLL_S
+    _quarantined_s: float = 0.0
+    _next_warn_s: float = 0.0
+    _severed: set[str] = field(default_factory=set)
+    _stepped_s: float | None = None  # the read phase's last step (`_stalled`)
+    _stall: str = ""  # a stall seen while discarding: the pull fails once that ends
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.msg.engine_id, self.msg.request_id)
+
+    @property
+    def ending(self) -> bool:
+        return bool(self.outcome)
+
+    def _to(self, event: On) -> None:
+        self.state = next_state(self.state, event)
+
+    # ------------------------------------------------------------ setting out
+
+    def begin(self, cached: RemoteEngine | None) -> list[Action]:
+        """With a cached handshake (and every rank of the engine registered) the Acquire
+        leaves with the Pull, before anything else; else wait for the ranks first."""
+        if cached is not None:
+            self._to(On.EARLY_ACQUIRE)
+            self.remote = cached
+            return [SendAcquire(), Assemble()]
+        self._to(On.WAIT_RANKS)
+        return [WaitRanks()]
+
+    def ranks_ready(self) -> list[Action]:
+        self._to(On.HANDSHAKE)
+        return [Greet()]
+
+    def greeted(self, remote: RemoteEngine) -> list[Action]:
+        self._to(On.ACQUIRE)
+        self.remote = remote
+        return [SendAcquire(), Assemble()]
+
+    def assembled(self, posts: list[ReadPost], notices: list[Notice], nbytes: int,
+                  descriptors: int, answered: bool) -> list[Action]:
+        """The pull's transfers (one per producer daemon with descriptors) and notices (one
+        per producer daemon). A small one (or one whose publish receipt rules out a
+        read-again) is posted before the Acquire's replies come; the rest waits for them."""
+        self._to(On.ASSEMBLED)
+        self.posts, self.notices = tuple(posts), tuple(notices)
+        self.nbytes, self.descriptors = nbytes, descriptors
+        if posts and not answered and self.posts_early():
+            return [Post(self.posts)]
+        return [AwaitReplies()]
+
+    def assembly_failed(self, error: str) -> list[Action]:
+        """The descriptors could not be planned: fail once the replies say who holds the
+        request for us (those are told to stop)."""
+        self._failure = error
+        return [AwaitReplies()]
+
+    def posts_early(self) -> bool:
+        """The early post saves up to a round trip, which is most of a small pull; a
+        read-again (a young hold) costs a whole READ."""
+        assert self.remote is not None
+        daemons = self.remote.daemons
+        return self.nbytes <= EARLY_POST_MAX_BYTES or all(
+            receipted(self.msg, daemons, p.peer) for p in self.posts)
+
+    # ------------------------------------------------------------ transfers
+
+    def posted(self, results: list[PostResult], posted_s: float, post_s: float
+               ) -> list[Action]:
+        """The transfers' handles (done ones are released already). Post errors are judged
+        once the replies are: a refused Acquire explains a failed READ better."""
+        self._to(On.POST)
+        self._posted = True
+        self.posted_s = posted_s
+        self._stepped_s = posted_s + post_s  # a large post itself may take a while
+        self.handles = [r.xfer_id for r in results if r.xfer_id is not None]
+        self.live = set(self.handles)
+        self.reading_from = {r.xfer_id: p.peer for p, r in zip(self.posts, results, strict=True)
+                             if r.xfer_id is not None and not r.done}
+        self._post_errors = [r.error for r in results if r.error is not None]
+        self.post_records.append((post_s, self.descriptors, [r.timing for r in results]))
+        self._polls, self._poll_s = 0, FIRST_POLL_S
+        if self.replies is None:
+            return [AwaitReplies()]
+        return self._judge_reads()
+
+    def _judge_reads(self) -> list[Action]:
+        if self._post_errors:
+            return self._probe(self._post_errors[0])
+        return self._poll_or_finish()
+
+    def _probe(self, error: TransferError) -> list[Action]:
+        assert self.remote is not None
+        return [Probe(tuple(self.remote.daemons), error)]
+
+    def _poll_or_finish(self) -> list[Action]:
+        if self.reading_from:
+            return [PollAfter(self._next_poll_s())]
+        return self._end("ok", "")
+
+    def _next_poll_s(self) -> float:
+        if self._polls < SPIN_POLLS:  # a small READ ends within a few loop turns
+            self._polls += 1
+            return 0.0
+        delay_s = self._poll_s
+        self._poll_s = min(self._poll_s * 2, MAX_POLL_S)
+        return delay_s
+
+    def on_poll(self, states: Mapping[int, XferStatus], now_s: float,
+                unreachable: frozenset[str] = frozenset()) -> list[Action]:
+        """States of the transfers polled; ``unreachable``: producer daemon addresses whose
+        control connection liveness lost (dead, partitioned or frozen)."""
+        self.live.difference_update(x for x, s in states.items()
+                                    if s.state is not XferState.PENDING)
+        if self.state is PullState.QUARANTINED:
+            return self._quarantine_step(now_s, unreachable)
+        stall = self._stalled(now_s)
+        if self._then:  # discarding: only their end matters
+            self._stall = self._stall or stall
+            return [PollAfter(self._discard_poll_s())] if self.live else []
+        if stall:
+            return self.fail(stall, now_s)
+        failed = [s.error for s in states.values() if s.error is not None]
+        if failed:
+            return self._probe(failed[0])
+        self.reading_from = {x: a for x, a in self.reading_from.items()
+                             if states.get(x, XferStatus(XferState.PENDING)).state
+                             is XferState.PENDING}
+        reading = set(self.reading_from.values())
+        for agent, (since_s, exc) in self.lost.items():
+            if agent in reading and now_s - since_s >= LOST_GRACE_S:
+                return self.fail(f"{exc.code}: {exc}", now_s)
+        assert self.remote is not None
+        for addr, known in self.remote.daemons.items():
+            if known.agent in reading and addr in unreachable:
+                exc = PeerLostError(f"producer daemon {addr} is unreachable: its control "
+                                    "connection was lost mid-READ (peer_liveness_timeout_s)")
+                return self.fail(f"{exc.code}: {exc}", now_s)
+        return self._poll_or_finish()
+
+    def on_probed(self, error: TransferError, answers: Mapping[str, Reply | None]
+                  ) -> list[Action]:
+        """What each producer daemon said after a failed transfer (None: unreachable, by
+        liveness or by the probe), in order; the first that is lost or restarted names the
+        failure, else the transfer error itself."""
+        assert self.remote is not None
+        exc: KvdError = error
+        for addr, reply in answers.items():
+            if reply is None:
+                exc = PeerLostError(f"producer daemon {addr} is unreachable after a failed "
+                                    f"READ ({error})")
+                break
+            if reply.instance != self.remote.daemons[addr].instance:
+                exc = PeerLostError(f"producer daemon {addr} restarted during the pull "
+                                    f"({error})")
+                break
+        return self.fail(f"{exc.code}: {exc}", None)
+
+    # ------------------------------------------------------------ the Acquire
+
+    def on_replies(self, addresses: list[str], got: list[Reply | BaseException],
+                   now_s: float) -> list[Action]:
+        """Every reply to the Acquire (or the error in its place), in address order."""
+        self.acquired = [a for a, r in zip(addresses, got, strict=True)
+                         if not isinstance(r, BaseException)]
+        errors = [r for r in got if isinstance(r, BaseException)]
+        if errors:
+            return self.fail(self.describe(errors[0]), now_s)
+        self.replies = Replies(dict(zip(addresses, got, strict=True)))  # type: ignore[arg-type]
+        assert self.remote is not None
+        if self._failure:
+            return self.fail(self._failure, now_s)
+        stall = self._stalled(now_s)
+        if stall:
+            return self.fail(stall, now_s)
+        if not self.replies.current(self.remote.daemons):
+            # A producer daemon restarted, or its pools changed, since we cached this.
+            if self.handles:
+                self._then = "greet"
+                return [Discard()]
+            return self._greet_again(now_s)
+        if not self._posted:
+            if not self.posts:  # nothing to read here: the notices only
+                return self._end("ok", "")
+            return [Post(self.posts)]
+        if any(may_predate_publish(self.msg, self.remote.daemons, self.replies, p.peer,
+                                   self.posted_s) for p in self.posts):
+            # Common when the Pull follows its Publish within a round trip (a benchmark);
+            # rare in service, where the prefill's answer goes through the router first.
+            # The first READs must end before new ones go out (leases kept alive meanwhile).
+            self._then = "post"
+            return [Warn("READ posted before the request's hold was seen to be older: "
+                         "reading again"), Discard()]
+        return self._judge_reads()
+
+    def discarded(self, now_s: float) -> list[Action]:
+        """The discarded transfers ended and were released, the pools unpinned."""
+        then, self._then = self._then, ""
+        self.handles, self.live, self.reading_from = [], set(), {}
+        self._posted = False
+        if self._stall:
+            return self.fail(self._stall, now_s)
+        if then == "post":
+            return [Post(self.posts, again=True)]
+        return self._greet_again(now_s)
+
+    def _greet_again(self, now_s: float) -> list[Action]:
+        self.greetings_left -= 1
+        if self.greetings_left <= 0:
+            return self.fail(f"{KvdError.code}: engine {self.msg.remote_engine_id!r} keeps "
+                             "changing its pools or daemons", now_s)
+        self._to(On.STALE)
+        self.replies, self.posts, self.notices, self.acquired = None, (), (), []
+        self._posted = False
+        self._stepped_s = None  # a new handshake and Acquire: a new read phase
+        return [ForgetHandshake(), WaitRanks()]
+
+    # ------------------------------------------------------------ leases
+
+    @property
+    def renewing(self) -> bool:
+        """Whether the producers' leases need renewing: transfers run (or a discarded one
+        ends before a read-again), a big READ can outlast a lease."""
+        return self.state is PullState.READING and bool(self.reading_from)
+
+    def lease_addresses(self) -> list[str]:
+        """Producer daemons holding a READ of ours still pending (and not lost)."""
+        if self.remote is None:
+            return []
+        reading = set(self.reading_from.values())
+        return [a for a, d in self.remote.daemons.items()
+                if d.agent in reading and d.agent not in self.lost]
+
+    def on_lease_reply(self, address: str, reply: Reply, now_s: float) -> None:
+        assert self.remote is not None
+        known = self.remote.daemons.get(address)
+        if known is None:
+            return
+        if reply.instance != known.instance:
+            self.lost[known.agent] = (now_s, PeerLostError(
+                f"producer daemon {address} restarted during the pull"))
+        elif reply.body.unknown:
+            self.lost[known.agent] = (now_s, PeerLostError(
+                f"producer daemon {address} no longer holds request "
+                f"{self.msg.producer_request_id!r} (lease expired?)"))
+
+    # ------------------------------------------------------------ the end
+
+    def describe(self, exc: BaseException) -> str:
+        """How a failure reads in the pull's event: its code first."""
+        if isinstance(exc, KvdError):  # before TimeoutError: a KvdTimeoutError keeps its own
+            return f"{exc.code}: {exc}"
+        if isinstance(exc, TimeoutError):
+            return f"timeout: pull timed out after {self.transfer_timeout_s}s"
+        return f"internal: {exc!r}"
+
+    def on_deadline(self, now_s: float) -> list[Action]:
+        self.timed_out = True
+        return self.fail(f"timeout: pull timed out after {self.transfer_timeout_s}s", now_s)
+
+    def cancel(self, reason: KvdError) -> list[Action]:
+        """The daemon stops (drain timeout): fail without waiting for any transfer (the
+        NIXL agent and every endpoint go with the daemon)."""
+        self.cancel_reason = reason
+        if self.ending:
+            self.live.clear()
+            return [Release()]
+        return self._end("cancelled", f"{reason.code}: {reason}")
+
+    def fail(self, error: str, now_s: float | None) -> list[Action]:
+        """Fail the pull: at once when no transfer of it can land any more, else through
+        QUARANTINED until the transport ended each (`on_poll`)."""
+        if self.ending:
+            return []
+        return self._end("failed", error, now_s)
+
+    def _end(self, outcome: str, error: str, now_s: float | None = None) -> list[Action]:
+        self.outcome, self.error = outcome, error
+        self._then = ""
+        if outcome != "cancelled" and self.live:
+            self._to(On.QUARANTINE)
+            self._quarantined_s = self._next_warn_s = now_s or 0.0
+            self._next_warn_s += QUARANTINE_LOG_S
+            self._poll_s = FIRST_POLL_S
+            return [Quarantine(True, self.nbytes), *self._quarantine_step(now_s or 0.0,
+                                                                          frozenset())]
+        return [Release()]
+
+    def acquire_sent(self, now_s: float) -> None:
+        """The Acquire left (the driver says when): its reply is due within
+        ``liveness_timeout_s``, like every later step of the read phase (`_stalled`)."""
+        if self._stepped_s is None:
+            self._stepped_s = now_s
+
+    def _stalled(self, now_s: float) -> str:
+        """Why nothing read can be trusted, when this pull was not stepped for more than
+        ``liveness_timeout_s`` since its last step of the read phase (polls come
+        milliseconds apart; an Acquire's reply within that, or liveness loses its
+        connection): its daemon stalled (frozen, a stuck loop), no heartbeat renewed the
+        producers' leases meanwhile, and a hold may have ended under our READ, its blocks
+        reused by their engine. A producer that stalled moves its leases on instead
+        (kvd.daemon.produce.producer.Producer.expire). Not for a local pull: its producer
+        is this very daemon, stalled with it, and moved its leases on by the same gap."""
+        last, self._stepped_s = self._stepped_s, now_s
+        if (self.path == "local" or last is None
+                or now_s - last <= self.liveness_timeout_s):
+            return ""
+        return (f"{PeerLostError.code}: this daemon stalled {now_s - last:.1f}s during the "
+                "pull, no lease renewed meanwhile: the producers' holds may have ended")
+
+    def _producers(self) -> dict[str, tuple[str, ...]]:
+        """Agent -> control addresses of the producers a live transfer reads from."""
+        if self.remote is None:
+            return {}
+        agents = {self.reading_from.get(x) for x in self.live}
+        if None in agents:  # a transfer whose producer is not noted (a discarded one): all
+            agents = {d.agent for d in self.remote.daemons.values()}
+        out: dict[str, list[str]] = {}
+        for addr, d in self.remote.daemons.items():
+            if d.agent in agents:
+                out.setdefault(d.agent, []).append(addr)
+        return {a: tuple(addrs) for a, addrs in out.items()}
+
+    def _quarantine_step(self, now_s: float, unreachable: frozenset[str]) -> list[Action]:
+        if not self.live or self.cancel_reason is not None:
+            return [Quarantine(False, self.nbytes), Release()]
+        waited_s = now_s - self._quarantined_s
+        due = {agent: addrs for agent, addrs in self._producers().items()
+               if agent not in self._severed and (
+                   self.timed_out or waited_s >= self.liveness_timeout_s
+                   or any(a in unreachable for a in addrs))}
+        self._severed.update(due)
+        out: list[Action] = [Sever(due)] if due else []
+        if now_s >= self._next_warn_s:
+            self._next_warn_s += QUARANTINE_LOG_S
+            out.append(Warn(f"pull quarantined for {waited_s:.0f}s: {len(self.live)} "
+                            "transfers not ended by the transport; its blocks are not handed "
+                            "back"))
+        out.append(PollAfter(self._discard_poll_s(QUARANTINE_POLL_S)))
+        return out
+
+    def _discard_poll_s(self, cap_s: float = MAX_POLL_S) -> float:
+        delay_s = self._poll_s
+        self._poll_s = min(self._poll_s * 2, cap_s)
+        return delay_s
+
+    def released(self, now_s: float) -> list[Action]:
+        """Every handle released and the pools unpinned: report."""
+        self._to(On.FINISH if self.outcome == "ok" else On.FAIL)
+        self.finished_s = now_s
+        ok = self.outcome == "ok"
+        msg = self.msg
+        event = P.Event(
+            kind="done_recving", request_id=msg.request_id, ok=ok,
+            invalid_block_ids=[] if ok else list(msg.local_block_ids), error=self.error,
+            nbytes=self.nbytes if ok else 0, duration_s=now_s - self.started_s,
+            invalid_group_block_ids=[] if ok else list(msg.local_group_block_ids or []),
+            descriptors=self.descriptors)
+        return [Report(event, self.notices if ok else (),
+                       () if ok else tuple(self.acquired))]
+
+

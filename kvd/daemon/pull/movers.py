@@ -1,0 +1,138 @@
+"""Movers: how a pull's bytes get from the producer's pools into the consumer's.
+
+A pull (kvd.daemon.pull.machine) decides what to move and when; a `Mover` moves it and
+reports each transfer's end. `NixlMover` posts NIXL READs from another daemon's agent
+(kvd.daemon.datapath). The consumer picks the mover for a pull in one place
+(`Consumer.mover_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+from kvd.daemon.datapath import DataPath, PostResult, XferStatus
+from kvd.daemon.engines.table import Engine
+from kvd.daemon.peers.table import PeerTable, RemoteEngine
+from kvd.daemon.pull.machine import Notice
+from kvd.planner.assembly import ProducerReads
+from kvd.transport.base import PoolSpan, ReadPost
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.consumer")
+
+# Transfers of at most this many descriptors are posted on fresh lists: NIXL validates a
+# few descriptors faster than kvd maps them onto prepared lists (and none merge).
+FRESH_POST_MAX_DESCRIPTORS = 8
+
+
+class Mover(Protocol):
+    path: str  # "remote" or "local": in kvd status, the logs and the metrics' labels
+
+    def can_post_now(self, posts: list[ReadPost]) -> bool:
+        """Whether `post_now` would post these without waiting (unless a lock is taken)."""
+        ...
+
+    def post_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
+        """Post inline, or None (nothing posted) when that cannot be done now."""
+        ...
+
+    async def post(self, posts: list[ReadPost]) -> list[PostResult]: ...
+
+    async def poll(self, handles: list[int]) -> dict[int, XferStatus]: ...
+
+    async def release(self, handles: list[int]) -> None:
+        """Only handles whose transfer ended (or every one, when the daemon stops)."""
+        ...
+
+    async def sever(self, producers: Mapping[str, tuple[str, ...]]) -> None:
+        """Make the transfers from these producers (agent -> control addresses) end."""
+        ...
+
+
+def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
+                groups: dict[str, ProducerReads]
+                ) -> tuple[list[ReadPost], list[Notice], int, int]:
+    """The pull's transfers (one per producer daemon with descriptors), its notices (one per
+    producer daemon), its bytes and its descriptors."""
+    posts, notices = [], []
+    nbytes = descriptors = 0
+    local_pools: tuple[PoolSpan, ...] | None = None
+    for g in groups.values():
+        notices.append((g.owner, P.ReadNotice(
+            request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
+            consumer_engine_id=msg.engine_id, reads=g.reads, nbytes=g.total_nbytes)))
+        if not g.descriptors:  # nothing to read from this daemon: notification only
+            continue
+        # Pools named so that the data path posts through prepared lists; not for a few
+        # descriptors: the lookup then costs more than NIXL's validation.
+        prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS
+        if prepped and local_pools is None:
+            local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
+                                for r in engine.live_ranks())
+        posts.append(ReadPost(
+            peer=g.owner, local_addrs=g.local_addrs, remote_addrs=g.remote_addrs,
+            nbytes=g.nbytes, mem_type=remote.desc.mem_type, notif=b"",
+            local_devs=g.local_devs, remote_devs=g.remote_devs,
+            local_pools=local_pools if prepped and local_pools else (),
+            remote_pools=tuple(PoolSpan(rr.desc.base_addr, rr.desc.nbytes, rr.desc.device_id)
+                               for rr in remote.ranks.values()
+                               if rr.agent == g.owner) if prepped else ()))
+        nbytes += g.total_nbytes
+        descriptors += g.descriptors
+    return posts, notices, nbytes, descriptors
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """("host", port) of a "tcp://host:port" endpoint (port 0 when there is none)."""
+    rest = address.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    if not host:
+        return rest.strip("[]"), 0
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+class NixlMover:
+    """NIXL READs from another daemon's agent, through this daemon's data path."""
+
+    path = "remote"
+
+    def __init__(self, datapath: DataPath, peers: PeerTable, own_ports: tuple[int, ...]
+                 ) -> None:
+        self.datapath = datapath
+        self.peers = peers
+        self.own_ports = own_ports  # this daemon's listeners: never severed
+
+    def can_post_now(self, posts: list[ReadPost]) -> bool:
+        return self.datapath.can_post_now(posts)
+
+    def post_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
+        return self.datapath.post_reads_now(posts)
+
+    async def post(self, posts: list[ReadPost]) -> list[PostResult]:
+        return await self.datapath.post_reads(posts)
+
+    async def poll(self, handles: list[int]) -> dict[int, XferStatus]:
+        return await self.datapath.poll_many(handles)
+
+    async def release(self, handles: list[int]) -> None:
+        await self.datapath.release(handles)
+
+    async def sever(self, producers: Mapping[str, tuple[str, ...]]) -> None:
+        """Tear down the data connections to each producer (`Transport.sever_peer`),
+        sparing the daemon's own sockets (its listeners, the peer's control port); a
+        producer whose connections could not be torn down (an RDMA fabric) keeps its
+        READs until the transport ends them."""
+        transport = self.datapath.transport
+        for agent, addrs in producers.items():
+            hosts = tuple(sorted({_host_port(a)[0] for a in addrs}))
+            spare_remote = tuple(sorted({_host_port(a)[1] for a in addrs}))
+            shut = await self.datapath.call(transport.sever_peer, agent, hosts,
+                                            self.own_ports, spare_remote)
+            if shut:  # its NIXL endpoint fails now: the next pull loads the peer afresh
+                for addr in addrs:
+                    self.peers.drop_address(addr, "READ connections severed")
+            else:
+                log.warning("no connection to %s could be torn down: the pull stays "
+                            "quarantined until the transport ends its READ", agent)

@@ -1,0 +1,106 @@
+"""How the rank-0 worker hears of its engine's completions: a check in the step, and a
+fallback thread.
+
+Both feed one ``EventCursor`` (acknowledged polls: the daemon keeps each event until a
+later poll acknowledges it), so every done_sending / done_recving is taken exactly once
+however the replies fare and whichever of the two takes it first.
+
+``EventPump`` is the main path and needs no thread of its own to get the GIL (a vLLM
+CPU worker can hold it for seconds): when vLLM binds a step's metadata it sends a
+Poll that is answered at once (timeout 0) without waiting, and the step's
+``get_finished`` takes the reply that came during the forward pass. Nothing waits:
+a slow, frozen or dead daemon only delays events.
+
+``EventPoller`` long-polls on a thread of its own, for the steps that do not come
+(an idle engine) and a daemon that answers after the step has gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvd.client import EventCursor, KvdClient, NoWaitClient
+from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.vllm")
+
+RESEND_S = 1.0  # a step poll unanswered for this long is sent again (the daemon may
+# have lost it, restarting); acknowledged delivery makes a duplicate harmless
+
+
+class EventPump:
+    """The in-step, non-blocking check (module docstring); one worker thread uses it."""
+
+    def __init__(self, settings: ConnectorSettings, cursor: EventCursor,
+                 now: Callable[[], float],
+                 client: NoWaitClient | None = None) -> None:
+        self._cursor = cursor
+        self._now = now
+        self._client = client or NoWaitClient(settings.address, token=settings.token)
+
+    def kick(self) -> None:
+        """Ask for the events now unless a poll is out already (and young)."""
+        now_s = self._now()
+        sent_s = self._client.sent_s("poll")
+        if sent_s is not None and now_s - sent_s < RESEND_S:
+            return
+        self._client.forget_older(now_s, RESEND_S)
+        self._client.send(self._cursor.poll(timeout_s=0.0), "poll", now_s)
+
+    def drain(self) -> None:
+        """Take every reply that came; new events go into the cursor."""
+        for reply in self._client.replies():
+            self._cursor.note_instance(reply.instance)  # an Error tells a restart too
+            if isinstance(reply.body, P.Events):
+                self._cursor.accept(reply.body)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class EventPoller:
+    """Long-polls the local kvd for one engine's events on its own thread and client.
+
+    Why not a blocking poll inside vLLM's step: a poll to a daemon that died waits out
+    the request timeout on every step, freezing the whole engine (see EventPump).
+    """
+
+    POLL_S = 1.0  # long-poll window: an idle engine asks once a second
+    RETRY_S = 0.5
+
+    def __init__(self, settings: ConnectorSettings, cursor: EventCursor) -> None:
+        self._cursor = cursor
+        self._client = KvdClient(settings.address, token=settings.token,
+                                 timeout_s=settings.request_timeout_s, ping_interval_s=0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvd-events-{settings.engine_id}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                poll = self._cursor.poll(timeout_s=self.POLL_S)
+                self._cursor.accept(self._client.call(
+                    poll, timeout_s=self.POLL_S + self._client.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - keep polling whatever happened
+                if self._stop.is_set():
+                    return
+                if not failing:
+                    log.warning("polling kvd failed: %s (retrying; transfers time out if "
+                                "it stays down)", exc)
+                failing = True
+                self._stop.wait(self.RETRY_S)
+                continue
+            if failing:
+                log.warning("polling kvd works again")
+                failing = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._client.close()  # aborts a poll in flight within 0.1 s
+        self._thread.join(timeout=5)

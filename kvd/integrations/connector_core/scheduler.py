@@ -1,0 +1,328 @@
+"""Scheduler side: publish finished prefills, queue pulls, tell the workers.
+
+Runs in vLLM's engine-core process, inside its single-threaded step: nothing here
+waits on the daemon (a slow, frozen or dead kvd must not stall the engine's plain
+requests). Publishes and pulls are sent without waiting (``NoWaitClient``); their
+replies are taken in a later step, and a refusal reaches vLLM then, through the
+workers' normal finished/failed reports. The publish receipt is built here, from a
+hold id the engine picks and the daemon incarnation the workers registered with, so
+``request_finished`` returns the prefill's kv_transfer_params at once. The bytes
+move between the daemons; completions come back through the rank-0 worker, which
+is where vLLM expects them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvd.client import Messages, NoWaitClient, engine_hold_id
+from kvd.errors import KvdError, NotFoundError
+from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups
+from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements
+from kvd.integrations.connector_core.params import (
+    ParamsError,
+    RemotePrefill,
+    blocks_to_pull,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.wire import protocol as P
+
+log = logging.getLogger("kvd.vllm")
+
+# How long past its lease the worker waits for a publish's done_sending before it
+# frees the blocks anyway (the daemon that held them must have died).
+SEND_GRACE_S = 30.0
+FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+# Replies not come by then are forgotten (the workers' own deadlines cover the outcome).
+FORGET_REPLY_S = 600.0
+
+
+@dataclass(frozen=True)
+class _Pull:
+    remote: RemotePrefill
+    local_block_ids: list[int]
+    num_tokens: int
+    quiet: bool  # notify only: vLLM does not wait for it
+    local_groups: list[list[int]] | None = None  # hybrid: one list per KV-cache group
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a request in flight to the daemon was, to act on its reply."""
+
+    kind: str  # "pull" or "publish"
+    request_id: str
+    quiet: bool = False
+    local_block_ids: tuple[int, ...] = ()
+
+
+class KvdScheduler:
+    def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
+                 default_lease_s: float = 30.0,
+                 groups: list[tuple[str, int]] | None = None,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.block_size_tokens = block_size_tokens
+        # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
+        # vLLM's order; None for one attention group (attention-only models, unchanged).
+        self.groups = (groups if groups is not None
+                       and (len(groups) > 1 or groups[0][0] != "attention") else None)
+        self.lease_s = settings.lease_s if settings.lease_s is not None else default_lease_s
+        self.peer_address: str | None = None
+        self.daemon_instance = ""  # the incarnation the workers registered with
+        self._now = now
+        self._client: NoWaitClient | None = None
+        self._pending: dict[str, _Pull] = {}
+        self._meta = StepAnnouncements()
+
+    @property
+    def client(self) -> NoWaitClient:
+        if self._client is None:
+            self._client = NoWaitClient(self.settings.address, token=self.settings.token)
+        return self._client
+
+    def set_handshake(self, metadata: dict[Any, Any]) -> None:
+        self.client  # noqa: B018 - made now, at start-up: a ZMQ context (and its I/O
+        # thread) made in the first publish's step would cost that step ~1 ms
+        for meta in metadata.values():
+            if isinstance(meta, Handshake) and meta.peer_address:
+                self.peer_address = meta.peer_address
+                self.daemon_instance = meta.instance_id
+                return
+
+    def daemon_moved(self, peer_address: str, instance_id: str) -> None:
+        """The workers registered again with a restarted daemon (their pools adopted):
+        receipts name the new instance from now on."""
+        if peer_address:
+            self.peer_address = peer_address
+        if instance_id and instance_id != self.daemon_instance:
+            log.warning("kvd restarted: the workers registered again with instance %s; "
+                        "P/D resumes through it", instance_id)
+            self.daemon_instance = instance_id
+
+    # ------------------------------------------------------------ prefill side (new)
+
+    def on_new_request(self, request: Any) -> None:
+        """Mamba and sliding-window models: the prefill engine stops one prompt token short.
+
+        A Mamba state is the state after the last token computed; the decode
+        engine always recomputes the last prompt token, so it must load the state
+        after N-1 tokens, not N (vLLM's NIXL connector does the same: "backoff").
+        Sliding windows need it too: when a load covers the whole prompt, vLLM's
+        SlidingWindowManager drops blocks for a window ending at token N, then
+        rewinds to recompute token N-1, whose window reaches one token further back
+        (into a block it already made null: measured on vLLM 0.32,
+        tests/vllm/test_scheduler_swa.py). The prefill request is truncated to N-1
+        tokens; its kv_transfer_params then say N-1, and the decode side loads that
+        many and computes the rest, so every window is counted from the token the
+        decode computes first.
+        """
+        params = request.kv_transfer_params
+        if (self.groups is None
+                or not any(kind in ("mamba", "sliding") for kind, _ in self.groups)
+                or not wants_remote_decode(params) or params.get("_kvd_truncated")
+                or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None):
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvd_truncated"] = True
+
+    # ------------------------------------------------------------ decode side
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                               ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return 0, False
+        try:
+            remote = parse_remote_prefill(params)
+        except ParamsError as exc:
+            log.warning("request %s: ignoring kv_transfer_params (%s); computing the prompt "
+                        "locally", request.request_id, exc)
+            return 0, False
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        remote_bs = remote.block_size_tokens
+        if (count > 0 and remote_bs and remote_bs > self.block_size_tokens
+                and num_computed_tokens % remote_bs):
+            # kvd reads whole prefill blocks into groups of decode blocks: a local hit
+            # ending inside a prefill block cannot be continued by a pull (the daemon
+            # refuses it, and vLLM's "fail" policy would then fail the request). vLLM
+            # cannot shrink its local hit, so compute the tail here; after_alloc sends
+            # a notify-only pull that releases the prefill engine's blocks.
+            log.info("request %s: local prefix hit of %d tokens ends inside a prefill "
+                     "block of %d tokens; computing the remaining %d tokens locally",
+                     request.request_id, num_computed_tokens, remote_bs, count)
+            return 0, False
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        params["do_remote_prefill"] = False  # one pull per request, whatever happens
+        try:
+            remote = parse_remote_prefill(params)
+        except ParamsError:
+            return  # warned in num_new_matched_tokens
+        num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
+        if num_external_tokens <= 0:
+            # Full local prefix hit: nothing to read, but P must release its blocks now.
+            self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
+            return
+        hit_tokens = num_tokens - num_external_tokens
+        if self.groups is not None:
+            kinds, sizes = zip(*self.groups, strict=True)
+            groups = pull_groups(kinds, blocks.get_unhashed_block_ids_all_groups(),
+                                 num_tokens, hit_tokens, sizes)
+            self._pending[request.request_id] = _Pull(
+                remote, [b for g in groups for b in g], num_tokens, quiet=False,
+                local_groups=groups)
+            return
+        new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
+        local = blocks_to_pull(num_tokens, hit_tokens, self.block_size_tokens, new_ids)
+        self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
+
+    # ------------------------------------------------------------ prefill side
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid (HMA) hook: one block list per group; one group is as before."""
+        if self.groups is None:
+            return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        return self.request_finished(request, [], group_block_ids=block_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         group_block_ids: tuple[list[int], ...] | None = None
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            # A decode request aborted before it was scheduled: release P's blocks.
+            params["do_remote_prefill"] = False
+            try:
+                remote = parse_remote_prefill(params)
+            except ParamsError:
+                return False, None
+            self._pending[request.request_id] = _Pull(remote, [], 0, quiet=True)
+            return False, None
+        if not wants_remote_decode(params) or request.status.name not in FINISHED_OK:
+            return False, None
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        groups = None
+        if self.groups is not None and group_block_ids is not None:
+            kinds, sizes = zip(*self.groups, strict=True)
+            groups = publish_groups(kinds, group_block_ids, num_tokens, sizes)
+            blocks = [b for g in groups for b in g]
+        else:
+            blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
+        if not blocks:
+            return False, None
+        if self.peer_address is None:
+            log.error("request %s: no kvd peer address from the workers; not publishing",
+                      request.request_id)
+            return False, None
+        consumers = int(params.get("kvd_consumers", self.settings.consumers))
+        hold_id = engine_hold_id()
+        msg = Messages.publish(self.settings.engine_id, request.request_id,
+                               blocks if groups is None else groups, lease_s=self.lease_s,
+                               consumers=consumers, hold_id=hold_id)
+        if not self.client.send(msg, _Sent("publish", request.request_id), self._now()):
+            log.error("request %s: kvd is not taking messages (frozen or gone); not "
+                      "publishing, the decode side will compute the prompt itself",
+                      request.request_id)
+            return False, None
+        # The receipt needs no reply: the hold id is ours, the incarnation the workers'.
+        receipt = (P.receipt(self.daemon_instance, hold_id) if self.daemon_instance
+                   else "")
+        self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
+        remote = RemotePrefill(engine_id=self.settings.engine_id,
+                               request_id=request.request_id, address=self.peer_address,
+                               block_ids=tuple(blocks), num_tokens=num_tokens,
+                               block_size_tokens=self.block_size_tokens,
+                               group_block_ids=(None if groups is None
+                                                else tuple(tuple(g) for g in groups)),
+                               receipt=receipt)
+        return True, remote.to_params()
+
+    # ------------------------------------------------------------ every step
+
+    def build_meta(self) -> StepAnnouncements:
+        """Once per step: act on the replies that came, send the pulls queued since."""
+        self._take_replies()
+        for request_id, pull in self._pending.items():
+            self._start(request_id, pull)
+        self._pending.clear()
+        meta, self._meta = self._meta, StepAnnouncements()
+        return meta
+
+    def _take_replies(self) -> None:
+        if self._client is None:
+            return
+        for reply in self._client.replies():
+            sent: _Sent = reply.tag
+            if not isinstance(reply.body, P.Error):
+                continue
+            exc = Messages.refusal(reply.body)
+            if isinstance(exc, NotFoundError) and "not registered" in str(exc):
+                self._meta.rejoin = True  # the daemon restarted: workers register again
+            if sent.kind == "publish":
+                log.error("request %s: kvd refused the publish (%s); its blocks are freed "
+                          "and the decode side computes the prompt itself",
+                          sent.request_id, exc)
+                self._meta.send_refused.append(sent.request_id)
+            else:
+                log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
+                if not sent.quiet:
+                    self._meta.refused[sent.request_id] = list(sent.local_block_ids)
+        self._client.forget_older(self._now(), FORGET_REPLY_S)
+
+    def _start(self, request_id: str, pull: _Pull) -> None:
+        remote_groups = pull.remote.group_block_ids
+        if remote_groups is None and self.groups is not None and len(self.groups) == 1:
+            remote_groups = (pull.remote.block_ids,)  # one Mamba group's list comes flat
+        hybrid = self.groups is not None and remote_groups is not None
+        if hybrid:
+            local_groups = pull.local_groups or [[] for _ in remote_groups]
+            remote_ids: Any = [list(g) for g in remote_groups]
+            local_ids: Any = local_groups
+        else:
+            remote_ids, local_ids = list(pull.remote.block_ids), pull.local_block_ids
+        try:
+            msg = Messages.pull(self.settings.engine_id, request_id,
+                                remote_engine_id=pull.remote.engine_id,
+                                remote_address=pull.remote.address,
+                                remote_block_ids=remote_ids, local_block_ids=local_ids,
+                                remote_request_id=pull.remote.request_id,
+                                publish_receipt=pull.remote.receipt,
+                                num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
+                                            else -1))
+        except (KvdError, ValueError) as exc:  # msgspec bounds (ValidationError)
+            log.warning("request %s: cannot build the pull (%s)", request_id, exc)
+            sent_ok = False
+        else:
+            sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,
+                                                  tuple(pull.local_block_ids)), self._now())
+            if not sent_ok:
+                log.warning("request %s: kvd is not taking messages (frozen or gone); the "
+                            "pull fails now", request_id)
+        if not sent_ok:
+            if not pull.quiet:
+                self._meta.failed[request_id] = pull.local_block_ids
+            return
+        if pull.quiet:
+            self._meta.quiet.append(request_id)
+        else:
+            self._meta.recv[request_id] = pull.local_block_ids
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,565 @@
+"""Copies between pools on GPUs (and DRAM) that this process maps, on CUDA streams.
+
+The VRAM counterpart of `kvd.transport.localcopy.LocalCopier`, with the same handle
+semantics: ``post`` enqueues the copy and returns a handle, ``poll`` is True only once
+the copy's completion has been *observed* (a CUDA event recorded after the last copy
+on every stream it used has completed, and any staged host step has ended), never on a
+host-side guess; ``release`` of a copy not ended waits for it (enqueued GPU copies
+cannot be recalled) or raises, keeping the handle.
+
+Descriptors carry a device per side (``HOST`` = -1 for DRAM, else the GPU index):
+
+* **d2d** (one GPU) and **peer** (two GPUs): ``cudaMemcpyAsync(..., cudaMemcpyDefault)``
+  per merged piece on the destination GPU's streams (peer access enabled once per
+  pair where the GPUs allow it; otherwise the driver stages through the host);
+* **h2d** / **d2h** to host memory registered with the copier (`register_host`, page-
+  locked with ``cudaHostRegister``): direct DMA, same as above;
+* **h2d** / **d2h** to host memory not registered (a pool file of another daemon, say):
+  **staged** through a few page-locked slots: the device side copies into a slot, a
+  host thread moves the slot to the destination (``ctypes.memmove``), slots alternate
+  so the two steps overlap; the reverse for h2d.
+
+The plan (`plan_device_copy`, `stage_batches`) is pure and tested without CUDA; the
+runtime (`CudaCopier`) imports torch lazily and needs a GPU. The CUDA runtime is called
+through ctypes on the libcudart that torch loaded (`_cudart`), so no extra package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.errors import BusyError, TransferError
+from kvd.transport.copyplan import (
+    MAX_PIECE_NBYTES,
+    CopyPart,
+    as_descriptors,
+    merge_adjacent,
+    plan_copy,
+)
+
+HOST = -1
+# Page-locked staging: slots of this size, this many (a copy through unregistered host
+# memory moves one slot on the GPU while the host thread empties/fills another).
+STAGING_SLOT_NBYTES = 32 << 20
+STAGING_SLOTS = 2
+MIN_STREAM_PART_NBYTES = 16 << 20  # below this a copy stays on one stream
+MAX_STREAMS_PER_DEVICE = 16
+MAX_HANDLES = 65536
+CUDA_MEMCPY_DEFAULT = 4
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+# ----------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Descriptors of one (source device, destination device) pair, and how they move.
+
+    ``kind``: d2d, peer, h2d or d2h. ``device``: the GPU whose streams issue it (the
+    destination's, or the source's for d2h). ``staged``: through page-locked slots
+    (the host side is not registered). ``parts``: one per stream, equal bytes.
+    """
+
+    src_dev: int
+    dst_dev: int
+    kind: str
+    device: int
+    staged: bool
+    parts: tuple[CopyPart, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.parts)
+
+
+@dataclass(frozen=True)
+class StageBatch:
+    """One slot's worth of a staged copy: pieces (host addr, device addr, nbytes,
+    offset in the slot), packed without gaps; ``nbytes`` <= the slot size."""
+
+    pieces: tuple[tuple[int, int, int, int], ...]
+    nbytes: int
+
+
+def _kind(src_dev: int, dst_dev: int) -> str:
+    if src_dev == HOST and dst_dev == HOST:
+        raise ValueError("copy: host to host is LocalCopier's (kvd.transport.localcopy)")
+    if src_dev == HOST:
+        return "h2d"
+    if dst_dev == HOST:
+        return "d2h"
+    return "d2d" if src_dev == dst_dev else "peer"
+
+
+def _devs(devs, n: int, side: str) -> np.ndarray:
+    arr = np.broadcast_to(np.asarray(devs, dtype=np.int64), (n,)) if np.ndim(devs) == 0 \
+        else np.asarray(devs, dtype=np.int64).reshape(-1)
+    if len(arr) != n:
+        raise ValueError(f"copy: {len(arr)} {side} devices for {n} descriptors")
+    if (arr < HOST).any():
+        raise ValueError(f"copy: {side} device below {HOST} (host)")
+    return arr
+
+
+def _within(addrs: np.ndarray, nbytes: np.ndarray,
+            regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    ok = np.zeros(len(addrs), dtype=bool)
+    for base, size in regions:
+        ok |= (addrs >= base) & (addrs + nbytes <= base + size)
+    return ok
+
+
+def plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs, *, streams: int = 1,
+                     pinned: Sequence[tuple[int, int]] = (),
+                     min_part_nbytes: int = MIN_STREAM_PART_NBYTES,
+                     max_piece_nbytes: int = MAX_PIECE_NBYTES) -> tuple[Lane, ...]:
+    """Group descriptors into lanes by (source device, destination device, staged),
+    keeping their order, merge adjacent ones, and split each lane over ``streams``
+    streams by equal bytes. ``*_devs``: one per descriptor or one for all (``HOST``
+    for DRAM). ``pinned``: host regions registered with CUDA (direct DMA). Pure;
+    ValueError as `kvd.transport.copyplan.as_descriptors`, and for host to host."""
+    if not 1 <= streams <= MAX_STREAMS_PER_DEVICE:
+        raise ValueError(f"streams must be 1..{MAX_STREAMS_PER_DEVICE}, got {streams}")
+    dst, src, size = as_descriptors(dst_addrs, src_addrs, nbytes)
+    ddev, sdev = _devs(dst_devs, len(size), "destination"), _devs(src_devs, len(size),
+                                                                   "source")
+    host_side = np.where(sdev == HOST, src, dst)
+    on_host = (sdev == HOST) | (ddev == HOST)
+    staged = on_host & ~_within(host_side, size, pinned)
+    keys = np.stack([sdev, ddev, staged.astype(np.int64)], axis=1)
+    lanes = []
+    uniq, first = np.unique(keys, axis=0, return_index=True)
+    for key in uniq[np.argsort(first)]:
+        s_dev, d_dev, is_staged = (int(k) for k in key)
+        kind = _kind(s_dev, d_dev)
+        sel = np.flatnonzero((keys == key).all(axis=1))
+        ld, ls, ln = merge_adjacent(dst[sel], src[sel], size[sel])
+        plan = plan_copy(ld, ls, ln, parts=1 if is_staged else streams,
+                         min_part_nbytes=min_part_nbytes, max_piece_nbytes=max_piece_nbytes)
+        device = s_dev if kind == "d2h" else d_dev
+        lanes.append(Lane(src_dev=s_dev, dst_dev=d_dev, kind=kind, device=device,
+                          staged=bool(is_staged), parts=plan.parts))
+    return tuple(lanes)
+
+
+def stage_batches(lane: Lane, slot_nbytes: int = STAGING_SLOT_NBYTES) -> list[StageBatch]:
+    """A staged lane's pieces packed into slots of ``slot_nbytes`` (a piece that does
+    not fit the rest of a slot is split across two). Pure."""
+    if slot_nbytes < 1:
+        raise ValueError("slot_nbytes must be >= 1")
+    if not lane.staged:
+        raise ValueError("stage_batches: lane is not staged")
+    d2h = lane.kind == "d2h"
+    batches: list[StageBatch] = []
+    pieces: list[tuple[int, int, int, int]] = []
+    used = 0
+    for part in lane.parts:
+        for d, s, n in zip(part.dst.tolist(), part.src.tolist(), part.nbytes.tolist(),
+                           strict=True):
+            host, dev = (d, s) if d2h else (s, d)
+            while n:
+                take = min(n, slot_nbytes - used)
+                pieces.append((host, dev, take, used))
+                used += take
+                host, dev, n = host + take, dev + take, n - take
+                if used == slot_nbytes:
+                    batches.append(StageBatch(tuple(pieces), used))
+                    pieces, used = [], 0
+    if pieces:
+        batches.append(StageBatch(tuple(pieces), used))
+    return batches
+
+
+# ------------------------------------------------------------ the CUDA runtime
+
+
+def _cudart() -> ctypes.CDLL:
+    """The libcudart torch loaded (found in /proc/self/maps), with the signatures used."""
+    import torch
+
+    torch.cuda.init()
+    path = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                path = line.split(None, 5)[-1].strip()
+                break
+    if path is None:  # statically linked or renamed: ask by soname
+        major = (torch.version.cuda or "12").split(".")[0]
+        path = f"libcudart.so.{major}"
+    lib = ctypes.CDLL(path)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+    lib.cudaMemcpyAsync.restype = ctypes.c_int
+    lib.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
+    lib.cudaHostRegister.restype = ctypes.c_int
+    lib.cudaHostUnregister.argtypes = [vp]
+    lib.cudaHostUnregister.restype = ctypes.c_int
+    lib.cudaDeviceEnablePeerAccess.argtypes = [ctypes.c_int, ctypes.c_uint]
+    lib.cudaDeviceEnablePeerAccess.restype = ctypes.c_int
+    lib.cudaGetLastError.restype = ctypes.c_int
+    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cudaRuntimeGetVersion.restype = ctypes.c_int
+    return lib
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+@dataclass
+class _DeviceCopy:
+    events: list = field(default_factory=list)  # torch.cuda.Event, one per stream used
+    staged: object | None = None  # concurrent.futures.Future of the staged part
+    abandoned: bool = False
+    nbytes: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class CudaCounts:
+    handles: int
+    registered_host_regions: int
+
+
+class CudaCopier:
+    """Device copies with transfer-handle semantics (see the module docstring).
+
+    ``streams_per_device``: streams a large copy is spread over on each GPU.
+    ``batch``: issue each stream's pieces with one ``cudaMemcpyBatchAsync`` (CUDA
+    >= 12.8) instead of one ``cudaMemcpyAsync`` each; refused at start when the
+    runtime lacks it. Raises TransferError when CUDA is not available.
+    """
+
+    def __init__(self, streams_per_device: int = 2, batch: bool = False,
+                 slot_nbytes: int = STAGING_SLOT_NBYTES, slots: int = STAGING_SLOTS,
+                 max_handles: int = MAX_HANDLES, _runtime: tuple | None = None) -> None:
+        """``_runtime``: (torch-like module, cudart-like object) instead of torch and
+        libcudart: the CPU suite's simulated GPU (tests/transport/test_cudacopy_plan.py)."""
+        if not 1 <= streams_per_device <= MAX_STREAMS_PER_DEVICE or slots < 1 \
+                or slot_nbytes < 1:
+            raise ValueError("streams_per_device 1..16, slots >= 1, slot_nbytes >= 1")
+        if _runtime is None:
+            try:
+                import torch
+            except ImportError as e:  # pragma: no cover - torch is a dependency
+                raise TransferError(f"CUDA copies need torch: {e}") from None
+            if not torch.cuda.is_available():
+                raise TransferError("CUDA copies: no CUDA device visible")
+            _runtime = (torch, _cudart())
+        self._torch, self._rt = _runtime
+        version = ctypes.c_int()
+        self._check(self._rt.cudaRuntimeGetVersion(ctypes.byref(version)), "version")
+        self.runtime_version = version.value
+        self.streams_per_device = streams_per_device
+        self.batch = batch
+        if batch:
+            self._setup_batch()
+        self.slot_nbytes, self.slots = slot_nbytes, slots
+        self.max_handles = max_handles
+        self._streams: dict[int, list] = {}
+        self._peers: set[tuple[int, int]] = set()
+        self._pinned: dict[int, int] = {}  # base -> nbytes, registered by us
+        self._staging: list | None = None  # pinned torch tensors, one per slot
+        self._copies: dict[int, _DeviceCopy] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-stage")
+        self._closed = False
+        self.last_lanes: tuple[Lane, ...] = ()
+
+    # -- setup ----------------------------------------------------------------------
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            self._rt.cudaGetLastError()  # clear the sticky-free error state
+            msg = self._rt.cudaGetErrorString(rc)
+            raise TransferError(f"CUDA {what} failed: {rc} "
+                                f"{msg.decode() if msg else 'unknown error'}")
+
+    def _setup_batch(self) -> None:
+        fn = getattr(self._rt, "cudaMemcpyBatchAsync", None)
+        if fn is None or self.runtime_version < 12080:
+            raise TransferError(f"cudaMemcpyBatchAsync needs CUDA >= 12.8 (runtime "
+                                f"{self.runtime_version})")
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        args = [ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(sz), sz,
+                ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(sz), sz]
+        if self.runtime_version < 13000:  # 12.8/12.9 have a failIdx out-parameter
+            args.append(ctypes.POINTER(sz))
+        fn.argtypes = args + [vp]
+        fn.restype = ctypes.c_int
+        self._batch_fn = fn
+
+    def _stream_list(self, device: int) -> list:
+        with self._lock:  # the staging thread asks too
+            streams = self._streams.get(device)
+            if streams is None:
+                torch = self._torch
+                streams = [torch.cuda.Stream(device=device)
+                           for _ in range(self.streams_per_device)]
+                self._streams[device] = streams
+            return streams
+
+    def _enable_peer(self, src_dev: int, dst_dev: int) -> None:
+        if (src_dev, dst_dev) in self._peers:
+            return
+        torch = self._torch
+        if torch.cuda.can_device_access_peer(dst_dev, src_dev):
+            with torch.cuda.device(dst_dev):
+                rc = self._rt.cudaDeviceEnablePeerAccess(src_dev, 0)
+            if rc == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+                self._rt.cudaGetLastError()
+            else:
+                self._check(rc, f"peer access {dst_dev} -> {src_dev}")
+        self._peers.add((src_dev, dst_dev))  # without P2P the driver stages copies
+
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Page-lock a host region (a DRAM pool) so copies to and from it are direct
+        DMA rather than staged. Idempotent per base address."""
+        if addr in self._pinned:
+            return
+        self._check(self._rt.cudaHostRegister(addr, nbytes, CUDA_HOST_REGISTER_PORTABLE),
+                    f"cudaHostRegister({addr:#x}, {nbytes})")
+        self._pinned[addr] = nbytes
+
+    def unregister_host(self, addr: int) -> None:
+        """Undo `register_host`; refused while a copy of this copier is unreleased
+        (it may still DMA into that memory)."""
+        if addr not in self._pinned:
+            return
+        with self._lock:
+            if self._copies:
+                raise TransferError("unregister_host: copies not yet released")
+        self._check(self._rt.cudaHostUnregister(addr), f"cudaHostUnregister({addr:#x})")
+        del self._pinned[addr]
+
+    # -- the handle interface -------------------------------------------------------
+
+    def post(self, dst_addrs, src_addrs, nbytes, *, dst_devs, src_devs) -> int:
+        """Enqueue ``dst[i] <- src[i]``; ``*_devs``: GPU index per descriptor (or one
+        for all), ``HOST`` (-1) for DRAM. Returns a handle. Raises ValueError for
+        malformed descriptors, TransferError when CUDA refuses a copy (what was
+        enqueued before still completes: the handle then polls as failed) or the
+        copier is closed, BusyError past ``max_handles``."""
+        lanes = plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs,
+                                 streams=self.streams_per_device,
+                                 pinned=tuple(self._pinned.items()))
+        self.last_lanes = lanes
+        with self._lock:
+            if self._closed:
+                raise TransferError("CUDA copier is closed")
+            if len(self._copies) >= self.max_handles:
+                raise BusyError(f"{len(self._copies)} device copies unreleased "
+                                f"(at most {self.max_handles})")
+            handle = next(self._ids)
+            copy = _DeviceCopy(nbytes=sum(lane.total for lane in lanes))
+            self._copies[handle] = copy
+        staged = [lane for lane in lanes if lane.staged]
+        try:
+            for lane in lanes:
+                if lane.staged:
+                    continue
+                if lane.kind == "peer":
+                    self._enable_peer(lane.src_dev, lane.dst_dev)
+                self._issue(copy, lane)
+        except TransferError as e:
+            copy.error = e  # already-enqueued copies still run: poll waits for them
+        if staged and copy.error is None:
+            copy.staged = self._stager.submit(self._run_staged, copy, staged)
+        return handle
+
+    def _issue(self, copy: _DeviceCopy, lane: Lane) -> None:
+        torch = self._torch
+        streams = self._stream_list(lane.device)
+        with torch.cuda.device(lane.device):
+            for part, stream in zip(lane.parts, streams, strict=False):
+                try:
+                    self._enqueue(part.dst, part.src, part.nbytes, stream, lane)
+                finally:  # also after a refused copy: what was enqueued is tracked
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    copy.events.append(event)
+
+    def _enqueue(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream,
+                 lane: Lane) -> None:
+        handle = stream.cuda_stream
+        if self.batch and len(nbytes) > 1:
+            n = len(nbytes)
+            dsts = (ctypes.c_void_p * n)(*dst.tolist())
+            srcs = (ctypes.c_void_p * n)(*src.tolist())
+            sizes = (ctypes.c_size_t * n)(*nbytes.tolist())
+            attr = _MemcpyAttributes()
+            attr.srcAccessOrder = 1  # cudaMemcpySrcAccessOrderStream
+            for loc, dev in ((attr.srcLocHint, lane.src_dev), (attr.dstLocHint, lane.dst_dev)):
+                loc.type, loc.id = (2, 0) if dev == HOST else (1, dev)
+            idx = (ctypes.c_size_t * 1)(0)
+            args = [dsts, srcs, sizes, n, ctypes.byref(attr), idx, 1]
+            if self.runtime_version < 13000:
+                fail = ctypes.c_size_t(0)
+                args.append(ctypes.byref(fail))
+            self._check(self._batch_fn(*args, handle), f"cudaMemcpyBatchAsync of {n}")
+            return
+        memcpy = self._rt.cudaMemcpyAsync
+        for d, s, k in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
+            rc = memcpy(d, s, k, CUDA_MEMCPY_DEFAULT, handle)
+            if rc:
+                self._check(rc, f"cudaMemcpyAsync({d:#x} <- {s:#x}, {k})")
+
+    def _staging_slots(self) -> list:
+        if self._staging is None:
+            torch = self._torch
+            self._staging = [torch.empty(self.slot_nbytes, dtype=torch.uint8, pin_memory=True)
+                             for _ in range(self.slots)]
+        return self._staging
+
+    def _run_staged(self, copy: _DeviceCopy, lanes: list[Lane]) -> None:
+        """On the staging thread: each staged lane through the page-locked slots."""
+        slots = self._staging_slots()
+        for lane in lanes:
+            stream = self._stream_list(lane.device)[0]
+            d2h = lane.kind == "d2h"
+            pending: deque = deque()  # (event, batch, slot address), oldest first
+            try:
+                self._stage_lane(copy, lane, stream, slots, d2h, pending)
+            finally:  # abandoned or failed: nothing enqueued may land after we end
+                for event, _, _ in pending:
+                    event.synchronize()
+
+    def _stage_lane(self, copy: _DeviceCopy, lane: Lane, stream, slots: list, d2h: bool,
+                    pending: deque) -> None:
+        torch = self._torch
+        raw = stream.cuda_stream
+        with torch.cuda.device(lane.device):
+            for i, batch in enumerate(stage_batches(lane, self.slot_nbytes)):
+                if copy.abandoned:
+                    raise TransferError("abandoned before it ended")
+                if len(pending) == len(slots):  # reuse the oldest slot once it is done
+                    self._finish_slot(pending.popleft(), d2h)
+                slot = slots[i % len(slots)].data_ptr()
+                if not d2h:
+                    for host, _, n, off in batch.pieces:
+                        ctypes.memmove(slot + off, host, n)
+                try:
+                    for _, dev, n, off in batch.pieces:
+                        dst, src = (slot + off, dev) if d2h else (dev, slot + off)
+                        self._check(self._rt.cudaMemcpyAsync(dst, src, n, CUDA_MEMCPY_DEFAULT,
+                                                             raw), f"staged {lane.kind} copy")
+                finally:  # tracked even when CUDA refused a piece
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    pending.append((event, batch, slot))
+            while pending:
+                self._finish_slot(pending.popleft(), d2h)
+
+    @staticmethod
+    def _finish_slot(entry, d2h: bool) -> None:
+        event, batch, slot = entry
+        event.synchronize()
+        if d2h:
+            for host, _, n, off in batch.pieces:
+                ctypes.memmove(host, slot + off, n)
+
+    def poll(self, handle: int) -> bool:
+        """True once every stream's event has completed and the staged part ended;
+        raises TransferError if the copy failed (only once nothing of it can still
+        land) or for an unknown handle."""
+        copy = self._get(handle)
+        if not all(e.query() for e in copy.events):
+            return False
+        if copy.staged is not None:
+            if not copy.staged.done():
+                return False
+            exc = copy.staged.exception()
+            if exc is not None and copy.error is None:
+                copy.error = exc
+        if copy.error is not None:
+            raise TransferError(f"device copy failed: {copy.error}") from copy.error
+        return True
+
+    def _ended(self, copy: _DeviceCopy) -> bool:
+        return all(e.query() for e in copy.events) and (copy.staged is None
+                                                        or copy.staged.done())
+
+    def wait(self, handle: int, timeout_s: float | None = None) -> bool:
+        """Block until the copy ends (tests, benchmarks); then as ``poll``."""
+        copy = self._get(handle)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for e in copy.events:
+            e.synchronize()
+        if copy.staged is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                copy.staged.exception(timeout=left)
+            except TimeoutError:
+                return False
+        return self.poll(handle)
+
+    def release(self, handle: int, timeout_s: float | None = None) -> None:
+        """Forget a copy. One not ended is abandoned (its staged batches not started
+        never run) and waited for, since copies enqueued on a GPU cannot be recalled;
+        still running after ``timeout_s``: TransferError, handle kept."""
+        copy = self._get(handle)
+        if not self._ended(copy):
+            copy.abandoned = True
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while not self._ended(copy):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TransferError(f"device copy {handle} still running after "
+                                        f"{timeout_s} s: not released")
+                time.sleep(0.0002)
+        with self._lock:
+            self._copies.pop(handle, None)
+
+    def counts(self) -> CudaCounts:
+        with self._lock:
+            return CudaCounts(handles=len(self._copies),
+                              registered_host_regions=len(self._pinned))
+
+    def close(self) -> None:
+        """Wait for every copy (GPU copies cannot be recalled), stop the staging
+        thread, unregister host regions. Handles stay valid for poll/release."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            copies = list(self._copies.values())
+        for copy in copies:
+            copy.abandoned = True
+            for e in copy.events:
+                e.synchronize()
+        self._stager.shutdown(wait=True)
+        for addr in list(self._pinned):
+            self._rt.cudaHostUnregister(addr)
+            del self._pinned[addr]
+
+    def _get(self, handle: int) -> _DeviceCopy:
+        copy = self._copies.get(handle)
+        if copy is None:
+            raise TransferError(f"unknown device copy handle {handle!r}")
+        return copy
+
+    def __enter__(self) -> CudaCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
