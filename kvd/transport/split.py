@@ -17,6 +17,8 @@ within ``(part - min_part_nbytes) / 2`` of the ideal, so no part is smaller than
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import replace
 
@@ -32,12 +34,24 @@ RUN_CUT_SLACK = 1 / 16
 MAX_CUT_GRAIN = 64 << 10
 
 
+# READs of at most this many descriptors (a cut contiguous pull: one) are split in plain
+# Python: numpy's per-call cost on one-element arrays was about half of a split's
+# Python path (loopback, cProfile), and every microsecond here delays the parts' copies.
+SMALL_READ_DESCRIPTORS = 16
+
+
+def _ints(arr: np.ndarray | list[int]) -> list[int]:
+    return arr.tolist() if isinstance(arr, np.ndarray) else [int(x) for x in arr]
+
+
 def cut_grain(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
               cap: int = MAX_CUT_GRAIN) -> int:
     """The largest power of two <= ``cap`` dividing every size and address of both sides."""
     g = 0
     for arr in (nbytes, local_addrs, remote_addrs):
-        if len(arr):
+        if len(arr) <= SMALL_READ_DESCRIPTORS:
+            g = math.gcd(g, *_ints(arr))
+        else:
             g = math.gcd(g, int(np.gcd.reduce(np.asarray(arr, dtype=np.int64))))
     if g <= 0:
         return 1
@@ -55,18 +69,32 @@ def split_bytes(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.nd
     is ``parts`` lowered so that every part holds at least ``min_part_nbytes`` (1 when
     the whole READ is smaller: it stays whole). Pure: no transport, no clock.
     """
-    sizes = np.asarray(nbytes, dtype=np.int64)
-    total = int(sizes.sum())
+    n = len(nbytes)
+    small = n <= SMALL_READ_DESCRIPTORS
+    if small:
+        sizes: list[int] | np.ndarray = _ints(nbytes)
+        total = sum(sizes)
+    else:
+        sizes = np.asarray(nbytes, dtype=np.int64)
+        total = int(sizes.sum())
     min_part = max(1, int(min_part_nbytes))
     parts = max(1, min(int(parts), total // min_part))
-    if parts == 1 or len(sizes) == 0:
+    if parts == 1 or n == 0:
         return [0, total]
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    la = np.asarray(local_addrs, dtype=np.int64)
-    ra = np.asarray(remote_addrs, dtype=np.int64)
-    joined = (la[1:] == la[:-1] + sizes[:-1]) & (ra[1:] == ra[:-1] + sizes[:-1])
-    run_bytes = starts[1:][~joined]  # positions between two merged runs
+    if small:
+        la, ra = _ints(local_addrs), _ints(remote_addrs)
+        ends: list[int] | np.ndarray = list(itertools.accumulate(sizes))
+        starts: list[int] | np.ndarray = [e - z for e, z in zip(ends, sizes, strict=True)]
+        run_bytes: list[int] | np.ndarray = [
+            starts[i] for i in range(1, n)
+            if la[i] != la[i - 1] + sizes[i - 1] or ra[i] != ra[i - 1] + sizes[i - 1]]
+    else:
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        la = np.asarray(local_addrs, dtype=np.int64)
+        ra = np.asarray(remote_addrs, dtype=np.int64)
+        joined = (la[1:] == la[:-1] + sizes[:-1]) & (ra[1:] == ra[:-1] + sizes[:-1])
+        run_bytes = starts[1:][~joined]  # positions between two merged runs
     if grain is None:
         grain = cut_grain(la, ra, sizes)
     step = total // parts  # every ideal part holds step or step + 1 bytes
@@ -79,17 +107,24 @@ def split_bytes(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.nd
     return cuts
 
 
-def _cut_near(ideal: int, tolerance: int, run_bytes: np.ndarray, starts: np.ndarray,
-              ends: np.ndarray, grain: int) -> int:
+def _search(arr: list[int] | np.ndarray, x: int, right: bool = False) -> int:
+    """numpy's searchsorted, on a list or an array."""
+    if isinstance(arr, list):
+        return (bisect.bisect_right if right else bisect.bisect_left)(arr, x)
+    return int(np.searchsorted(arr, x, side="right" if right else "left"))
+
+
+def _cut_near(ideal: int, tolerance: int, run_bytes: list[int] | np.ndarray,
+              starts: list[int] | np.ndarray, ends: list[int] | np.ndarray, grain: int) -> int:
     """A run boundary within ``tolerance`` of ``ideal``, else a grain-aligned offset
     inside the descriptor holding ``ideal`` within it, else ``ideal`` itself."""
     if len(run_bytes):
-        j = int(np.searchsorted(run_bytes, ideal))
+        j = _search(run_bytes, ideal)
         near = [int(run_bytes[i]) for i in (j - 1, j) if 0 <= i < len(run_bytes)]
         best = min(near, key=lambda b: abs(b - ideal))
         if abs(best - ideal) <= tolerance:
             return best
-    d = int(np.searchsorted(ends, ideal, side="right"))  # starts[d] <= ideal < ends[d]
+    d = _search(ends, ideal, right=True)  # starts[d] <= ideal < ends[d]
     lo = int(starts[d])
     aligned = lo + (ideal - lo + grain // 2) // grain * grain
     if abs(aligned - ideal) <= tolerance and lo <= aligned <= int(ends[d]):
@@ -100,14 +135,18 @@ def _cut_near(ideal: int, tolerance: int, run_bytes: np.ndarray, starts: np.ndar
 def part_of(post: ReadPost, lo: int, hi: int) -> ReadPost:
     """Bytes ``[lo, hi)`` of a READ (its descriptors laid end to end) as a READ of its
     own: the descriptors it spans, the first and last trimmed on both sides alike."""
-    sizes = np.asarray(post.nbytes, dtype=np.int64)
-    ends = np.cumsum(sizes)
-    first = int(np.searchsorted(ends, lo, side="right"))
-    last = int(np.searchsorted(ends, hi, side="left")) + 1  # exclusive
+    if len(post.nbytes) <= SMALL_READ_DESCRIPTORS:
+        sizes: list[int] | np.ndarray = _ints(post.nbytes)
+        ends: list[int] | np.ndarray = list(itertools.accumulate(sizes))
+    else:
+        sizes = np.asarray(post.nbytes, dtype=np.int64)
+        ends = np.cumsum(sizes)
+    first = _search(ends, lo, right=True)
+    last = _search(ends, hi) + 1  # exclusive
     la = np.array(post.local_addrs[first:last], dtype=np.int64)
     ra = np.array(post.remote_addrs[first:last], dtype=np.int64)
-    nb = sizes[first:last].copy()
-    skip = lo - int(ends[first] - sizes[first])
+    nb = np.array(sizes[first:last], dtype=np.int64)
+    skip = lo - (int(ends[first]) - int(sizes[first]))
     la[0] += skip
     ra[0] += skip
     nb[0] -= skip

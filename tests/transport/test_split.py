@@ -217,3 +217,27 @@ def test_contiguous_read_is_one_descriptor_split_over_every_worker(three) -> Non
     # a part of one descriptor goes on a fresh list, as the daemon posts such READs
     assert [p.fresh_posts for p in ws.posters] == [1, 1, 1]
     assert [p.prepped_posts for p in ws.posters] == [0, 0, 0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(reads(), st.integers(2, 8))
+def test_few_descriptors_split_in_python_exactly_as_with_numpy(read, parts: int) -> None:
+    """READs of a few descriptors take a plain-Python path (cheaper per call); it must
+    cut and trim exactly as the numpy path does."""
+    from kvd.transport import split
+
+    la, ra, nb = read
+    post = _post(la, ra, nb)
+    fast = split.split_bytes(la, ra, nb, parts)
+    fast_parts = [split.part_of(post, a, b) for a, b in zip(fast, fast[1:], strict=False)]
+    saved = split.SMALL_READ_DESCRIPTORS
+    split.SMALL_READ_DESCRIPTORS = -1
+    try:
+        slow = split.split_bytes(la, ra, nb, parts)
+        slow_parts = [split.part_of(post, a, b) for a, b in zip(slow, slow[1:], strict=False)]
+    finally:
+        split.SMALL_READ_DESCRIPTORS = saved
+    assert fast == slow
+    for f, s in zip(fast_parts, slow_parts, strict=True):
+        for field in ("local_addrs", "remote_addrs", "nbytes", "local_devs", "remote_devs"):
+            assert np.array_equal(getattr(f, field), getattr(s, field)), field
