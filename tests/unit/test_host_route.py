@@ -83,6 +83,9 @@ def test_memfd_pools_vram_and_older_daemons_are_not() -> None:
     assert not old.ok and "older kvd" in old.reason
     bad = host_reach(_facts(), _engine(FILES, "kvdhost9;x"), lambda _: (5, 6))
     assert not bad.ok and "host token" in bad.reason
+    outside = [P.PoolFile(path="/etc/passwd", dev=1, ino=2)]
+    out = host_reach(_facts(), _engine(outside, token), lambda _: (5, 6))
+    assert not out.ok and "not in the producer's pool directory" in out.reason
 
 
 def test_the_choice_is_made_once_per_handshake_and_maps_the_files(tmp_path) -> None:

@@ -33,7 +33,8 @@ from kvd.transport.samehost import HostFacts, Reach, dram_reachable, parse_host_
 
 log = logging.getLogger("kvd.consumer")
 
-MAX_MAPPED_HANDSHAKES = 256  # bound: past it the oldest retired ones are already gone
+MAX_MAPPED_HANDSHAKES = 256
+DEFAULT_POOL_DIR = "/dev/shm"  # bound: past it the oldest retired ones are already gone
 
 
 def host_reach(mine: HostFacts, remote: RemoteEngine,
@@ -48,6 +49,7 @@ def host_reach(mine: HostFacts, remote: RemoteEngine,
         return Reach(False, "", f"{remote.desc.mem_type} pools: the host path maps DRAM "
                      "pool files only")
     how, why = "", ""
+    dirs = {DEFAULT_POOL_DIR}  # where a pool falls back to (a hugetlbfs mount out of pages)
     for addr, d in sorted(remote.daemons.items()):
         if not d.host_token:
             return Reach(False, "", f"the producer daemon {addr} does not say which host "
@@ -56,6 +58,7 @@ def host_reach(mine: HostFacts, remote: RemoteEngine,
             peer = parse_host_token(d.host_token)
         except ValueError as exc:
             return Reach(False, "", f"the producer daemon {addr}: {exc}")
+        dirs.add(peer.pool_dir)
         reach = dram_reachable(mine, peer, dir_here(peer.pool_dir))
         if not reach.ok:
             return reach
@@ -65,6 +68,10 @@ def host_reach(mine: HostFacts, remote: RemoteEngine,
             return Reach(False, "", f"same host, but rank {rid.key}'s pool has no file "
                          "(a memfd pool, pool_backing memfd or memfd_hugetlb): memfd pools "
                          "are not reachable by path; use a file backing or one daemon")
+        # Only files in a pool directory are opened: a peer names paths, we map them.
+        if os.path.dirname(os.path.normpath(rr.pool_file.path)) not in dirs:
+            return Reach(False, "", f"rank {rid.key}'s pool file {rr.pool_file.path} is not "
+                         "in the producer's pool directory")
     return Reach(True, how, why)
 
 
@@ -99,7 +106,7 @@ class HostMaps:
         try:
             for rid, rr in sorted(remote.ranks.items()):
                 f = rr.pool_file
-                fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                 try:
                     st = os.fstat(fd)
                     if (st.st_dev, st.st_ino) != (f.dev, f.ino):
