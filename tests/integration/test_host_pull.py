@@ -8,8 +8,9 @@ says why.
 
 from __future__ import annotations
 
+import os
 import random
-import threading
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from support.cluster import (
 )
 from test_matrix import CASES, model, shape
 
+from kvd.errors import KvdTimeoutError
 from kvd.ops.status import format_status
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec
@@ -98,36 +100,41 @@ def _big(c, prefix: str, blocks: int):
 
 
 def test_the_hold_is_released_only_after_the_copy(two) -> None:
-    """A 192 MiB pull: the producer's done_sending comes after the consumer's
-    done_recving (the notice leaves once the copy ended), never before."""
+    """192 MiB pulls; the consumer daemon is frozen (SIGSTOP) right after it accepted
+    each: while it is frozen (its copy not ended) the producer keeps holding the
+    request, however long; thawed, the copy ends, byte-exact, and only then does the
+    producer release it, counting the bytes of the consumer's notice."""
     p = two
-    shape_, pe = _big(p.pc, "bigp", 96)
+    _, pe = _big(p.pc, "bigp", 96)
     _, de = _big(p.dc, "bigd", 96)
+    caught = 0
     try:
         words = pe.ranks[0].kv.view(np.uint64).reshape(-1)
         words[:] = np.arange(words.size, dtype=np.uint64)
         rng = random.Random(5)
-        p_ids, d_ids = rng.sample(range(96), 96), rng.sample(range(96), 96)
-        rid = unique("hold")
-        p.pc.publish(pe.engine_id, rid, p_ids)
-        seen: dict[str, float] = {}
-
-        def wait(client, engine, kind) -> None:
-            ev = client.wait(engine, rid, kind, timeout_s=30)
-            seen[kind] = time.monotonic()
-            seen[kind + "_ok"] = ev.ok
-
-        threads = [threading.Thread(target=wait, args=(p.pc, pe.engine_id, "done_sending")),
-                   threading.Thread(target=wait, args=(p.dc, de.engine_id, "done_recving"))]
-        for t in threads:
-            t.start()
-        p.dc.pull(de.engine_id, rid, pe.engine_id, p.prefill.peer_address, p_ids, d_ids)
-        for t in threads:
-            t.join(40)
-        assert seen["done_recving_ok"] and seen["done_sending_ok"], seen
-        assert seen["done_recving"] <= seen["done_sending"], seen
-        assert np.array_equal(de.ranks[0].kv[:, :, d_ids], pe.ranks[0].kv[:, :, p_ids])
-        assert [f.path for f in p.dc.status().finished_pulls if f.request_id == rid] == ["host"]
+        for attempt in range(3):
+            p_ids, d_ids = rng.sample(range(96), 96), rng.sample(range(96), 96)
+            de.ranks[0].kv[:] = 0
+            rid = unique(f"hold{attempt}")
+            p.pc.publish(pe.engine_id, rid, p_ids)
+            p.dc.pull(de.engine_id, rid, pe.engine_id, p.prefill.peer_address, p_ids, d_ids)
+            os.kill(p.decode.proc.pid, signal.SIGSTOP)
+            try:
+                if [h for h in p.pc.status().held if h.request_id == rid]:
+                    caught += 1  # frozen before its copy ended: the hold must stay
+                    time.sleep(1.0)
+                    assert [h for h in p.pc.status().held if h.request_id == rid]
+                    with pytest.raises(KvdTimeoutError):
+                        p.pc.wait(pe.engine_id, rid, "done_sending", timeout_s=0.2)
+            finally:
+                os.kill(p.decode.proc.pid, signal.SIGCONT)
+            recv = p.dc.wait(de.engine_id, rid, "done_recving", timeout_s=30)
+            sent = p.pc.wait(pe.engine_id, rid, "done_sending", timeout_s=30)
+            assert recv.ok and sent.ok and sent.nbytes == recv.nbytes, (recv, sent)
+            assert np.array_equal(de.ranks[0].kv[:, :, d_ids], pe.ranks[0].kv[:, :, p_ids])
+            finished = [f.path for f in p.dc.status().finished_pulls if f.request_id == rid]
+            assert finished == ["host"]
+        assert caught, "the consumer daemon was never frozen before its copy ended"
     finally:
         deregister_and_check_freed(p.pc, pe)
         deregister_and_check_freed(p.dc, de)
