@@ -187,3 +187,18 @@ def test_memfd_pools_go_over_the_network_and_status_says_why(tmp_path) -> None:
         assert st.peers and {x.path for x in st.peers} == {"remote"}
         assert all("memfd" in x.why for x in st.peers), st.peers
         assert "path remote (same host, but rank" in format_status(st)
+
+
+@pytest.mark.parametrize("case", ["tp4-tp1", "tp1-tp4", "pp2-tp2-prefix-hit"])
+def test_a_hybrid_pull_takes_the_host_path(two, case: str) -> None:
+    """Every KV-cache group and the Mamba state, read from the mapped pool files."""
+    from test_hybrid import CASES as HYBRID_CASES
+    from test_hybrid import run_hybrid, spec
+
+    p = two
+    pshape, dshape, tokens, skip = HYBRID_CASES[case]
+    host0 = metric(p.decode, "kvd_transfers_total", role="consumer", path="host")
+    recv, sent, bad = run_hybrid(p, spec(), pshape, dshape, tokens, skip)
+    assert recv.ok and sent.ok, (recv, sent)
+    assert bad == 0, f"{bad} decode elements differ from the expected pools"
+    assert metric(p.decode, "kvd_transfers_total", role="consumer", path="host") == host0 + 1

@@ -232,7 +232,7 @@ class Consumer:
         if not engine.live_ranks():
             raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
         if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
-            return hybrid.assemble_pull(engine, remote, msg)
+            return hybrid.assemble_pull(engine, remote, msg, host_bases(remote))
         local_ids, remote_ids = match_tail(
             msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
             remote.desc.layout.block_size_tokens, msg.num_tokens)
