@@ -36,8 +36,10 @@ def run_demo(prefill_tp: int = 2, decode_tp: int = 1, prefill_pp: int = 1, decod
     print(render_table(plan))
     print()
     logs = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
-    prefill = DaemonProcess.start("prefill", logs)
-    decode = DaemonProcess.start("decode", logs)
+    # Two daemons standing for two nodes: NIXL READs, not the host path.
+    nodes = ["--set", "host_pulls=false"]
+    prefill = DaemonProcess.start("prefill", logs, extra_args=nodes)
+    decode = DaemonProcess.start("decode", logs, extra_args=nodes)
     pc, dc = prefill.client(), decode.client()
     try:
         g = global_kv(model, tokens)
