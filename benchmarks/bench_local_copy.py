@@ -3,10 +3,12 @@
     flock /tmp/kvd-cpu.lock .venv/bin/python benchmarks/bench_local_copy.py --json
 
 Copies 512 MiB between two DRAM buffers of this process, two descriptor shapes:
-``fragmented`` (2 MiB blocks, shuffled ids on both sides) and ``sliced`` (256 KiB
+``fragmented`` (2 MiB blocks, shuffled ids on both sides), ``sliced`` (256 KiB
 producer blocks cut in two 128 KiB head halves going to two consumer ranks' pools,
-shuffled: TP1 -> TP2). Each primitive copies the plan's pieces on one thread; the
-`LocalCopier` runs with 1 and 2 copy threads. The baseline is a single-thread memcpy
+shuffled: TP1 -> TP2) and ``pieces_16KiB`` (shuffled 16 KiB descriptors, the size of
+a head range at high TP). Each primitive copies the plan's pieces on one thread; the
+`LocalCopier` runs with 1 and 2 copy threads, with the batched C memcpy (native) and
+with ctypes.memmove per descriptor. The baseline is a single-thread memcpy
 of the same bytes (numpy copyto of one contiguous 512 MiB buffer), timed in the same
 round; methods alternate within each round, and ratios are taken per round, then the
 median. Every method's result is checked byte-exact against a numpy oracle once.
@@ -48,7 +50,11 @@ def scenarios(total: int, src_base: int, dst_base: int, rng: np.random.Generator
     h = np.tile([0, 1], nsrc)
     sliced = (dst_base + h * (total // 2) + perm[b] * half, src_base + b * blk + h * half,
               np.full(2 * nsrc, half))
-    return {"fragmented": frag, "sliced": sliced}
+    piece = 16 << 10
+    npc = total // piece
+    small = (dst_base + rng.permutation(npc) * piece, src_base + rng.permutation(npc) * piece,
+             np.full(npc, piece))
+    return {"fragmented": frag, "sliced": sliced, "pieces_16KiB": small}
 
 
 def oracle(dst: np.ndarray, src: np.ndarray, dst_base: int, src_base: int, desc) -> np.ndarray:
@@ -81,18 +87,20 @@ def make_methods(src: np.ndarray, dst: np.ndarray, nixl_agent):
 
     methods = {"memmove": loop(ctypes.memmove), "numpy_copyto": loop(np_copy),
                "torch_copy_": loop(torch_copy)}
-    copiers = {1: LocalCopier(threads=1), 2: LocalCopier(threads=2)}
+    copiers = {(prim, k): LocalCopier(threads=k, primitive=prim)
+               for prim in ("memmove", "native") for k in (1, 2)}
 
-    def copier(k):
+    def copier(key):
         def run(desc):
-            c = copiers[k]
+            c = copiers[key]
             h = c.post(*desc)
             c.wait(h)
             c.release(h)
         return run
 
-    methods["copier_1thread"] = copier(1)
-    methods["copier_2threads"] = copier(2)
+    for (prim, k), c in copiers.items():
+        assert c.primitive == prim
+        methods[f"copier_{prim}_{k}thread{'s' if k > 1 else ''}"] = copier((prim, k))
     if nixl_agent is not None:
         methods["nixl_local"] = nixl_agent
     return methods, copiers

@@ -168,10 +168,11 @@ def serve(**options: object) -> None:
 
     def start() -> None:
         cfg = cfgmod.load(config, overrides=overrides)  # type: ignore[arg-type]
-        from kvd.daemon.run import load_token
+        from kvd.daemon.run import load_curve, load_token
         from kvd.ops.logsetup import configure_logging
 
         load_token(cfg)
+        load_curve(cfg)
         configure_logging(cfg.log_format, cfg.log_level)
         from kvd.daemon.run import run
 
@@ -183,6 +184,26 @@ def serve(**options: object) -> None:
 serve.__signature__ = inspect.Signature(_serve_parameters())  # type: ignore[attr-defined]
 serve.__annotations__ = {p.name: p.annotation for p in _serve_parameters()}
 app.command()(serve)
+
+
+@app.command()
+def keys(
+    directory: str = typer.Argument(..., help="Where to write the key files (created)."),
+    name: str = typer.Option("kvd", "--name", help="File name: NAME.key (public) and "
+                             "NAME.key_secret (keypair, mode 0600)."),
+    force: bool = typer.Option(False, "--force", help="Replace existing files."),
+) -> None:
+    """Create a CURVE keypair for a daemon or an engine (docs/security.md). Prints the
+    public key only."""
+    from kvd.wire.curve import load_public_key, write_keypair
+
+    def go() -> None:
+        pub, sec = write_keypair(directory, name, force)
+        typer.echo(f"public key {load_public_key(pub, 'key').decode()}\n"
+                   f"  {pub} (public: add it to the peers' allowlist)\n"
+                   f"  {sec} (secret, mode 0600: curve_secret_key_file of this daemon)")
+
+    _guarded(False, go)
 
 
 @app.command()
@@ -214,7 +235,8 @@ def demo(
     decode_block_size: int = typer.Option(16, help="Decode block size (tokens)."),
     mla: bool = typer.Option(False, "--mla", help="MLA model (one latent cache)."),
 ) -> None:
-    """Two daemons on loopback, simulated engines, one request pulled and checked byte for byte."""
+    """Two daemons on loopback, simulated engines: a same-node pull on one daemon (a local
+    copy) and a pull between the two daemons (NIXL), each checked byte for byte."""
     from kvd.errors import KvdError
     from kvd.tools.demo import run_demo
 
@@ -247,8 +269,10 @@ def router(
                                     "value is sent upstream as a Bearer token."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
-    """OpenAI-compatible P/D router: prefill with max_tokens=1, then decode with the
-    prefill's kv_transfer_params (vLLM's standard hand-off; docs/vllm.md)."""
+    """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
+
+    Prefill with max_tokens=1, then decode with the prefill's kv_transfer_params
+    (vLLM's standard hand-off)."""
     import os
 
     def go() -> None:
@@ -268,9 +292,10 @@ def router(
 def tiny_model(
     directory: str = typer.Argument(..., help="Where to write the model (created)."),
 ) -> None:
-    """Write a tiny prompt-sensitive Llama (10 MB, offline, seconds) that vLLM serves: real
-    seeded weights whose output depends on the whole prompt (random or dummy weights
-    ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
+    """Write a tiny prompt-sensitive Llama that vLLM serves (10 MB, offline, seconds).
+
+    Real seeded weights whose output depends on the whole prompt (random or dummy
+    weights ignore the prompt, so identical P/D and plain outputs would prove nothing)."""
 
     def go() -> None:
         try:

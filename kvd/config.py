@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from kvd.errors import ConfigError
 
@@ -60,6 +59,11 @@ class Config:
     log_level: str = "info"
     auth_token_file: str = ""
     insecure: bool = False
+    curve_secret_key_file: str = ""
+    curve_allowlist: str = ""
+    curve_engine_face: bool = False
+    curve_engine_allowlist: str = ""
+    curve_reload_interval_s: float = 1.0
 
     @property
     def peer_advertise(self) -> str:
@@ -129,6 +133,18 @@ FIELD_HELP: dict[str, str] = {
     "log_level": "debug, info, warning or error.",
     "auth_token_file": "File holding a shared token that engines and peers must present.",
     "insecure": "Allow non-loopback binds without authentication.",
+    "curve_secret_key_file": "This daemon's CURVE keypair (a `kvd keys` NAME.key_secret file, "
+                             "mode 0600). Set, the peer face speaks CurveZMQ only: connections "
+                             "are encrypted and authenticated by key, the shared token is "
+                             "not sent, plaintext peers are refused (docs/security.md).",
+    "curve_allowlist": "Public keys allowed to connect with CURVE and accepted as servers: "
+                       "a directory of key files (a mounted Secret) or one file. Reloaded "
+                       "on change or SIGHUP; a removed key's connections are closed.",
+    "curve_engine_face": "Also run CURVE on the engine face when it is bound off loopback "
+                         "(engines then need a keypair; loopback and ipc:// unchanged).",
+    "curve_engine_allowlist": "Engine public keys allowed on a CURVE engine face (default: "
+                              "curve_allowlist).",
+    "curve_reload_interval_s": "How often the allowlists are checked for change.",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -153,6 +169,7 @@ _POSITIVE = {
     "max_inflight_pulls",
     "max_quarantined_pulls",
     "max_quarantined_bytes",
+    "curve_reload_interval_s",
 }
 
 
@@ -294,6 +311,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"copy_threads: must be 1..16, got {cfg.copy_threads!r}")
     if cfg.auth_token_file and not Path(cfg.auth_token_file).is_file():
         raise ConfigError(f"auth_token_file: {cfg.auth_token_file!r} does not exist")
+    if cfg.curve_secret_key_file and not cfg.curve_allowlist:
+        raise ConfigError("curve_allowlist: required with curve_secret_key_file (the public "
+                          "keys of the daemons this one talks to)")
+    for name in ("curve_secret_key_file", "curve_allowlist", "curve_engine_allowlist"):
+        if getattr(cfg, name) and not Path(getattr(cfg, name)).exists():
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r} does not exist")
+    if (cfg.curve_engine_face or cfg.curve_engine_allowlist) and not cfg.curve_secret_key_file:
+        raise ConfigError("curve_engine_face / curve_engine_allowlist need "
+                          "curve_secret_key_file (the daemon's keypair)")
     return cfg
 
 

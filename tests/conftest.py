@@ -42,6 +42,28 @@ os.environ.setdefault("KVD_HOST_PULLS", "false")
 from support.cluster import Pair, running_pair  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every temporary directory the code under test makes (``tempfile.mkdtemp``: the
+    log directories of `kvd bench`, the router's, subprocesses' too) lands under
+    pytest's own base directory, which pytest prunes (it keeps the newest three runs),
+    instead of loose in /tmp."""
+    import os
+    import tempfile
+
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+
+
 @pytest.fixture(scope="module")
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[Pair]:

@@ -36,7 +36,7 @@ ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__"}
 SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
     "kvd.daemon": [
         ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.looplag", "kvd.daemon.datapath",
-         "kvd.daemon.events", "kvd.daemon.faces"),
+         "kvd.daemon.events", "kvd.daemon.faces", "kvd.daemon.curve_auth"),
         ("kvd.daemon.engines",),  # what each engine is, registration, liveness
         ("kvd.daemon.peers",),  # other daemons: handshakes, connections
         ("kvd.daemon.services", "kvd.daemon.hybrid"),
@@ -240,3 +240,105 @@ def test_imports_of_sees_type_checking_and_private_names(tmp_path, monkeypatch):
     found = imports_of(src)
     assert ("kvd.daemon.server", [], 3) in found
     assert ("kvd.planner.y", ["_hidden"], 4) in found
+
+
+# Heavy or optional third-party packages: imported only where docs/architecture.md says.
+ARCH_DOC = ROOT.parent / "docs" / "architecture.md"
+GUARDED = ("vllm", "nixl", "torch", "aiohttp", "typer")
+# nixl ships as nixl, nixl_cu12 or nixl_cu13; one name for all three.
+ALIASES = {"nixl_cu12": "nixl", "nixl_cu13": "nixl"}
+# Modules that import by a computed name (importlib.import_module(f"...")), and what.
+DYNAMIC_IMPORTS = {"kvd.transport.nixl": "nixl"}
+
+
+def allowed_importers() -> dict[str, list[str]]:
+    """package -> the paths (files, or folders ending in /) the doc's table allows."""
+    out = {}
+    for line in ARCH_DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] in GUARDED:
+            out[cells[0]] = [p.strip() for p in cells[1].split(",")]
+    return out
+
+
+def third_party_imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(guarded package, line, at module level) of every import of one in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
+             ast.AsyncFunctionDef)) for n in ast.walk(f)}
+    out = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+              and getattr(node.func, "attr", getattr(node.func, "id", "")) in
+              ("import_module", "__import__") and node.args):
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                names = [arg.value]
+            else:
+                names = [DYNAMIC_IMPORTS.get(module_name(path), "<computed name>")]
+        for name in names:
+            top = ALIASES.get(name.split(".")[0], name.split(".")[0])
+            if top in GUARDED or top == "<computed name>":
+                out.append((top, node.lineno, id(node) not in local))
+    return out
+
+
+def test_architecture_doc_lists_every_guarded_package():
+    assert sorted(allowed_importers()) == sorted(GUARDED)
+
+
+@pytest.mark.parametrize("package", GUARDED)
+def test_heavy_packages_are_imported_only_where_the_docs_say(package):
+    allowed = allowed_importers()[package]
+    bad = []
+    for p in MODULES:
+        rel = p.relative_to(ROOT.parent).as_posix()
+        for top, line, _ in third_party_imports(p):
+            if top == "<computed name>":
+                bad.append(f"{rel}:{line}: import by a computed name: add the module "
+                           "to DYNAMIC_IMPORTS")
+            elif top == package and not any(rel == a or (a.endswith("/") and
+                                                         rel.startswith(a)) for a in allowed):
+                bad.append(f"{rel}:{line}: imports {package}")
+    assert not bad, ("not where docs/architecture.md allows:\n" + "\n".join(bad))
+
+
+def test_torch_is_imported_only_inside_functions():
+    bad = [f"{p.relative_to(ROOT.parent)}:{line}" for p in MODULES
+           for top, line, top_level in third_party_imports(p) if top == "torch" and top_level]
+    assert not bad, "torch imported at module level (a daemon would load it): " + str(bad)
+
+
+def test_connector_core_imports_without_vllm():
+    """The connector's logic is importable where vLLM is not installed (the default
+    suite's environment): every module of kvd.integrations.connector_core."""
+    import subprocess
+    import sys
+
+    names = sorted(module_name(p) for p in (ROOT / "integrations" / "connector_core")
+                   .glob("*.py"))
+    code = ("import sys, importlib\n"
+            "class NoVllm:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'vllm': raise ImportError('no vllm here')\n"
+            "sys.meta_path.insert(0, NoVllm())\n"
+            f"for n in {names!r}: importlib.import_module(n)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout  # neither vLLM nor torch loaded
+
+
+def test_third_party_finder_sees_local_dynamic_and_from_imports(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("import typer\nfrom vllm.config import X\n"
+                   "def f():\n    import torch\n    importlib.import_module('aiohttp.web')\n")
+    found = third_party_imports(src)
+    assert ("typer", 1, True) in found and ("vllm", 2, True) in found
+    assert ("torch", 4, False) in found and ("aiohttp", 5, False) in found

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     CLOSE_DEREGISTER_TIMEOUT_S,
@@ -31,9 +32,11 @@ from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     Messages,
     RankHandle,
     default_address,
+    default_curve,
     default_token,
 )
 from kvd.errors import KvdError, KvdTimeoutError
+from kvd.wire import curve as C
 from kvd.wire import protocol as P
 
 # pull_and_wait's default bound: past the daemon's default transfer_timeout_s (60 s), so
@@ -41,9 +44,16 @@ from kvd.wire import protocol as P
 PULL_WAIT_TIMEOUT_S = 90.0
 
 
-def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _socket(ctx: zmq.Context, address: str,
+            curve: tuple[C.KeyPair, bytes] | None = None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        C.client_socket(sock, *curve)
     sock.connect(address)
     return sock
 
@@ -56,6 +66,11 @@ class _ClientSettings:
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self.token = default_token() if token is None else token
+        # CURVE to a daemon reached off loopback (KVD_CLIENT_CURVE_*_FILE): the daemon then
+        # authenticates the engine by key, and the token is not sent.
+        self.curve = default_curve(self.address)
+        if self.curve is not None:
+            self.token = ""
         self._ids = itertools.count(1)
         self._ranks: list[RankHandle] = []
         self._ping_interval_s = ping_interval_s
@@ -76,7 +91,8 @@ class KvdClient(_ClientSettings):
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, self.address)
+        self._sock = _socket(self._ctx, self.address, self.curve)
+        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
@@ -90,8 +106,7 @@ class KvdClient(_ClientSettings):
             while True:
                 if not self._poll(deadline):
                     # The reply may still come; a fresh socket keeps later calls in step.
-                    self._sock.close(0)
-                    self._sock = _socket(self._ctx, self.address)
+                    self._renew_socket()
                     raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                           f"{type(msg).__name__} within {timeout_s}s")
                 header, body = P.decode(self._sock.recv_multipart(), P.REPLIES)
@@ -112,8 +127,30 @@ class KvdClient(_ClientSettings):
                 return bool(self._sock.poll(0))
             if self._sock.poll(max(1, int(min(left, 0.1) * 1000))):
                 return True
+            refusal = self._refusal()
+            if refusal is not None:
+                self._renew_socket()
+                raise refusal
             if self._stop.is_set():
                 raise KvdError("client closed")
+
+    def _refusal(self) -> KvdError | None:
+        """The daemon refused the connection's security handshake (it requires CURVE and
+        this client is plaintext, or it does not allow our key): say so now, instead of
+        a timeout on a connection that can never carry the call."""
+        while self._mon.poll(0):
+            ev = parse_monitor_message(self._mon.recv_multipart())
+            # Two plaintext ends never fail a handshake: any failure is a refusal.
+            return C.handshake_refusal(f"kvd at {self.address}", int(ev["event"]),
+                                       int(ev["value"]), self.curve is not None)
+        return None
+
+    def _renew_socket(self) -> None:
+        self._sock.disable_monitor()
+        self._mon.close(0)
+        self._sock.close(0)
+        self._sock = _socket(self._ctx, self.address, self.curve)
+        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
 
     def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
@@ -234,6 +271,8 @@ class KvdClient(_ClientSettings):
         if self._pinger is not None:
             self._pinger.join(timeout=2)
         with self._lock:  # let an in-flight call finish before the socket goes
+            self._sock.disable_monitor()
+            self._mon.close(0)
             self._sock.close(0)
         self._ctx.term()
 
@@ -252,7 +291,7 @@ class AsyncKvdClient(_ClientSettings):
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, self.address)
+        self._sock = _socket(self._ctx, self.address, self.curve)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._pinger: asyncio.Task | None = None
@@ -278,7 +317,7 @@ class AsyncKvdClient(_ClientSettings):
         try:
             return Messages.check(await asyncio.wait_for(
                 fut, self.timeout_s if timeout_s is None else timeout_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise KvdTimeoutError(f"kvd at {self.address} did not answer "
                                   f"{type(msg).__name__}") from None
         finally:

@@ -8,6 +8,7 @@ cannot drift apart.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import threading
@@ -20,6 +21,7 @@ import msgspec
 
 from kvd.errors import KvdError, error_from_code
 from kvd.pool.mapping import MappedPool, map_pool
+from kvd.wire import curve as C
 from kvd.wire import protocol as P
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:7100"
@@ -28,6 +30,28 @@ CLOSE_DEREGISTER_TIMEOUT_S = 1.0  # close() deregisters each rank, waiting at mo
 
 def default_address() -> str:
     return os.environ.get("KVD_ENGINE_ADDRESS", DEFAULT_ADDRESS)
+
+
+def default_curve(address: str, env: dict[str, str] | None = None
+                  ) -> tuple[C.KeyPair, bytes] | None:
+    """(this engine's keypair, the daemon's public key) when the engine face is reached
+    off loopback and both ``KVD_CLIENT_CURVE_SECRET_KEY_FILE`` (the engine's keypair) and
+    ``KVD_CLIENT_CURVE_SERVER_KEY_FILE`` (the daemon's public key) are set (the daemon
+    runs CURVE there with curve_engine_face); None otherwise: loopback and ipc:// stay
+    plaintext, as the daemon keeps them."""
+    env = dict(os.environ) if env is None else env
+    secret = env.get("KVD_CLIENT_CURVE_SECRET_KEY_FILE")
+    server = env.get("KVD_CLIENT_CURVE_SERVER_KEY_FILE")
+    if not secret or not server or not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return (C.load_keypair(secret, "KVD_CLIENT_CURVE_SECRET_KEY_FILE"),
+            C.load_public_key(server, "KVD_CLIENT_CURVE_SERVER_KEY_FILE"))
 
 
 def default_token() -> str:

@@ -6,7 +6,7 @@ whole request inline. So every call holds one lock (``_nixl``); long ones (large
 posts, registration, peer loading) run on one worker thread that keeps the event
 loop free, while short ones (a small READ, polls, releases, notifications) run
 inline on the loop when the lock is free, saving the hop to the thread and back
-(two loop wake-ups, ~0.1-1 ms on a busy host, issue 12.4). When the worker thread
+(two loop wake-ups, ~0.1-1 ms on a busy host). When the worker thread
 holds the lock (a large ``transfer()``), they hop like the rest.
 
 Error contract: the transport maps NIXL's exceptions to ``TransferError`` (in one
@@ -91,8 +91,8 @@ class DataPath:
         # wait cannot freeze the event loop (polls, other pulls' Acquires, housekeeping).
         self._posted_to: set[str] = set()
         # READs go through prepared lists per (peer, pools) when a post names its pools:
-        # validated once, adjacent blocks merged by NIXL (issue 12.1); a large READ is
-        # split over the transport's posting workers when it has several (issue 23).
+        # validated once, adjacent blocks merged by NIXL; a large READ is
+        # split over the transport's posting workers when it has several.
         self._poster = poster_for(transport)
 
     @property
@@ -212,7 +212,7 @@ class DataPath:
         """Post small READs inline and synchronously, or None when that cannot be done now
         (too big, a peer being reloaded, another NIXL call running): ``post_reads`` then.
         Without a coroutine the caller needs no task to keep a post it must not lose
-        (issue 12.4: a task and its shield cost two loop turns per small pull)."""
+        (a task and its shield would cost two loop turns per small pull)."""
         if not self.can_post_now(posts):
             return None
         if not self._nixl.acquire(blocking=False):
@@ -250,7 +250,7 @@ class DataPath:
         """Post each READ; one already done is released here, and one still running is
         polled once before returning, both in this same hop: a small pull (which UCX cma
         usually finishes inside ``transfer()``) then needs no further hop to the NIXL
-        thread for its completion or its release (issue 12.4)."""
+        thread for its completion or its release."""
         return [self._post_one(post) for post in posts]
 
     def _post_one(self, post: ReadPost) -> PostResult:
@@ -272,7 +272,7 @@ class DataPath:
     def _suspect(self, peer: str) -> None:
         """A READ to ``peer`` failed: it may be dead, frozen or cut off, and UCX may wait on
         its endpoint inside a post. Until a READ to it succeeds again, its posts go to
-        the NIXL thread, never inline on the event loop (issue 20.4)."""
+        the NIXL thread, never inline on the event loop."""
         self._posted_to.discard(peer)
 
     async def poll_many(self, xfer_ids: list[int]) -> dict[int, XferStatus]:

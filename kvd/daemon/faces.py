@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -23,8 +24,8 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
+from kvd.daemon.curve_auth import CurveGuard, monitor_events, parse_event
 from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolError
 from kvd.ops.metrics import Metrics
 from kvd.wire import protocol as P
@@ -32,7 +33,9 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.daemon")
 
 MIN_RECEIVE_HWM = 8  # messages queued per connection, at the least
-SERVE_SLICE_S = 0.002  # longest run of requests answered before the face yields the loop
+SERVE_SLICE_S = 0.002
+REBIND_TIMEOUT_S = 2.0  # a face re-bound with a new CURVE key waits this for its address
+REBIND_RETRY_S = 0.005  # longest run of requests answered before the face yields the loop
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,34 @@ def claim_ipc_path(path: str) -> None:
     raise OSError(errno.EADDRINUSE, f"ipc://{path} is in use by a running process", path)
 
 
+def _host(endpoint: str) -> str:
+    return endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://"):
+        return True
+    host = _host(endpoint)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Face:
     def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str,
                  allowed: tuple[type, ...], max_message_bytes: int, receive_queue_bytes: int,
-                 token: str, instance_id: str, metrics: Metrics) -> None:
+                 token: str, instance_id: str, metrics: Metrics,
+                 curve: CurveGuard | None = None) -> None:
         self.name = name
+        self.address = address
         self.allowed = allowed
-        self.token = token
+        # A CURVE face authenticates connections by key (ZAP, then every message's
+        # User-Id): the shared token is neither needed nor checked there.
+        self.curve = curve
+        self.token = "" if curve is not None else token
         self.instance_id = instance_id
         self.metrics = metrics
         self.sock = ctx.socket(zmq.ROUTER)
@@ -89,20 +113,50 @@ class Face:
                              max(MIN_RECEIVE_HWM, receive_queue_bytes // max_message_bytes))
         # TCP listeners: libzmq sets SO_REUSEADDR itself, so a crashed daemon re-binds at
         # once despite connections left in TIME_WAIT (tests/fault/test_rebind.py).
+        if curve is not None:
+            curve.secure(name, self.sock)
         if address.startswith("ipc://"):
             claim_ipc_path(address[len("ipc://"):])
         self.sock.bind(address)
+
+    async def rekey(self, keys: Any, timeout_s: float = REBIND_TIMEOUT_S) -> None:
+        """Serve new connections with another CURVE keypair: libzmq copies security
+        options into a listener at bind, so the listener is bound again (its accepted
+        connections close with it and their clients redial: a kvd peer finds the new
+        key in its allowlist)."""
+        from kvd.wire.curve import server_socket
+
+        assert self.curve is not None
+        server_socket(self.sock, keys)
+        from kvd.daemon.curve_auth import FACE_DOMAINS
+
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, FACE_DOMAINS[self.name].encode())
+        self.sock.unbind(self.address)
+        # libzmq closes the old listener on its I/O thread: the address is free a
+        # moment later, not at once.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock.bind(self.address)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(REBIND_RETRY_S)
 
     async def serve(self, handlers: dict[type, Handler]) -> None:
         """Answer requests in arrival order (per connection), yielding the loop at least
         every ``SERVE_SLICE_S``: a receive that finds a message waiting does not yield,
         so a burst (1,000 Pulls) would otherwise be taken in one go, and every task it
         spawned would take its first step in one loop turn, holding every other reply
-        (Pings and Polls included) for the whole burst (issue 20.4)."""
+        (Pings and Polls included) for the whole burst."""
         slice_end_s = time.perf_counter() + SERVE_SLICE_S
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             identity = frames[0].bytes
+            if self.curve is not None and not self.curve.check_message(
+                    self.name, _user_id(frames), _fd(frames)):
+                continue  # a revoked key: its connection is being closed, no answer
             reply, msg_id = await self._answer([f.buffer for f in frames[1:]], identity,
                                                handlers, _fd(frames))
             if reply is not None:
@@ -161,20 +215,32 @@ class Face:
         except zmq.ZMQError as exc:
             log.debug("reply dropped: %s", exc)
 
-    async def watch_disconnects(self, on_closed: Callable[[int], None]) -> None:
-        """Call ``on_closed(fd)`` for every connection of this face that closes."""
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    async def watch_disconnects(self, on_closed: Callable[[int], None] | None) -> None:
+        """Call ``on_closed(fd)`` for every connection of this face that closes; on a
+        CURVE face, also tell the guard of accepted connections and failed handshakes.
+        (One monitor per socket: libzmq keeps one.)"""
+        monitor = self.sock.get_monitor_socket(monitor_events(self.curve is not None))
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    on_closed(int(event["value"]))
+                event, value = parse_event(await monitor.recv_multipart())
+                if self.curve is not None:
+                    self.curve.on_event(self.name, event, value)
+                if event == zmq.EVENT_DISCONNECTED and on_closed is not None:
+                    on_closed(value)
         finally:
             self.sock.disable_monitor()
             monitor.close(0)
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def _user_id(frames: list[Any]) -> str | None:
+    """The ZAP User-Id of the connection a message came on (the client's CURVE key)."""
+    try:
+        return frames[-1].get("User-Id")
+    except (zmq.ZMQError, ValueError, TypeError):
+        return None
 
 
 def _fd(frames: list[Any]) -> int:

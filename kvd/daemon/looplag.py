@@ -1,4 +1,5 @@
-"""How late the daemon's event loop runs: the proof that nothing blocks it (issue 20.4).
+"""How late the daemon's event loop runs: the proof that nothing blocks it
+(an engine's Ping or Poll has a 50 ms budget).
 
 Every face, pull, lease and heartbeat of a daemon shares one asyncio loop, so one
 callback that holds it (a NIXL call inline, a big descriptor build, a registration)
@@ -25,7 +26,7 @@ from kvd.daemon.clock import Clock
 log = logging.getLogger("kvd.daemon")
 
 LOOP_LAG_INTERVAL_S = 0.01  # 100 wake-ups a second: ~1 ms of CPU per second
-STALL_LOG_S = 0.05  # the engine face's Ping/Poll budget (issue 20.4)
+STALL_LOG_S = 0.05  # the engine face's Ping/Poll budget
 STALL_LOG_EVERY_S = 10.0  # at most one stall line per this long (a stalled host repeats)
 
 

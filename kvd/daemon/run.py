@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import ipaddress
 import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
 
 from kvd.config import Config
+from kvd.daemon.faces import is_loopback
 from kvd.errors import ConfigError
+from kvd.wire.curve import KeyPair, load_allowlist, load_keypair
 
 log = logging.getLogger("kvd.daemon")
-
-
-def _host(endpoint: str) -> str:
-    return endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
-
-
-def is_loopback(endpoint: str) -> bool:
-    if endpoint.startswith("ipc://"):
-        return True
-    host = _host(endpoint)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_token(cfg: Config) -> str:
@@ -39,19 +24,34 @@ def load_token(cfg: Config) -> str:
         token = Path(cfg.auth_token_file).read_text().strip()
         if len(token) < 16:
             raise ConfigError("auth_token_file: token must be at least 16 characters")
-    exposed = [a for a in (cfg.engine_address, cfg.peer_address) if not is_loopback(a)]
+    curve = bool(cfg.curve_secret_key_file)
+    exposed = [a for a, keyed in ((cfg.engine_address, curve and cfg.curve_engine_face),
+                                  (cfg.peer_address, curve))
+               if not is_loopback(a) and not keyed]
     if exposed and not token and not cfg.insecure:
         raise ConfigError(
             f"refusing to bind {exposed} without authentication: set auth_token_file "
-            "(or pass --insecure to accept unauthenticated peers)")
+            "or curve_secret_key_file (or pass --insecure to accept unauthenticated peers)")
     return token
+
+
+def load_curve(cfg: Config) -> KeyPair | None:
+    """This daemon's CURVE keypair (None: CURVE off), and its allowlists read once, so
+    that a bad file is one error at start, not a face that refuses everyone."""
+    if not cfg.curve_secret_key_file:
+        return None
+    keys = load_keypair(cfg.curve_secret_key_file)
+    load_allowlist(cfg.curve_allowlist)
+    if cfg.curve_engine_allowlist:
+        load_allowlist(cfg.curve_engine_allowlist, "curve_engine_allowlist")
+    return keys
 
 
 async def serve(cfg: Config, on_started: Callable[[object], None] | None = None) -> int:
     from kvd.daemon.server import Daemon
 
     token = load_token(cfg)
-    daemon = Daemon(cfg, token=token)
+    daemon = Daemon(cfg, token=token, curve_keys=load_curve(cfg))
     await daemon.start()
     # Everything made so far (imported modules, NIXL bindings, the daemon's own tables)
     # lives as long as the process: keep it out of the collector, so that a full
@@ -61,6 +61,8 @@ async def serve(cfg: Config, on_started: Callable[[object], None] | None = None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: daemon.spawn(daemon.drain()))
+    if daemon.curve is not None:  # SIGHUP: reload the allowlists now (key rotation)
+        loop.add_signal_handler(signal.SIGHUP, daemon.curve.request_reload)
     if on_started is not None:
         on_started(daemon)
     try:

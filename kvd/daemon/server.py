@@ -30,11 +30,12 @@ import zmq.asyncio
 from kvd import __version__
 from kvd.config import Config
 from kvd.daemon.clock import Clock, MonotonicClock
+from kvd.daemon.curve_auth import CurveGuard
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.engines.liveness import ConnectionTracker
 from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.events import EventHub
-from kvd.daemon.faces import Face, Handler, Request
+from kvd.daemon.faces import Face, Handler, Request, is_loopback
 from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.produce.producer import Producer
@@ -44,6 +45,7 @@ from kvd.errors import ConfigError, DrainingError, NotFoundError, ProtocolError
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
+from kvd.wire import curve as C
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.daemon")
@@ -58,8 +60,10 @@ CONNECTION_SETTLE_S = 0.05  # after drain_timeout_s: pulls failed, their READs r
 class Daemon:
     def __init__(self, cfg: Config, transport_factory: Callable[[], Transport] | None = None,
                  clock: Clock | None = None, metrics: Metrics | None = None,
-                 token: str = "") -> None:
+                 token: str = "", curve_keys: C.KeyPair | None = None) -> None:
         self.cfg = cfg
+        self.curve_keys = curve_keys  # this daemon's CURVE keypair (None: plaintext)
+        self.curve: CurveGuard | None = None
         self.clock = clock or MonotonicClock()
         self.metrics = metrics or Metrics()
         self.daemon_id = uuid.uuid4().hex[:12]
@@ -89,12 +93,20 @@ class Daemon:
         self.engine_face = self.peer_face = None
         self.registry = self.datapath = None
         try:
+            guard = None
+            if self.curve_keys is not None:
+                # ZAP answers before a CURVE face may accept anyone (fail closed).
+                self.curve = guard = CurveGuard(cfg, self.curve_keys, self.metrics,
+                                                on_revoked=self._curve_revoked,
+                                                on_rekey=self._curve_rekeyed)
+                guard.bind_zap(self.ctx)
             self.engine_face, self.peer_face = (
                 _bind_face(self.ctx, name, setting, address, allowed, cfg, self.token,
-                           self.instance_id, self.metrics)
-                for name, setting, address, allowed in (
-                    ("engine", "engine_address", cfg.engine_address, P.ENGINE_REQUESTS),
-                    ("peer", "peer_address", cfg.peer_address, P.PEER_REQUESTS)))
+                           self.instance_id, self.metrics, face_guard)
+                for name, setting, address, allowed, face_guard in (
+                    ("engine", "engine_address", cfg.engine_address, P.ENGINE_REQUESTS,
+                     guard if curve_on_engine_face(cfg) else None),
+                    ("peer", "peer_address", cfg.peer_address, P.PEER_REQUESTS, guard)))
             if cfg.metrics_port:
                 try:
                     self.http = start_http_server(cfg.metrics_host, cfg.metrics_port,
@@ -115,7 +127,8 @@ class Daemon:
             await self._abort_start()
             raise
         self.peers = PeerTable(self.ctx, cfg, self.clock, self.metrics, self.datapath,
-                               self.token, self.daemon_id, self.instance_id)
+                               self.token, self.daemon_id, self.instance_id,
+                               curve=self.curve)
         svc = Services(cfg, self.clock, self.metrics, self.datapath, self.registry,
                        self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
         self.producer = Producer(svc)
@@ -127,6 +140,14 @@ class Daemon:
         self.spawn(self.engine_face.watch_disconnects(
             lambda fd: self.spawn(self._retire_closed(fd))))
         self.spawn(self.peer_face.serve(self._peer_handlers()))
+        if self.curve is not None:
+            self.spawn(self.curve.serve_zap())
+            self.spawn(self.curve.watch_allowlists(cfg.curve_reload_interval_s))
+            self.spawn(self.peer_face.watch_disconnects(None))
+            log.info("CURVE on: public key %s, peer face%s; allowlist %s (%d keys)",
+                     self.curve_keys.public.decode(),  # the public key only, never the secret
+                     " and engine face" if self.engine_face.curve else "",
+                     cfg.curve_allowlist, len(self.curve.allowed["peer"]))
         self.spawn(self.producer.run_progress())
         self.spawn(self._housekeeping())
         self.spawn(watch_loop_lag(self.clock, self.metrics.loop_lag, self.metrics.loop_held))
@@ -161,6 +182,25 @@ class Daemon:
         workers, rail_names = rails.resolve(self.cfg.posting_workers, self.cfg.rails)
         log.info("posting workers: %d; rails: %s", workers, ",".join(rail_names) or "none")
         return rails.build(make, workers, rail_names)
+
+    def _curve_revoked(self, removed: frozenset[bytes]) -> None:
+        """Keys removed from the allowlist: our own connections to their daemons go too."""
+        if getattr(self, "peers", None) is not None:
+            self.peers.revoke(removed)
+
+    def _curve_rekeyed(self, keys: C.KeyPair) -> None:
+        """New keypair: the CURVE faces serve new connections with it; our new outgoing
+        connections present it (PeerTable reads the guard's keys per connection)."""
+        for face in (self.engine_face, self.peer_face):
+            if face is not None and face.curve is not None:
+                self.spawn(self._rekey_face(face, keys))
+
+    async def _rekey_face(self, face: Face, keys: C.KeyPair) -> None:
+        try:
+            await face.rekey(keys)
+        except zmq.ZMQError as exc:
+            log.error("re-binding the %s face (%s) with the new key failed: %s: it is not "
+                      "listening; restart the daemon", face.name, face.address, exc)
 
     def _ready(self) -> tuple[bool, str]:
         if self.draining:
@@ -217,6 +257,8 @@ class Daemon:
         self.peers.close()
         self.engine_face.close()
         self.peer_face.close()
+        if self.curve is not None:
+            self.curve.close()
         self.ctx.term()
         if self.http is not None:
             self.http.close()
@@ -365,8 +407,8 @@ class Daemon:
         async def heartbeat(m: P.Heartbeat, _: Request) -> P.HeartbeatAck:
             return producer.heartbeat(m)
 
-        async def abandon(m: P.Abandon, _: Request) -> P.Ok:
-            return producer.abandon(m)
+        async def abandon(m: P.Abandon, req: Request) -> P.Ok:
+            return producer.abandon(m, req.header.instance)
 
         async def notice(m: P.ReadNotice, req: Request) -> P.Ok:
             producer.on_notice(m, req.header.instance or "peer")
@@ -378,13 +420,20 @@ class Daemon:
 
 def _bind_face(ctx: zmq.asyncio.Context, name: str, setting: str, address: str,
                allowed: tuple[type, ...], cfg: Config, token: str, instance_id: str,
-               metrics: Metrics) -> Face:
+               metrics: Metrics, curve: CurveGuard | None = None) -> Face:
     """A bound face, or one ``ConfigError`` line naming the setting and why ZMQ refused."""
     try:
         return Face(ctx, name, address, allowed, cfg.max_message_bytes, cfg.receive_queue_bytes,
-                    token, instance_id, metrics)
+                    token, instance_id, metrics, curve)
     except zmq.ZMQError as exc:
         raise ConfigError(f"{setting}={address!r}: {bind_failure(address, exc)}") from exc
+
+
+def curve_on_engine_face(cfg: Config) -> bool:
+    """CURVE on the engine face: asked for, and bound off loopback (loopback and ipc://
+    stay as they are: the token, or nothing)."""
+    return bool(cfg.curve_secret_key_file and cfg.curve_engine_face
+                and not is_loopback(cfg.engine_address))
 
 
 def bind_failure(address: str, exc: zmq.ZMQError) -> str:

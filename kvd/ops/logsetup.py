@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import IO, Any
 
 LOGGER_NAME = "kvd"
@@ -44,7 +44,7 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds")
 
 
 class JsonFormatter(logging.Formatter):

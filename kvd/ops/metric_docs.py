@@ -76,7 +76,7 @@ HANDSHAKE_BUCKETS: tuple[float, ...] = (
 )
 
 # How late the event loop wakes: well under 1 ms when nothing holds it; the engine
-# face's budget for a Ping or Poll is 50 ms (issue 20.4).
+# face's budget for a Ping or Poll is 50 ms (an engine step must never wait longer).
 LOOP_LAG_BUCKETS: tuple[float, ...] = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )
@@ -86,6 +86,7 @@ TRANSFER_OUTCOMES = ("ok", "failed", "expired", "cancelled")
 HANDSHAKE_OUTCOMES = ("ok", "failed", "timeout", "refused")
 FACES = ("engine", "peer")
 PROTOCOL_REASONS = ("decode", "unknown", "version", "limit")
+CURVE_REASONS = ("unknown_key", "plaintext", "handshake", "revoked")
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,22 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         ("face",),
         "Messages refused for a missing or wrong token, by face (checked from the header, "
         "before the body is decoded).",
+    ),
+    MetricDoc(
+        "curve_refusals",
+        "kvd_curve_refusals_total",
+        "counter",
+        ("face", "reason"),
+        "Connections or messages a CURVE face refused: unknown_key (not in the allowlist), "
+        "plaintext (no CURVE), handshake (a replayed or forged handshake), revoked (a key "
+        "removed from the allowlist: its connections closed).",
+    ),
+    MetricDoc(
+        "curve_allowlist_keys",
+        "kvd_curve_allowlist_keys",
+        "gauge",
+        ("face",),
+        "Public keys in the face's CURVE allowlist, as last (re)loaded.",
     ),
     MetricDoc(
         "busy_rejections",

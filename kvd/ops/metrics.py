@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 import kvd
 from kvd.ops.metric_docs import (
+    CURVE_REASONS,
     FACES,
     HANDSHAKE_OUTCOMES,
     METRIC_DOCS,
@@ -50,6 +51,8 @@ class Metrics:
     invalid_blocks: Counter
     protocol_errors: Counter
     auth_failures: Counter
+    curve_refusals: Counter
+    curve_allowlist_keys: Gauge
     busy_rejections: Counter
     events_dropped: Counter
     inflight_transfers: Gauge
@@ -79,6 +82,8 @@ class Metrics:
             self.handshakes.labels(outcome=outcome)
         for face in FACES:
             self.auth_failures.labels(face=face)
+            for reason in CURVE_REASONS:
+                self.curve_refusals.labels(face=face, reason=reason)
             for reason in PROTOCOL_REASONS:
                 self.protocol_errors.labels(face=face, reason=reason)
         self.build_info.labels(version=kvd.__version__).set(1)

@@ -286,7 +286,8 @@ class _ReadRows:
 @dataclass(frozen=True)
 class PreparedPull:
     """`assemble_pull` with its inputs bound once per (engine, peer engine): what a
-    small pull would otherwise rebuild every time (issue 23.4). A one-block pull takes
+    small pull would otherwise rebuild every time (most of a 1-block pull's
+    control-path cost). A one-block pull takes
     its rows from the ready templates (a shift per read, no planning, no lookups);
     any other pull, or one whose reads have no template, goes through
     `assemble_pull` itself. Same descriptors either way (tests/unit/test_assembly.py)."""

@@ -89,7 +89,7 @@ class TransferPlan:
         return sum(len(r) for r in self.reads.values())
 
     def to_json(self) -> dict:
-        """The `kvd plan --json` shape (issue 2), plus the inputs for context."""
+        """The `kvd plan --json` shape (docs/planner.md), plus the inputs for context."""
         return {
             "model": {
                 "kv_heads": self.model.num_kv_heads,

@@ -3,8 +3,8 @@
 The daemon owns the allocation (so NIXL may register it as VRAM); the engine
 opens the IPC handle and gets a torch tensor over the same device memory.
 Both containers must see the same GPU and share the host IPC/process
-namespace (see docs/operations.md). UNTESTED on the development machines,
-which have no GPU: tests skip when torch.cuda is unavailable.
+namespace (see docs/operations.md). Tested on an H200
+(tests/integration/test_cuda_pool.py, which skips where torch.cuda is unavailable).
 """
 
 from __future__ import annotations

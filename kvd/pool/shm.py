@@ -10,7 +10,7 @@ allocates every engine rank's pool and hands out a handle:
   the kernel pins every page of both sides per READ and 4 KiB pages cost ~20-40%
   of a READ's speed here (benchmarks/README.md).
 * VRAM: a torch allocation on the rank's device, exported as a CUDA IPC handle
-  (kvd.pool.cuda; untested here: no GPU on the development machines).
+  (kvd.pool.cuda).
 
 This module is the daemon side (`ShmPool`): it creates and removes. The engine
 side only maps (`kvd.pool.mapping.map_pool`). Crash leftovers are reaped by owner
@@ -62,7 +62,7 @@ class PoolSizeError(KvdError, ValueError):
     code = "too_large"
 
 
-class PoolBacking(str, enum.Enum):
+class PoolBacking(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(member)
     """Where a DRAM pool's pages come from (Config: ``pool_backing``).
 
     ``auto`` tries, per pool, in this order: ``hugetlbfs`` if shm_dir is a hugetlbfs

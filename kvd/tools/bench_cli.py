@@ -109,6 +109,26 @@ def bench(
 
 
 @bench_app.command()
+def curve(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Large pull size in MiB."),
+    repeats: int = typer.Option(5, "--repeats", help="Large pulls per mode."),
+    latency_pulls: int = typer.Option(200, "--latency-pulls", help="1-block pulls per mode."),
+    handshakes: int = typer.Option(20, "--handshakes", help="Fresh ZMTP handshakes per mode."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir", help="Directory of the pools."),
+) -> None:
+    """CurveZMQ on the peer face against plaintext, two daemon pairs, alternating: large
+    pull throughput, 1-block pull p50/p99, handshake time."""
+    if min(nbytes_mib, repeats, latency_pulls, handshakes) < 1:
+        _fail("--nbytes-mib, --repeats, --latency-pulls and --handshakes must be >= 1")
+    from kvd.tools.bench.curve import bench_curve, render_curve
+
+    res = bench_curve(nbytes_mib=nbytes_mib, repeats=repeats, latency_pulls=latency_pulls,
+                      handshakes=handshakes, shm_dir=shm_dir)
+    _report(res, as_json, render_curve, all(res["verified"].values()))
+
+
+@bench_app.command()
 def posting(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     nbytes_mib: int = typer.Option(512, "--nbytes-mib", help="Bytes moved per READ, in MiB."),
@@ -127,6 +147,29 @@ def posting(
 
     res = bench_posting(nbytes_mib=nbytes_mib, chunks_kib=chunks, repeats=repeats)
     _report(res, as_json, render_posting, all(c["verified"] for c in res["cases"]))
+
+
+@bench_app.command()
+def split(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    sizes_kib: str = typer.Option(",".join(str(s) for s in (512, 1024, 2048, 4096, 8192,
+                                                              16384, 32768, 65536)),
+                                  "--sizes-kib", help="READ sizes in KiB, comma separated."),
+    workers: int = typer.Option(2, "--workers", help="Posting workers (2..16)."),
+    repeats: int = typer.Option(30, "--repeats", help="Timed READs per size and variant."),
+    shm_dir: str = typer.Option("/dev/shm", "--shm-dir", help="Where both pools live."),
+) -> None:
+    """Where splitting a READ over posting workers starts to pay (the part threshold)."""
+    try:
+        sizes = tuple(int(c) for c in sizes_kib.split(","))
+    except ValueError:
+        _fail(f"--sizes-kib must be integers separated by commas, got {sizes_kib!r}")
+    if repeats < 1 or min(sizes) < 8 or not 2 <= workers <= 16:
+        _fail("--repeats must be >= 1, every --sizes-kib >= 8, --workers 2..16")
+    from kvd.tools.bench.splitting import bench_split, render_split
+
+    res = bench_split(sizes_kib=sizes, workers=workers, repeats=repeats, shm_dir=shm_dir)
+    _report(res, as_json, render_split, bool(res["verified"]))
 
 
 @bench_app.command()

@@ -8,7 +8,9 @@ ended (raising `TransferError` if it failed), ``release`` forgets it.
 
 How: `kvd.transport.copyplan.plan_copy` merges adjacent descriptors and cuts the copy
 into one share of equal bytes per copy thread; each thread copies its share with
-``ctypes.memmove`` (a C call that releases the GIL, so threads copy in parallel).
+the batched memcpy of `kvd.transport.nativecopy` (one C call per ~8 MiB of
+descriptors, GIL released), or, where no C compiler built it, ``ctypes.memmove`` per
+descriptor (also GIL-free, but ~0.6 us of Python per descriptor).
 A copy of at most ``inline_max_nbytes`` runs on the caller's thread inside ``post``
 (a thread hop costs more than copying 1 MiB) and comes back already done. Measured
 against numpy, torch and NIXL's own local transfer in
@@ -42,10 +44,13 @@ from kvd.transport.copyplan import (
     plan_copy,
     small_copy,
 )
+from kvd.transport.nativecopy import load_batch_copy
 
 # Copies up to this size run inside post(): a copy thread's wake-up costs 20-100 µs on
 # a busy host, more than memcpy takes for 1 MiB (~60 µs at 16 GB/s).
 INLINE_MAX_NBYTES = 1 << 20
+# auto: the batched memcpy in C where it builds (kvd.transport.nativecopy), else memmove.
+PRIMITIVES = ("auto", "native", "memmove")
 MAX_COPY_THREADS = 64
 MAX_HANDLES = 65536
 
@@ -99,18 +104,31 @@ class LocalCopier:
     """
 
     def __init__(self, threads: int = 1, inline_max_nbytes: int = INLINE_MAX_NBYTES,
-                 max_handles: int = MAX_HANDLES, copy_fn: CopyFn = memmove_copy,
-                 max_piece_nbytes: int = MAX_PIECE_NBYTES) -> None:
+                 max_handles: int = MAX_HANDLES, copy_fn: CopyFn | None = None,
+                 max_piece_nbytes: int = MAX_PIECE_NBYTES, primitive: str = "auto") -> None:
         if not 1 <= threads <= MAX_COPY_THREADS:
             raise ValueError(f"threads must be 1..{MAX_COPY_THREADS}, got {threads}")
         if inline_max_nbytes < 0 or max_handles < 1 or max_piece_nbytes < 1:
             raise ValueError("inline_max_nbytes must be >= 0, max_handles and "
                              "max_piece_nbytes >= 1")
+        if primitive not in PRIMITIVES:
+            raise ValueError(f"primitive must be one of {PRIMITIVES}, got {primitive!r}")
         self.threads = threads
         self.inline_max_nbytes = inline_max_nbytes
         self.max_handles = max_handles
         self.max_piece_nbytes = max_piece_nbytes
-        self._copy_fn = copy_fn
+        self._copy_fn = copy_fn or memmove_copy
+        self._batch = None
+        if copy_fn is not None:
+            self.primitive = "custom"
+        elif primitive == "memmove":
+            self.primitive = "memmove"
+        else:
+            self._batch = load_batch_copy()
+            if self._batch is None and primitive == "native":
+                raise TransferError("local copier: the batched memcpy could not be built "
+                                    "(no C compiler?); use primitive auto or memmove")
+            self.primitive = "memmove" if self._batch is None else "native"
         self._copies: dict[int, _Copy] = {}
         self._queue: deque[tuple[_Copy, CopyPart]] = deque()
         self._lock = threading.Lock()
@@ -279,6 +297,19 @@ class LocalCopier:
         return copy
 
     def _copy_part(self, copy: _Copy, part: CopyPart) -> None:
+        if self._batch is not None:
+            # Batches of about max_piece_nbytes: one GIL-free call each, and a copy
+            # being abandoned stops within one batch.
+            group = (np.cumsum(part.nbytes) - 1) // self.max_piece_nbytes
+            bounds = np.flatnonzero(np.diff(group)) + 1
+            dst, src, size = (np.ascontiguousarray(a, dtype=np.int64)
+                              for a in (part.dst, part.src, part.nbytes))
+            for lo, hi in zip(np.concatenate(([0], bounds)).tolist(),
+                              np.concatenate((bounds, [len(size)])).tolist(), strict=True):
+                if copy.abandoned:
+                    raise TransferError("abandoned before it ended")
+                self._batch(dst[lo:hi], src[lo:hi], size[lo:hi])
+            return
         fn = self._copy_fn
         for dst, src, n in zip(part.dst.tolist(), part.src.tolist(), part.nbytes.tolist(),
                                strict=True):

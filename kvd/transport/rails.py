@@ -6,7 +6,7 @@ UCX_NET_DEVICES does for a whole process). ``rails = "auto"`` picks, for each GP
 the NIC nearest it on the PCIe tree (the longest common sysfs path, what
 ``nvidia-smi topo -m`` calls PIX/PXB before NODE/SYS), the NUMA node breaking ties,
 as Mooncake's transfer engine does; a host without GPUs gets no rails: one agent,
-UCX's own device choice, as before issue 23.
+UCX's own device choice.
 
 ``posting_workers = "auto"``: one per rail where there are rails, else the cores this
 process may run on (``os.sched_getaffinity``), at most AUTO_MAX_WORKERS: a posting

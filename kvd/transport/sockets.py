@@ -1,6 +1,6 @@
 """Tear down this process's TCP connections to one host: how a READ is made unable to land.
 
-Why (issue 21, NIXL PR #2047): releasing a running NIXL request does not stop UCX (its
+Why (NIXL PR #2047): releasing a running NIXL request does not stop UCX (its
 ``ucp_request_cancel`` is a no-op for RMA), and NIXL 1.5 closes UCP endpoints without
 ``UCP_EP_CLOSE_FLAG_FORCE`` (flush mode: the close itself waits for the READ). Over
 UCX's TCP transport a READ's bytes reach our memory only through ``recv`` on one of

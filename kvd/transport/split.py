@@ -1,73 +1,119 @@
 """Where a READ is cut into parts for several posting workers (pure: numpy only).
 
-By bytes, descriptors whole, and between merged runs where one lies near the ideal
-cut: a run of descriptors adjacent in memory on both sides is one descriptor once
-NIXL merges it, and cutting it costs a descriptor per part for nothing.
+By bytes, not by descriptors: a READ is a list of byte ranges (local and remote, the
+same length each), and a part is a sub-range of that list, so a cut may fall inside a
+descriptor: both sides of it are byte ranges, cut at the same offset. That is what
+spreads a contiguous pull (one descriptor once the planner merged its blocks) over
+every posting worker and rail.
+
+A cut moves to the nearest boundary between merged runs (descriptors adjacent in
+memory on both sides are one descriptor once merged) when one lies within ``slack`` of
+a part's bytes of the ideal cut: cutting there costs no extra descriptor. Otherwise it
+falls inside a descriptor, at an offset that keeps both sides aligned to the READ's
+grain (the gcd of its sizes and addresses, at most ``MAX_CUT_GRAIN``). Every cut stays
+within ``(part - min_part_nbytes) / 2`` of the ideal, so no part is smaller than
+``min_part_nbytes``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
 
 from kvd.transport.base import ReadPost
 
-# A cut may move to the nearest boundary between merged runs when that costs at most
-# this share of a part's bytes; otherwise it falls between two descriptors of one run.
-RUN_CUT_SLACK = 0.125
+# A cut may move to the nearest run boundary when that costs at most this share of a
+# part's bytes: with two parts each holds 50 % +- 3 % of the READ.
+RUN_CUT_SLACK = 1 / 16
+# Cuts inside a descriptor fall on multiples of the READ's grain up to this (pages and
+# huge pages stay whole; a part's start is aligned like the READ's own descriptors).
+MAX_CUT_GRAIN = 64 << 10
 
 
-def split_points(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
-                 parts: int, slack: float = RUN_CUT_SLACK) -> list[int]:
-    """Descriptor indices where a READ is cut into ``parts`` of about equal bytes.
+def cut_grain(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
+              cap: int = MAX_CUT_GRAIN) -> int:
+    """The largest power of two <= ``cap`` dividing every size and address of both sides."""
+    g = 0
+    for arr in (nbytes, local_addrs, remote_addrs):
+        if len(arr):
+            g = math.gcd(g, int(np.gcd.reduce(np.asarray(arr, dtype=np.int64))))
+    if g <= 0:
+        return 1
+    low = g & -g  # lowest set bit: the power-of-two part of the gcd
+    return max(1, min(low, cap))
 
-    Returns ``parts + 1`` ascending indices from 0 to ``len(nbytes)``, distinct, so
-    part ``i`` is descriptors ``[cuts[i], cuts[i+1])`` (fewer parts when there are
-    fewer descriptors). Descriptors are never cut. A run of descriptors adjacent in
-    memory on both sides (one descriptor once NIXL merges it) is cut only when no run
-    boundary lies within ``slack`` of a part's bytes of the ideal cut: a READ that is
-    one contiguous run (a whole pool) is still split, a fragmented one only between
-    runs. Pure: no transport, no clock.
+
+def split_bytes(local_addrs: np.ndarray, remote_addrs: np.ndarray, nbytes: np.ndarray,
+                parts: int, min_part_nbytes: int = 1, slack: float = RUN_CUT_SLACK,
+                grain: int | None = None) -> list[int]:
+    """Byte positions where a READ is cut into ``parts`` of about equal bytes.
+
+    Returns ``k + 1`` ascending positions from 0 to the READ's total bytes, part ``i``
+    being bytes ``[cuts[i], cuts[i+1])`` of the READ's descriptors laid end to end. ``k``
+    is ``parts`` lowered so that every part holds at least ``min_part_nbytes`` (1 when
+    the whole READ is smaller: it stays whole). Pure: no transport, no clock.
     """
-    n = len(nbytes)
-    parts = max(1, min(parts, n))
-    if parts == 1:
-        return [0, n]
     sizes = np.asarray(nbytes, dtype=np.int64)
-    ends = np.cumsum(sizes)  # ends[i]: bytes of descriptors [0, i]
-    total = int(ends[-1])
+    total = int(sizes.sum())
+    min_part = max(1, int(min_part_nbytes))
+    parts = max(1, min(int(parts), total // min_part))
+    if parts == 1 or len(sizes) == 0:
+        return [0, total]
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
     la = np.asarray(local_addrs, dtype=np.int64)
     ra = np.asarray(remote_addrs, dtype=np.int64)
     joined = (la[1:] == la[:-1] + sizes[:-1]) & (ra[1:] == ra[:-1] + sizes[:-1])
-    # Cut k (1..n-1) falls before descriptor k; bytes before it: ends[k-1].
-    run_cuts = np.flatnonzero(~joined) + 1
-    run_bytes = ends[run_cuts - 1]
-    tolerance = slack * total / parts
+    run_bytes = starts[1:][~joined]  # positions between two merged runs
+    if grain is None:
+        grain = cut_grain(la, ra, sizes)
+    step = total // parts  # every ideal part holds step or step + 1 bytes
+    tolerance = max(0, min(int(slack * total / parts), (step - min_part) // 2))
     cuts = [0]
     for p in range(1, parts):
-        ideal = total * p / parts
-        cut = 0
-        if len(run_cuts):
-            j = int(np.searchsorted(run_bytes, ideal))
-            near = [i for i in (j - 1, j) if 0 <= i < len(run_cuts)]
-            best = min(near, key=lambda i: abs(run_bytes[i] - ideal))
-            if abs(run_bytes[best] - ideal) <= tolerance:
-                cut = int(run_cuts[best])
-        if not cut:
-            k = int(np.searchsorted(ends, ideal))  # first descriptor ending at/after ideal
-            below = k if k >= 1 else 1  # cut before descriptor k: bytes ends[k-1]
-            above = k + 1
-            cut = min((c for c in (below, above) if 1 <= c <= n - 1),
-                      key=lambda c: abs(ends[c - 1] - ideal))
-        cut = min(max(cut, cuts[-1] + 1), n - (parts - p))
-        cuts.append(cut)
-    cuts.append(n)
+        ideal = total * p // parts
+        cuts.append(_cut_near(ideal, tolerance, run_bytes, starts, ends, grain))
+    cuts.append(total)
     return cuts
 
 
+def _cut_near(ideal: int, tolerance: int, run_bytes: np.ndarray, starts: np.ndarray,
+              ends: np.ndarray, grain: int) -> int:
+    """A run boundary within ``tolerance`` of ``ideal``, else a grain-aligned offset
+    inside the descriptor holding ``ideal`` within it, else ``ideal`` itself."""
+    if len(run_bytes):
+        j = int(np.searchsorted(run_bytes, ideal))
+        near = [int(run_bytes[i]) for i in (j - 1, j) if 0 <= i < len(run_bytes)]
+        best = min(near, key=lambda b: abs(b - ideal))
+        if abs(best - ideal) <= tolerance:
+            return best
+    d = int(np.searchsorted(ends, ideal, side="right"))  # starts[d] <= ideal < ends[d]
+    lo = int(starts[d])
+    aligned = lo + (ideal - lo + grain // 2) // grain * grain
+    if abs(aligned - ideal) <= tolerance and lo <= aligned <= int(ends[d]):
+        return aligned
+    return ideal
+
+
 def part_of(post: ReadPost, lo: int, hi: int) -> ReadPost:
-    return replace(post, local_addrs=post.local_addrs[lo:hi],
-                   remote_addrs=post.remote_addrs[lo:hi], nbytes=post.nbytes[lo:hi],
-                   local_devs=None if post.local_devs is None else post.local_devs[lo:hi],
-                   remote_devs=None if post.remote_devs is None else post.remote_devs[lo:hi])
+    """Bytes ``[lo, hi)`` of a READ (its descriptors laid end to end) as a READ of its
+    own: the descriptors it spans, the first and last trimmed on both sides alike."""
+    sizes = np.asarray(post.nbytes, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    first = int(np.searchsorted(ends, lo, side="right"))
+    last = int(np.searchsorted(ends, hi, side="left")) + 1  # exclusive
+    la = np.array(post.local_addrs[first:last], dtype=np.int64)
+    ra = np.array(post.remote_addrs[first:last], dtype=np.int64)
+    nb = sizes[first:last].copy()
+    skip = lo - int(ends[first] - sizes[first])
+    la[0] += skip
+    ra[0] += skip
+    nb[0] -= skip
+    nb[-1] -= int(ends[last - 1]) - hi
+    return replace(post, local_addrs=la, remote_addrs=ra, nbytes=nb,
+                   local_devs=None if post.local_devs is None
+                   else post.local_devs[first:last],
+                   remote_devs=None if post.remote_devs is None
+                   else post.remote_devs[first:last])

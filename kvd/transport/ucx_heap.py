@@ -1,5 +1,6 @@
 """Zeroed heap memory for UCX's request pool: what keeps a producer alive when a
-consumer severs its READs (issue 21.4).
+consumer severs its READs (docs/reliability.md, "The producer survives a severed
+consumer").
 
 Why: over UCX's TCP transport a READ is emulated with GET request/reply active
 messages. UCX 1.23 (bundled with nixl-cu12 1.5.1, and still so in UCX master)
@@ -17,7 +18,8 @@ has just set to NULL, and the purge only completes the request.
 glibc's ``M_PERTURB`` makes every ``malloc`` return memory filled with the complement of
 the given byte (0xFF: zeros) and fills freed memory with that byte. It is process-wide
 and costs a ``memset`` per allocation and per free (not ``calloc``, not Python's small
-objects, not kvd's pools, which are shared memory); measured in docs/reliability.md.
+objects, not kvd's pools, which are shared memory); measured in
+docs/notes/2026-11-26-ucx-purge-crash.md.
 Measured on this bug: `tests/multinode/ucx_purge_repro.py`.
 """
 

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvd.config import MAX_POSTING_WORKERS as MAX_WORKERS
 from kvd.errors import TransferError
@@ -45,13 +45,24 @@ from kvd.transport.base import (
     TransportCounts,
 )
 from kvd.transport.prepped import PreppedPoster
-from kvd.transport.split import part_of, split_points
+from kvd.transport.split import part_of, split_bytes
 
 log = logging.getLogger("kvd.transport")
 
-# Parts smaller than this are not worth a thread hop (~0.05-0.5 ms on a busy host): a
-# READ is split into at most nbytes // MIN_PART_NBYTES parts, so small pulls stay whole.
+# Parts smaller than this cost more than they gain: a READ is split into at most
+# nbytes // MIN_PART_NBYTES parts, so READs under twice this stay whole (every small
+# pull). Measured (`kvd bench split`: one contiguous READ, whole vs 2 parts on 2 workers,
+# real NIXL between processes, 4 KiB shm pools, 2-core VM, 3 runs): a split costs a
+# fixed ~0.15-0.23 ms (256 KiB READ: 78-95 us whole, 219-315 us split); parts of 512
+# KiB lose (0.56-0.72x), 1 MiB too (0.76-0.98x), 2 MiB break even (1.00-1.09x), 3 MiB
+# win 1.17-1.18x, 32 MiB 1.54-1.63x. 4 MiB keeps the break-even zone whole with margin,
+# and every READ the daemon may post inline on its event loop (<= 4 MiB) stays one.
 MIN_PART_NBYTES = 4 << 20
+# A part of at most this many descriptors (a cut contiguous pull: one) is posted on a
+# fresh list, as the daemon posts such READs (kvd.daemon.pull.movers): NIXL validates a
+# few descriptors faster than the poster maps them onto prepared lists, and the part's
+# time before its copy starts is the split's cost.
+FRESH_PART_MAX_DESCRIPTORS = 8
 COMPOSITE_BASE = 1 << 48  # composite transfer ids; worker 0's own ids are far below
 
 
@@ -193,7 +204,7 @@ class WorkerSet:
         if len(posting) <= 1 or post.notif:
             return 1
         total = int(post.nbytes.sum())
-        return max(1, min(len(posting), total // self.min_part_nbytes, len(post.nbytes)))
+        return max(1, min(len(posting), total // self.min_part_nbytes))
 
     def _posting_for(self, peer: str) -> list[int]:
         """The posting workers that reach a peer (worker 0, on every rail, if none)."""
@@ -210,8 +221,12 @@ class WorkerSet:
             self._last_post = self.workers[0].last_post
             self._count(0, post)
             return xfer_id, done
-        cuts = split_points(post.local_addrs, post.remote_addrs, post.nbytes, parts)
+        cuts = split_bytes(post.local_addrs, post.remote_addrs, post.nbytes, parts,
+                           self.min_part_nbytes)
         pieces = [part_of(post, lo, hi) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+        pieces = [replace(p, local_pools=(), remote_pools=())
+                  if p.local_pools and len(p.nbytes) <= FRESH_PART_MAX_DESCRIPTORS else p
+                  for p in pieces]
         owners = posting[:len(pieces)]
         t0 = time.perf_counter()
         futures = {w: self._threads[w - 1].submit(self.posters[w].post, piece)

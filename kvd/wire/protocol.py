@@ -1,27 +1,11 @@
 """Every message kvd sends or receives, and the one place they are decoded.
 
-Wire format (both faces, ZMQ multipart, msgpack via msgspec, never pickle):
+Both faces: ZMQ multipart ``[header, body]``, msgpack via msgspec, never pickle; the
+header is decoded and checked first (kvd.wire.codec).
 
-    [header, body]     header = Header (msgpack map), body = the struct named by header.kind
-
-The header is decoded first, ignoring unknown fields (a later version may add a
-MAC or a tenant); the version, then the daemon's token, are checked before the
-body is decoded (kvd.wire.codec). Every reply of a daemon carries its ``instance``, a
-random id per incarnation: when it changes, what a peer cached about it is stale.
-A consumer sends a ReadNotice once its READs from a daemon are done and its Acquire
-answered: as a peer request, or as a NIXL notification prefixed by NOTICE_MAGIC.
-
-Version history (in full, with what each addition means for older peers:
-proto/README.md):
-    1  initial protocol: engine face (register, publish, pull, poll, status),
-       peer face (hello, acquire, heartbeat, abandon), ReadNotice notifications.
-    2  restart identity and exact placement (Header.instance, Pull.remote_request_id
-       and num_tokens, Acquire consumer parallelism, bounds, token before body).
-       Additive since: hybrid models; Acquired.held_s and ReadNotice as a peer
-       request; kv_layout "auto" and Registered.layout; publish receipts
-       (Published, Pull.publish_receipt and reply_when_done, Acquired.hold_id);
-       acknowledged events (Event.seq, Poll.ack and ack_instance, Events.instance_id)
-       and engine-chosen holds (Publish.hold_id) for engines that never wait on a reply.
+The protocol's one description, its error codes and its version history (what each
+addition means for older peers): proto/README.md. PROTOCOL_VERSION below is the
+version; bump it, and add a row there, for anything an older peer would reject.
 """
 
 from __future__ import annotations

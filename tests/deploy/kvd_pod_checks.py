@@ -84,7 +84,53 @@ def effective_config(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path,
         env["KVD_AUTH_TOKEN_FILE"] = str(token)
     if shm_dir_here is not None:
         env["KVD_SHM_DIR"] = str(shm_dir_here)
+    if "KVD_CURVE_SECRET_KEY_FILE" in env:  # stand-ins for the mounted Secrets
+        from kvd.wire.curve import write_keypair
+
+        pub, sec = write_keypair(tmp_path / "curve", "kvd", force=True)
+        allow = tmp_path / "curve-allow"
+        allow.mkdir(exist_ok=True)
+        (allow / pub.name).write_text(pub.read_text())
+        env["KVD_CURVE_SECRET_KEY_FILE"], env["KVD_CURVE_ALLOWLIST"] = str(sec), str(allow)
     return load(toml_file, env=env)
+
+
+def check_curve(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path,
+                secrets: set[str] | None = None) -> None:
+    """The pod runs kvd with CURVE: keypair and allowlist mounted from Secrets, the
+    keypair file never open to other users, readable by kvd's group, and kvd's own
+    start-up checks (load_token, load_curve) pass on the effective config."""
+    import os
+
+    from kvd.daemon.run import load_curve, load_token
+
+    cfg = effective_config(workload, configmaps, tmp_path)
+    assert cfg.curve_secret_key_file and cfg.curve_allowlist
+    spec = pod_spec(workload)
+    kvd = kvd_container(spec)
+    env = env_map(kvd)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in kvd["volumeMounts"]}
+    key_path = Path(env["KVD_CURVE_SECRET_KEY_FILE"]["value"])
+    key_mount = mounts[str(key_path.parent)]
+    key_secret = volumes[key_mount["name"]]["secret"]
+    assert key_mount.get("readOnly") is True
+    assert [i["path"] for i in key_secret["items"]] == [key_path.name]
+    mode = key_secret["defaultMode"]
+    assert mode & 0o007 == 0, f"keypair Secret mode {mode:o} is open to other users"
+    assert mode & 0o040, "kvd reads its keypair through the pod's fsGroup"
+    assert spec["securityContext"]["fsGroup"] == kvd["securityContext"]["runAsGroup"]
+    allow_mount = mounts[env["KVD_CURVE_ALLOWLIST"]["value"]]
+    assert "secret" in volumes[allow_mount["name"]]
+    if secrets is not None:
+        assert {key_secret["secretName"],
+                volumes[allow_mount["name"]]["secret"]["secretName"]} <= secrets
+    os.chmod(cfg.curve_secret_key_file, mode)  # as kubelet writes it
+    if cfg.auth_token_file:
+        Path(cfg.auth_token_file).write_text("test-token-0123456789abcdef")
+    load_token(cfg)
+    keys = load_curve(cfg)
+    assert keys is not None and "secret" not in repr(keys)
 
 
 def check_kvd_pod(workload: Doc, configmaps: dict[str, Doc], tmp_path: Path) -> Config:

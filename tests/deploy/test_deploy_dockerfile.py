@@ -8,9 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
-import tomllib
 from kvd_pod_checks import DEPLOY, ROOT, port_of
 
 from kvd.config import Config

@@ -1,10 +1,12 @@
-"""The engine face answers Ping and Poll quickly whatever the pulls are doing (issue 20).
+"""The engine face answers Ping and Poll quickly whatever the pulls are doing.
 
 An engine's step may send a Ping or a Poll at any time; the daemon's event loop must
 never be the reason it waits. Measured against real ``kvd serve`` processes, by an
 open-loop probe of its own (tests/support/face_probe.py): Ping and Poll round trips
 while 1,000 pulls arrive at once for a frozen producer, while they wait, and while
-they fail after the producer is killed (SIGKILL). Heavier work (1 GiB registrations
+they fail after the producer is killed (SIGKILL). Judged on what kvd controls, the time
+the daemon held its own loop (p99 within the 50 ms budget); the round trips are printed,
+since beside other CPU-heavy work they measure the host. Heavier work (1 GiB registrations
 and pulls, a producer lost mid-READ): tests/fault/test_engine_face_heavy.py.
 """
 
@@ -29,19 +31,14 @@ MODEL = P.ModelSpec(name="lat", num_kv_heads=2, num_layers=2, head_dim=16)
 SHAPE = EngineShape(tp_size=1, num_blocks=64)
 PULLS = 1000
 P99_MAX_S = 0.05
-ATTEMPTS = 3  # tried again only when the host starved the daemon (within_budget)
 
 
 def test_ping_and_poll_stay_fast_with_1000_pulls_queued_then_their_producer_killed(
         tmp_path) -> None:
-    for attempt in range(ATTEMPTS):
-        phases = _burst_then_kill(tmp_path / f"try{attempt}")
-        if within_budget(phases, attempt, ATTEMPTS, P99_MAX_S):
-            break
+    within_budget(_burst_then_kill(tmp_path), P99_MAX_S)
 
 
 def _burst_then_kill(tmp_path: Path) -> list[Phase]:
-    tmp_path.mkdir()
     prefill = DaemonProcess.start("latp", tmp_path, metrics=False)
     decode = DaemonProcess.start("latd", tmp_path,
                                  extra_args=["--set", "handshake_timeout_s=3"])

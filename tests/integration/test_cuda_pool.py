@@ -3,13 +3,10 @@ those tests skip; what runs everywhere is the clear refusal without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
-from pathlib import Path
 
 import pytest
 
-import kvd
 from kvd.errors import KvdError
 from kvd.tools.localcluster import DaemonProcess
 from kvd.wire.protocol import LayoutSpec, ModelSpec
@@ -80,15 +77,8 @@ def _allocate_inside_pool(handle, q) -> None:
     faulthandler.enable()
     import torch
 
+    from kvd.integrations.connector_core.cuda_alloc import cuda_pool_context
     from kvd.pool.cuda import open_cuda_pool
-
-    # By path: kvd.integrations.vllm refuses to import without vLLM, which the shim
-    # itself does not need.
-    path = Path(kvd.__file__).parent / "integrations" / "vllm" / "cuda_alloc.py"
-    spec = importlib.util.spec_from_file_location("kvd_cuda_alloc", path)
-    shim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shim)
-    cuda_pool_context = shim.cuda_pool_context
 
     pool = open_cuda_pool(handle)
     dev = f"cuda:{handle.device_index}"
@@ -149,3 +139,17 @@ def test_vram_pull_between_two_daemons_is_byte_exact(workers):
                     daemon_args=("--set", f"posting_workers={workers}"))
     assert res["verified"], res["logs"]
     assert res["nbytes"] >= 60 << 20
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: local VRAM pulls untested "
+                    "here")
+def test_local_vram_pull_on_one_daemon_is_a_device_copy():
+    """Both engines on one kvd serve --device cuda: the pull is a copy the daemon issues on
+    the GPU (kvd.transport.cudacopy), every block compared with the prefill pool."""
+    from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
+    from kvd.tools.bench.vram import kvd_pulls
+
+    res = kvd_pulls(64, "cuda", 0, 2, DEFAULT_KV_LAYOUT, one_daemon=True)
+    assert res["verified"], res["logs"]
+    assert res["paths"] == ["local"]

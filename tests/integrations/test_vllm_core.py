@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvd.errors import LayoutError
-from kvd.integrations.vllm_core.events import EventBook, StepReport
-from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
-from kvd.integrations.vllm_core.params import (
+from kvd.integrations.connector_core.events import EventBook, StepReport
+from kvd.integrations.connector_core.geometry import LayerView, VllmKvGeometry, check_views
+from kvd.integrations.connector_core.params import (
     ParamsError,
     RemotePrefill,
     blocks_to_pull,

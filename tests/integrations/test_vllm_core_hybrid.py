@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.errors import LayoutError
-from kvd.integrations.vllm_core.hybrid import (
+from kvd.integrations.connector_core.hybrid import (
     VllmCacheGroup,
     VllmHybridGeometry,
     VllmMambaConfig,
@@ -149,8 +149,8 @@ def test_pipeline_parallel_is_refused_without_model_layer_numbers() -> None:
 
 # ---------------------------------------------------------------- block lists (issue 13.5)
 
-from kvd.integrations.vllm_core.hybrid import publish_groups, pull_groups  # noqa: E402
-from kvd.integrations.vllm_core.params import RemotePrefill, parse_remote_prefill  # noqa: E402
+from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups  # noqa: E402
+from kvd.integrations.connector_core.params import RemotePrefill, parse_remote_prefill  # noqa: E402
 
 
 def test_publish_groups_clips_like_nixl() -> None:

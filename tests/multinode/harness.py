@@ -104,11 +104,15 @@ class Node:
         return reply["ok"]
 
     def start_daemon(self, name: str = "kvd", args: list[str] | None = None,
-                     token: str = TOKEN, env: dict[str, str] | None = None) -> dict[str, Any]:
-        """A `kvd serve` bound to this node's address, engines on its loopback."""
+                     token: str = TOKEN, env: dict[str, str] | None = None,
+                     engine_host: str = "127.0.0.1",
+                     client_env: dict[str, str] | None = None) -> dict[str, Any]:
+        """A `kvd serve` bound to this node's address, engines on its loopback (or on
+        ``engine_host``; ``client_env``: what this node's engines read)."""
         return self.call("start_daemon", name=name, peer_address=self.peer_address,
                          token=token, engine_port=ENGINE_PORT, metrics_port=METRICS_PORT,
-                         args=args or [], env=env)
+                         args=args or [], env=env, engine_host=engine_host,
+                         client_env=client_env)
 
 
 class Cluster:
@@ -134,6 +138,10 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def port_name(self, node: int, rail: int = 0) -> str:
+        """The node's port on the switch (in namespace ``self.switch``)."""
+        return self._port(node, rail)
 
     def _port(self, node: int, rail: int) -> str:
         return f"mn{self.tag[-4:]}n{node}r{rail}"[:15]

@@ -42,8 +42,9 @@ class Node:
     # ------------------------------------------------------------ daemons
 
     def start_daemon(self, name: str, peer_address: str, token: str, engine_port: int,
-                     metrics_port: int, args: list[str], env: dict[str, str] | None = None
-                     ) -> dict[str, Any]:
+                     metrics_port: int, args: list[str], env: dict[str, str] | None = None,
+                     engine_host: str = "127.0.0.1",
+                     client_env: dict[str, str] | None = None) -> dict[str, Any]:
         token_file = self.log_dir / f"{name}.token"
         token_file.write_text(token + "\n")
         # The engines played here do not ping (a ping thread would share the client's
@@ -51,8 +52,12 @@ class Node:
         extra = ["--auth-token-file", str(token_file), "--set", "pool_backing=shm",
                  "--set", "engine_timeout_s=600", *args]
         d = DaemonProcess._spawn(name, self.log_dir, extra, env,
-                                 f"tcp://127.0.0.1:{engine_port}", peer_address, metrics_port,
-                                 token)
+                                 f"tcp://{engine_host}:{engine_port}", peer_address,
+                                 metrics_port, token)
+        # What this node's engines read (KVD_CLIENT_CURVE_*_FILE for a CURVE engine face).
+        for var in ("KVD_CLIENT_CURVE_SECRET_KEY_FILE", "KVD_CLIENT_CURVE_SERVER_KEY_FILE"):
+            os.environ.pop(var, None)
+        os.environ.update(client_env or {})
         t0 = time.monotonic()
         d.wait_ready(30.0)
         self.daemons[name] = d
@@ -139,6 +144,18 @@ class Node:
                 return int(line.split()[1]) * 1024
         return 0
 
+    def remote_status(self, address: str, token: str = "",
+                      env: dict[str, str] | None = None) -> Any:
+        """A status call to another node's engine face (with this node's env plus env)."""
+        saved = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            with KvdClient(address, token=token, ping_interval_s=0, timeout_s=10) as c:
+                return msgspec.to_builtins(c.status())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
     def status(self, name: str) -> Any:
         return msgspec.to_builtins(self.clients[name].status())
 
@@ -150,9 +167,9 @@ class Node:
     # ------------------------------------------------------------ engines
 
     def register(self, daemon: str, engine_id: str, model: dict[str, Any], tp_size: int,
-                 num_blocks: int) -> None:
+                 num_blocks: int, kv_layout: str = "kv_split") -> None:
         spec = msgspec.convert(model, ModelSpec)
-        shape = EngineShape(tp_size=tp_size, num_blocks=num_blocks)
+        shape = EngineShape(tp_size=tp_size, num_blocks=num_blocks, kv_layout=kv_layout)
         client = self.clients[daemon]
         ranks = [client.register(engine_id, spec, layout_spec(shape), t, tp_size)
                  for t in range(tp_size)]
@@ -201,6 +218,12 @@ class Node:
 
     def now(self) -> float:
         return time.monotonic()
+
+    def iface_bytes(self, dev: str) -> int:
+        """Bytes through one of this node's interfaces, both directions, from its own
+        counters (/sys/class/net/DEV/statistics)."""
+        stats = Path("/sys/class/net") / dev / "statistics"
+        return sum(int((stats / f).read_text()) for f in ("rx_bytes", "tx_bytes"))
 
 
 def _keep_log(path: Path) -> None:

@@ -12,7 +12,12 @@ pytestmark = pytest.mark.nixl
 
 MODEL = {"name": "mnr", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
 BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # 128 KiB
-RESTART_BUDGET_S = 2.0
+# A restart on the same addresses must not wait for them (SO_REUSEADDR, a stale ipc
+# socket removed): it is ready about as fast as the node's first start of the same
+# daemon. A ratio within the run, so a busy host slows both alike; an address wait
+# (TIME_WAIT: 60 s) is far outside it.
+RESTART_VS_FIRST_START = 1.5
+RESTART_SLACK_S = 0.5
 # peer_liveness_timeout_s (3 s) + one poll and scheduling on a loaded 2-core machine.
 DEAD_PEER_BUDGET_S = 3.5
 KNOWN_DEAD_BUDGET_S = 1.0  # vs handshake_timeout_s = 2 s here (5 s by default)
@@ -43,8 +48,7 @@ def _register(node: Node, eid: str, num_blocks: int = 64) -> None:
 @pytest.fixture
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(2, tmp_path_factory.mktemp("mnrestart")) as c:
-        for node in c.nodes:
-            node.start_daemon(args=ARGS)
+        c.first_ready_s = [node.start_daemon(args=ARGS)["ready_s"] for node in c.nodes]
         yield c
 
 
@@ -58,8 +62,11 @@ def test_kill9_right_after_a_probe_restarts_at_once(pair: Cluster, victim: int) 
     assert node.call("livez", name="kvd") == 200  # the kubelet's probe, just before
     node.call("kill_daemon", name="kvd")
     took = node.call("restart_daemon", name="kvd")
-    print(f"restart of the {['prefill', 'decode'][victim]} daemon after a probe: {took}")
-    assert took["livez_s"] is not None and took["livez_s"] < RESTART_BUDGET_S, took
+    first_s = pair.first_ready_s[victim]
+    print(f"restart of the {['prefill', 'decode'][victim]} daemon after a probe: {took}; "
+          f"its first start was ready in {first_s:.2f}s")
+    assert took["livez_s"] is not None, took
+    assert took["ready_s"] < RESTART_VS_FIRST_START * first_s + RESTART_SLACK_S, (took, first_s)
     # Its engines register again (new pools) and pulls across the nodes work at once.
     _register(node, "again")
     pe, de = ("again", "dec1") if victim == 0 else ("pre1", "again")

@@ -39,7 +39,7 @@ SPEC = MambaSpec(num_heads=24, head_dim=2, n_groups=2, d_state=2, conv_kernel=3,
 # Granite 4.0-H and Falcon-H1 keep one B/C group, replicated on every TP rank
 ONE_GROUP = MambaSpec(num_heads=24, head_dim=2, n_groups=1, d_state=2, conv_kernel=4,
                       conv_dtype_nbytes=4, ssm_dtype_nbytes=4)
-# The state shapes the vLLM families give kvd (kvd.integrations.vllm_core.hybrid numbers
+# The state shapes the vLLM families give kvd (kvd.integrations.connector_core.hybrid numbers
 # Falcon-H1's cache layers position-major: each model layer is an (attention, Mamba) pair)
 FAMILIES = {
     "nemotron_h": (PATTERN, SPEC),

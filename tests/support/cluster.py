@@ -156,8 +156,11 @@ class CaseResult:
 def run_transfer(prefill: DaemonProcess, decode: DaemonProcess, pc: KvdClient, dc: KvdClient,
                  model: ModelSpec, pshape: EngineShape, dshape: EngineShape, tokens: int,
                  skip_tokens: int = 0, zero_local: bool = False, seed: int = 3,
-                 timeout_s: float = 30.0) -> CaseResult:
-    """One request prefill -> decode, checked; engines are deregistered and freed at the end."""
+                 timeout_s: float = 30.0,
+                 block_ids: tuple[list[int], list[int]] | None = None) -> CaseResult:
+    """One request prefill -> decode, checked; engines are deregistered and freed at the end.
+
+    ``block_ids``: (prefill ids, decode ids) instead of random ones (e.g. contiguous)."""
     rng = random.Random(seed)
     p = register(pc, "pre", model, pshape)
     d = register(dc, "dec", model, dshape)
@@ -169,6 +172,8 @@ def run_transfer(prefill: DaemonProcess, decode: DaemonProcess, pc: KvdClient, d
         n_local = 0 if zero_local else -(-(tokens - skip_tokens) // dshape.block_size_tokens)
         p_ids = rng.sample(range(pshape.num_blocks), n_remote)
         d_ids = rng.sample(range(dshape.num_blocks), n_local)
+        if block_ids is not None:
+            p_ids, d_ids = list(block_ids[0]), list(block_ids[1])
         for r in p.ranks:
             write_shard(r.kv, g, model, pshape, r.tp_rank, r.pp_rank, p_ids)
         rid = unique("req")

@@ -43,6 +43,13 @@ def test_bench_divides_kvd_by_the_stream_timed_between_its_repeats() -> None:
     assert scn["ratio_kvd_nixl_shm"] == round(scn["kvd_gbps"]
                                               / scn["nixl_gbps_shm_interleaved"], 3)
     assert scn["ratio_kvd_nixl_shm_separate"] == round(scn["kvd_gbps"] / scn["nixl_gbps_shm"], 3)
+    # contiguous pulls (consecutive ids): byte-checked, divided by the stream timed
+    # between their own repeats
+    assert scn["verified_consecutive"] is True
+    assert len(scn["kvd_ms_consecutive"]) == 2
+    assert scn["ratio_kvd_nixl_shm_consecutive"] == round(
+        scn["kvd_gbps_consecutive"] / scn["nixl_gbps_shm_interleaved_consecutive"], 3)
+    assert "ratio_kvd_nixl_single_stream_contiguous" in res["targets"]["met"]
     # the floor's pulls took turns with kvd's: as many, every block read intact
     assert res["floor_1block_samples"] == 10 and res["floor_verified"] is True
     assert res["ratio_pull_1block_floor"] == round(res["pull_1block_p50_ms"]

@@ -35,10 +35,36 @@ def test_bench_pages_measures_the_kinds_asked_for():
 def test_bench_vram_on_dram_runs_the_same_code_byte_exact():
     r = _run("vram", "--device", "cpu", "--nbytes-mib", "4", "--repeats", "1", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["verified"] is True
+    out = json.loads(r.stdout)
+    assert out["verified"] is True and out["local_verified"] is True
+    # both engines on one daemon: the pull was a copy inside it, timed beside the device copy
+    assert out["local_paths"] == ["local"] and out["local_gbps"] > 0
+    assert out["one_block_local_p50_ms"] > 0 and out["ratio_one_block_local_remote"] > 0
+
+
+def test_bench_split_measures_whole_and_split_reads_byte_exact():
+    r = _run("split", "--sizes-kib", "64,256", "--repeats", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["verified"] is True
+    assert {(row["nbytes"], row["parts"]) for row in res["rows"]} == {
+        (64 << 10, 1), (64 << 10, 2), (256 << 10, 1), (256 << 10, 2)}
+
+
+def test_split_threshold_is_where_every_larger_split_wins():
+    from kvd.tools.bench.splitting import threshold
+
+    def rows(gains):
+        return [{"nbytes": n << 20, "parts": 2, "part_nbytes": n << 19,
+                 "speedup_vs_whole": g} for n, g in gains]
+
+    assert threshold(rows([(2, 0.8), (4, 1.15), (8, 1.3), (16, 1.5)])) == 2 << 20
+    assert threshold(rows([(2, 1.2), (4, 0.9), (8, 1.3)])) == 4 << 20  # a loss above: later
+    assert threshold(rows([(2, 0.5), (4, 0.9)])) is None
 
 
 @pytest.mark.parametrize(("args", "needle"), [
+    (("split", "--sizes-kib", "4,x"), "--sizes-kib must be integers"),
     (("pages", "--kinds", "bogus"), "--kinds: unknown bogus"),
     (("posting", "--chunks-kib", "4,x"), "--chunks-kib must be integers"),
     (("vram", "--device", "tpu"), "--device must be cuda or cpu"),

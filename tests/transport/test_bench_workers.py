@@ -14,12 +14,14 @@ MiB = 1 << 20
 
 def _result() -> dict:
     rows = []
-    for w, k in ((1, 1.0), (2, 1.4), (4, 1.5)):
-        for s in (32, 1024):
-            rows.append({"workers": w, "nbytes": s * MiB, "kvd_gbps": 5.0 * k,
-                         "kvd_p50_ms": 3.0, "nixl_single_stream_gbps": 5.0,
-                         "ratio_vs_single_stream": k, "ratio_vs_one_worker": k,
-                         "verified": True})
+    for ids, c in (("random", 1.0), ("contiguous", 1.2)):
+        for w, k in ((1, 1.0), (2, 1.4), (4, 1.5)):
+            for s in (32, 1024):
+                rows.append({"workers": w, "ids": ids, "nbytes": s * MiB,
+                             "kvd_gbps": round(5.0 * k * c, 2), "kvd_p50_ms": 3.0,
+                             "nixl_single_stream_gbps": 5.0,
+                             "ratio_vs_single_stream": round(k * c, 3),
+                             "ratio_vs_one_worker": k, "verified": True})
     extra = [{"workers": w, "pull_1block_p50_ms": 1.0, "pull_1block_p99_ms": 2.0,
               "single_pull_gbps": 3.0, "concurrent_pulls": 16, "concurrent_gbps": 3.3,
               "ratio_concurrent_vs_single": 1.1, "verified": True} for w in (1, 2, 4)]
@@ -32,6 +34,11 @@ def test_table_has_a_column_per_worker_count_and_a_row_per_size() -> None:
     for needle in ("1 workers", "2 workers", "4 workers", "32 MiB", "1 GiB", "x stream (4w)"):
         assert needle in text
     assert "1.4" in text and "1.5" in text
+    # the contiguous case: its own table, after the random one
+    random_at = text.index("random block ids")
+    contiguous_at = text.index("consecutive block ids")
+    assert random_at < contiguous_at
+    assert "1.8" in text[contiguous_at:] and "1.8" not in text[random_at:contiguous_at]
     assert "1-block p50 ms" in text and "3.3 (16 pulls)" in text
 
 

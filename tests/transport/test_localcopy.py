@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kvd.errors import BusyError, TransferError
 from kvd.transport.copyplan import plan_copy
 from kvd.transport.localcopy import LocalCopier, memmove_copy
+from kvd.transport.nativecopy import build, load_batch_copy
 
 MIB = 1 << 20
 BUF = 1 << 18
@@ -81,16 +82,26 @@ def test_plan_moves_every_byte_once_and_splits_evenly(desc, parts, align, max_pi
         assert (p.nbytes <= max_piece).all()
 
 
+def primitive_or_skip(primitive: str) -> str:
+    if primitive == "native" and load_batch_copy() is None:
+        pytest.skip("no C compiler: the batched memcpy cannot be built here")
+    return primitive
+
+
+@pytest.mark.parametrize("primitive", ["memmove", "native"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(desc=copies(), threads=st.integers(1, 3), inline=st.sampled_from([0, 4096, MIB]),
        max_piece=st.sampled_from([1000, 4096, 1 << 16]))
-def test_copier_is_byte_exact(desc, threads, inline, max_piece):
+def test_copier_is_byte_exact(primitive, desc, threads, inline, max_piece):
+    primitive_or_skip(primitive)
     rng = np.random.default_rng(int(desc[2].sum()))
     src = rng.integers(0, 256, BUF, dtype=np.uint8)
     dst = rng.integers(0, 256, BUF, dtype=np.uint8)
     want = oracle(dst, src, *desc)
     d, s, n = desc
-    with LocalCopier(threads=threads, inline_max_nbytes=inline, max_piece_nbytes=max_piece) as c:
+    with LocalCopier(threads=threads, inline_max_nbytes=inline, max_piece_nbytes=max_piece,
+                     primitive=primitive) as c:
+        assert c.primitive == primitive
         h = c.post((d + dst.ctypes.data).astype(np.uint64),
                    (s + src.ctypes.data).astype(np.uint64), n.astype(np.uint64))
         assert c.wait(h, timeout_s=30)
@@ -99,8 +110,10 @@ def test_copier_is_byte_exact(desc, threads, inline, max_piece):
     np.testing.assert_array_equal(dst, want)
 
 
-def test_fragmented_blocks_land_byte_exact_on_two_threads():
+@pytest.mark.parametrize("primitive", ["memmove", "native"])
+def test_fragmented_blocks_land_byte_exact_on_two_threads(primitive):
     """2 MiB blocks with shuffled ids on both sides, 32 MiB, against the oracle."""
+    primitive_or_skip(primitive)
     rng = np.random.default_rng(7)
     blocks = 16
     src = rng.integers(0, 256, blocks * 2 * MIB, dtype=np.uint8)
@@ -108,7 +121,7 @@ def test_fragmented_blocks_land_byte_exact_on_two_threads():
     d = rng.permutation(blocks) * 2 * MIB
     s = rng.permutation(blocks) * 2 * MIB
     n = np.full(blocks, 2 * MIB)
-    with LocalCopier(threads=2) as c:
+    with LocalCopier(threads=2, primitive=primitive) as c:
         h = c.post(d + dst.ctypes.data, s + src.ctypes.data, n)
         assert c.wait(h, timeout_s=30)
         c.release(h)
@@ -288,3 +301,39 @@ def test_close_abandons_queued_copies():
     with pytest.raises(TransferError, match="closed"):
         c.poll(second)
     assert len(rec.calls) == 1
+
+
+def test_native_copy_builds_once_per_source_and_falls_back_without_a_compiler(tmp_path):
+    if load_batch_copy() is None:
+        pytest.skip("no C compiler here")
+    lib = build(tmp_path / "a", "cc")
+    assert lib.name.startswith("libkvd_memcpy_batch-") and lib.exists()
+    mtime = lib.stat().st_mtime_ns
+    assert build(tmp_path / "a", "cc") == lib and lib.stat().st_mtime_ns == mtime
+    assert not [p for p in lib.parent.iterdir() if p.name.startswith(".build-")]
+    fn = load_batch_copy(str(tmp_path / "a"), "cc")
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    fn(np.array([dst.ctypes.data, dst.ctypes.data + 2048]),
+       np.array([src.ctypes.data + 2048, src.ctypes.data]), np.array([2048, 2048]))
+    np.testing.assert_array_equal(dst, np.concatenate([src[2048:], src[:2048]]))
+    with pytest.raises(ValueError, match="int64"):
+        fn(np.array([1], dtype=np.uint32), np.array([1]), np.array([1]))
+
+    missing = str(tmp_path / "no-such-cc")
+    assert load_batch_copy(str(tmp_path / "b"), missing) is None
+    assert not (tmp_path / "b").exists() or not list((tmp_path / "b").glob("*.so"))
+
+
+def test_copier_without_a_compiler_uses_memmove_or_refuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVD_NATIVE_DIR", str(tmp_path / "native"))
+    with LocalCopier(primitive="auto") as c:
+        assert c.primitive == "memmove"
+        buf = np.arange(8192, dtype=np.uint8)
+        h = c.post([buf.ctypes.data], [buf.ctypes.data + 4096], [4096])
+        assert c.poll(h)
+        c.release(h)
+        np.testing.assert_array_equal(buf[:4096], buf[4096:])
+    with pytest.raises(TransferError, match="could not be built"):
+        LocalCopier(primitive="native")

@@ -159,3 +159,14 @@ def test_abandon_releases_once_every_consumer_is_done_or_gave_up() -> None:
     assert held.notice("c2", reads=1)
     assert held.state is HeldState.DONE
     assert not held.abandon("c2"), "a terminal hold never changes again"
+
+
+def test_an_abandon_from_an_earlier_consumer_incarnation_is_stale() -> None:
+    """Sent before its daemon restarted, it came in after the new incarnation's Acquire
+    (another connection): the new one reads, the hold stays (found by tests/sim)."""
+    t = table()
+    h = t.publish("p", "r1", [1], 5.0, 1, 0.0)
+    h.acquire("c", [1], 1.0, instance="c.1")
+    h.acquire("c", [1], 2.0, instance="c.2")  # restarted: its count starts over
+    assert not h.abandon("c", "c.1") and h.state is HeldState.READING
+    assert h.abandon("c", "c.2") and h.state is HeldState.RELEASED

@@ -403,9 +403,14 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer daemon frozen longer than the lease (SIGSTOP, a stalled host) could not
     hear the consumer's heartbeats meanwhile: waking up, it moves its leases on by the
-    time it was frozen instead of handing the blocks back under the READ (issue 20/21)."""
+    time it was frozen instead of handing the blocks back under the READ (issue 20/21).
+
+    Both daemons share the fake clock, so the jump is a stall of the consumer too; its
+    liveness timeout is set past it, as it would have to be for a real producer frozen
+    this long to keep its consumer's pull (a pull whose own daemon stalled longer than
+    that fails: the producers' leases may have lapsed meanwhile)."""
     async def body() -> None:
-        async with daemon_pair(heartbeat_interval_s=0.5) as p:
+        async with daemon_pair(heartbeat_interval_s=0.5, peer_liveness_timeout_s=30.0) as p:
             await register(p.pc, "pre")
             await register(p.dc, "dec")
             await p.pc.publish("pre", "r1", [1, 2], lease_s=5.0)
@@ -460,5 +465,37 @@ def test_one_block_pulls_follow_a_rank_that_registers_again() -> None:
             pr2 = await register(p.pc, "pre")
             write_shard(pr2.kv, g, MODEL, SHAPE, 0, 0, list(range(16)))
             await pull("r4", 11, 7, dr2.kv, bigger)
+
+    run(body())
+
+
+def test_a_pull_greeting_again_fails_if_its_engine_registered_again() -> None:
+    """Found by the fleet simulation (tests/sim, seed 552 of its wide schedule): a pull
+    whose Acquire reply names a new epoch of the producer discards its early READ and
+    greets again; if its own engine left and registered again meanwhile (a new pool),
+    the pull must fail, not read into the new pool's blocks (which the new engine never
+    gave it)."""
+    async def body() -> None:
+        async with daemon_pair() as p:
+            pr = await register(p.pc, "pre")
+            dr = await register(p.dc, "dec")
+            addr = p.prefill.cfg.peer_address
+            await p.pc.publish("pre", "r0", [0])
+            await p.dc.pull("dec", "r0", "pre", addr, [0], [0])
+            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            await p.pc.deregister(pr)
+            pr2 = await register(p.pc, "pre")  # a new epoch: the cached handshake is stale
+            pr2.kv[...] = 7
+            await p.pc.publish("pre", "r1", [1, 2])
+            p.decode.datapath.transport.hold_reads = True  # the early READ stays in flight
+            await p.dc.pull("dec", "r1", "pre", addr, [1, 2], [5, 6])
+            await p.clock.run(0.2)  # the reply came: discarding the READ before greeting
+            await p.dc.deregister(dr)
+            dr2 = await register(p.dc, "dec")
+            dr2.kv[...] = 0
+            p.decode.datapath.transport.hold_reads = False
+            ev = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving", fake_s=5.0)
+            assert not ev.ok and "registered again" in ev.error, ev
+            assert not dr2.kv.any()  # nothing written into the new pool
 
     run(body())

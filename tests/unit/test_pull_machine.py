@@ -322,3 +322,19 @@ def test_exactly_one_report_whatever_happens_after_the_outcome() -> None:
     assert acts and pull.state is PullState.FAILED
     with pytest.raises(BadTransition):  # a second report cannot happen
         pull.released(2.3)
+
+
+def test_a_local_pull_is_not_failed_by_a_stall_of_its_own_daemon() -> None:
+    """Frozen with its daemon, a local pull's producer moved its leases on by the same gap:
+    the stall rule that protects a remote pull would only fail it for nothing."""
+    pull, _ = _pull()
+    pull.path = "local"
+    _posted_running(pull)
+    pull.on_replies([ADDR], [_reply()], 1.0)
+    acts = pull.on_poll({11: DONE}, 1.0 + 10 * LIVENESS_S)
+    assert acts == [M.Release()] and pull.outcome == "ok"
+    remote, _ = _pull()
+    _posted_running(remote)
+    remote.on_replies([ADDR], [_reply()], 1.0)
+    remote.on_poll({11: DONE}, 1.0 + 10 * LIVENESS_S)
+    assert remote.outcome == "failed" and "stalled" in remote.error

@@ -1,5 +1,5 @@
 """The connector's warning for CPU engines whose workers vLLM pinned to the same cores
-(issue 25; kvd.integrations.vllm_core.cpu_binding).
+(issue 25; kvd.integrations.connector_core.cpu_binding).
 
 The real-process cases build what vLLM builds: an "engine core" process whose child
 carries vLLM's worker title and pins itself, one such pair per engine, and read them
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.integrations.vllm_core import cpu_binding as cb
-from kvd.integrations.vllm_core.cpu_binding import Worker, parse_cpu_list, pinned_neighbours
+from kvd.integrations.connector_core import cpu_binding as cb
+from kvd.integrations.connector_core.cpu_binding import Worker, parse_cpu_list, pinned_neighbours
 
 ALL = frozenset({0, 1, 2, 3})
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from engine_proc import EngineProc
+from shm_reaper import SHM_DIR, reap_vllm_segments
 from tiny_hybrid_model import build_tiny_nemotron_h
 
 from kvd.tools.tiny_model import build_tiny_llama
@@ -82,6 +83,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"{engine.name}: startup {engine.startup_s:.1f} s "
             f"(of which warm-up request {engine.warmup_s:.1f} s), log {engine.log_path}"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_vllm_segments_left() -> Iterator[None]:
+    before = {p.name for p in SHM_DIR.glob("psm_*")}
+    yield
+    removed = reap_vllm_segments(before)
+    if removed:
+        print(f"\nremoved {len(removed)} vLLM shared-memory segments its engines left")
 
 
 @pytest.fixture(scope="session")

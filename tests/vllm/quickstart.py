@@ -12,7 +12,10 @@ import re
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
-STEPS = ("setup", "daemons", "servers", "router", "request", "metrics")
+STEPS = ("setup", "daemons", "servers", "router", "request", "metrics", "stop")
+# Printed before the stop step, which then waits for the file $QS/stop to exist.
+DONE = "=== quickstart:done"
+STOP_FILE = "stop"
 # Every port the quickstart uses: the daemon (engine, peer, metrics), two servers, router.
 PORTS = (7100, 7101, 7102, 8100, 8200, 8000)
 _BLOCK = re.compile(r"<!-- quickstart:(\w+) -->\n```sh\n(.*?)```", re.S)
@@ -29,7 +32,8 @@ def blocks(text: str | None = None) -> dict[str, str]:
 
 def script(ports: dict[int, int], work_dir: Path, venv_bin: Path,
            text: str | None = None) -> str:
-    """The quickstart as one bash script, with ``ports`` remapped and ``work_dir`` as $QS."""
+    """The quickstart as one bash script, with ``ports`` remapped and ``work_dir`` as $QS.
+    It prints DONE before the stop step, then waits for ``$QS/stop`` to run that step."""
     parts = []
     for name, body in blocks(text).items():
         body = body.replace("source .venv-vllm/bin/activate",
@@ -37,5 +41,8 @@ def script(ports: dict[int, int], work_dir: Path, venv_bin: Path,
         body = re.sub(r"export QS=\S+", f"export QS={work_dir}", body)
         body = re.sub(r"\b(" + "|".join(map(str, PORTS)) + r")\b",
                       lambda m: str(ports[int(m.group(1))]), body)
+        if name == "stop":  # the caller says when, by creating $QS/stop
+            parts.append(f"echo '{DONE}'\n"
+                         f'while [ ! -e "$QS/{STOP_FILE}" ]; do sleep 1; done')
         parts.append(f"echo '=== quickstart:{name}'\n{body}")
     return "\n".join(parts)

@@ -13,9 +13,9 @@ if _vllm is None or _vllm.origin in (None, "namespace"):
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
+from kvd.integrations.connector_core.events import EventBook  # noqa: E402
 from kvd.integrations.vllm.connector import KvdConnector  # noqa: E402
 from kvd.integrations.vllm.stats import totals_to_dict  # noqa: E402
-from kvd.integrations.vllm_core.events import EventBook  # noqa: E402
 from kvd.wire.protocol import Event  # noqa: E402
 
 pytestmark = pytest.mark.vllm

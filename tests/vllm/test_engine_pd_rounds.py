@@ -188,7 +188,7 @@ def test_pipelined_rounds_prefill_and_decode_computing_at_once_never_stall(
         engines: tuple[EngineProc, ...], daemons: tuple[DaemonProcess, ...]) -> None:
     prefill, decode, plain = engines
     pd, dd = daemons
-    # The connector's start-up warning (kvd.integrations.vllm_core.cpu_binding): the
+    # The connector's start-up warning (kvd.integrations.connector_core.cpu_binding): the
     # decode engine, started second, finds the prefill worker pinned to its cores.
     warned = "another engine's worker is pinned to the same cores" in decode.log_path.read_text()
     if os.environ.get(BIND_OVERRIDE, "") in ("", "auto"):

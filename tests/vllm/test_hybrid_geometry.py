@@ -26,7 +26,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noq
 
 import kvd.integrations.vllm.vllm_geometry as vg  # noqa: E402
 from kvd.errors import LayoutError  # noqa: E402
-from kvd.integrations.vllm_core.hybrid import VllmMambaConfig  # noqa: E402
+from kvd.integrations.connector_core.hybrid import VllmMambaConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 

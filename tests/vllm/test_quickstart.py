@@ -6,7 +6,8 @@ the work directory change), plus a plain server (no connector) for the expected 
 Then, through the router: the documented completion, a streamed completion and a chat
 completion, each compared token for token with the plain server (greedy, the tiny
 prompt-sensitive model), and the decode server's metrics: every prompt token loaded
-through kvd (``local_compute`` 0), one kvd pull per request.
+through kvd (``local_compute`` 0), one kvd pull per request. Last, the documented stop
+step: every process the quickstart started is gone.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 900.0
-DONE = "=== quickstart:done"
+STOP_TIMEOUT_S = 120.0
+DONE = quickstart.DONE
 
 
 @dataclass
@@ -71,7 +73,8 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     text = text.replace("echo '=== quickstart:daemons'", serve_plain
                         + "echo '=== quickstart:daemons'", 1)
     script = work / "quickstart.sh"
-    script.write_text("set -u\n" + text + f"\necho '{DONE}'\nwait\n")
+    # The plain server is the script's job too: the documented stop step stops it.
+    script.write_text("set -u\n" + text + "\necho '=== quickstart:stopped'\n")
     out_path = work / "quickstart.out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -88,8 +91,39 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         _wait_healthy(f"http://127.0.0.1:{plain_port}", deadline)
         yield run
     finally:
+        left = _documented_stop(run)
         _stop(proc)
         print(run.logs())
+    assert not left, f"the quickstart's stop step left these running: {left}"
+
+
+def _session(sid: int) -> list[str]:
+    """'pid name' of every live process in session ``sid`` (the quickstart's)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+            fields = rest.split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(f"{entry} {name.split('(', 1)[1]}")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _documented_stop(run: Running) -> list[str]:
+    """Run the quickstart's stop step (create $QS/stop) and wait for the script to end;
+    what of its session still runs then (only the script itself may, if it hangs)."""
+    (run.work / quickstart.STOP_FILE).touch()
+    try:
+        run.proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    time.sleep(2)  # processes the servers were still reaping
+    return [p for p in _session(run.proc.pid) if not p.startswith(f"{run.proc.pid} ")]
 
 
 def _wait_healthy(url: str, deadline: float) -> None:

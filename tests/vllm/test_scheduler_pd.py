@@ -52,7 +52,7 @@ from scheduler_support import (  # noqa: E402
     start_daemon,
 )
 
-import kvd.integrations.vllm.scheduler as kvd_vllm_scheduler  # noqa: E402
+import kvd.integrations.connector_core.scheduler as kvd_vllm_scheduler  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 

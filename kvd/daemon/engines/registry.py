@@ -160,7 +160,7 @@ class EngineRegistry:
 
         Allocating a DRAM pool reserves every page (posix_fallocate: ~0.25 s per GiB here)
         and NIXL registers it on its own thread; on the loop, either would stall every
-        engine's Ping and Poll as long (issue 20.4). VRAM pools are allocated on the loop
+        engine's Ping and Poll as long (their budget is 50 ms). VRAM pools are allocated on the loop
         (a cudaMalloc, milliseconds) so that CUDA calls stay on one thread, and adopted
         pools too (mapped, not reserved: their pages exist). Cancelled
         (daemon stopping) meanwhile: the work finishes on its thread and is undone."""

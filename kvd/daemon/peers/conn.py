@@ -21,7 +21,15 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvd.daemon.clock import Clock
-from kvd.errors import KvdTimeoutError, PeerLostError, ProtocolError, error_from_code
+from kvd.errors import (
+    AuthError,
+    KvdError,
+    KvdTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    error_from_code,
+)
+from kvd.wire import curve as C
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.peers")
@@ -48,9 +56,23 @@ class PeerConnection:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, token: str, instance: str,
                  max_message_bytes: int, clock: Clock,
                  on_lost: Callable[[str, str], None],
-                 liveness_timeout_s: float | None = None) -> None:
+                 liveness_timeout_s: float | None = None,
+                 curve_keys: C.KeyPair | None = None, server_key: bytes | None = None,
+                 candidates: Callable[[], list[bytes]] | None = None,
+                 on_key: Callable[[str, bytes], None] | None = None,
+                 on_refused: Callable[[str], None] | None = None,
+                 discover_timeout_s: float = 5.0) -> None:
         self.address = address
-        self.token = token
+        # With CURVE the connection is authenticated by key: the token is not sent.
+        self.token = "" if curve_keys is not None else token
+        self.curve = curve_keys is not None
+        self.server_key = server_key  # the server's CURVE key (None: not known yet)
+        # Set when the security handshake failed (a plaintext peer for a CURVE daemon,
+        # a CURVE peer for a plaintext one, a key refused): requests fail at once with
+        # it, instead of waiting their timeout on a connection that cannot come up.
+        self.refused: KvdError | None = None
+        self._on_refused = on_refused
+        self._handshaken = False  # the current connection completed its ZMTP handshake
         self.clock = clock
         self.own_instance = instance
         self.remote_instance = ""  # learnt from the first reply
@@ -75,15 +97,50 @@ class PeerConnection:
             self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms - ivl_ms)
             self.sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED
-                                                     | zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
+                                                     | zmq.EVENT_DISCONNECTED
+                                                     | C.HANDSHAKE_EVENTS)
         # The same socket without the asyncio wrapper, for `take_ready` (never waits).
         self._now = zmq.Socket.shadow(self.sock.underlying)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Reply]] = {}
         loop = asyncio.get_running_loop()
+        self._discovery: asyncio.Task[None] | None = None
+        if curve_keys is None:
+            self.sock.connect(address)
+        elif server_key is not None:
+            C.client_socket(self.sock, curve_keys, server_key)
+            self.sock.connect(address)
+        else:
+            # Requests sent meanwhile wait in pyzmq's send until the socket connects.
+            self._discovery = loop.create_task(self._discover(
+                ctx, curve_keys, candidates or (lambda: []), on_key, discover_timeout_s))
         self._reader = loop.create_task(self._read())
         self._watcher = loop.create_task(self._watch())
+
+    async def _discover(self, ctx: zmq.asyncio.Context, keys: C.KeyPair,
+                        candidates: Callable[[], list[bytes]],
+                        on_key: Callable[[str, bytes], None] | None, timeout_s: float) -> None:
+        """Find which allowlisted key the server holds, then connect with it."""
+        try:
+            key = await C.discover_server_key(ctx, self.address, keys, candidates(), timeout_s)
+            if key is None:  # no other key fits: a peer sharing this daemon's keypair?
+                key = await C.discover_server_key(ctx, self.address, keys, [keys.public],
+                                                  timeout_s)
+            if key is None:
+                raise AuthError(f"peer {self.address}: no key of the allowlist is its key "
+                                "(its CURVE handshake failed with every one)")
+        except KvdError as exc:
+            log.warning("peer %s: %s", self.address, exc, extra={"peer": self.address})
+            self.refused = exc
+            self._fail_waiting(exc)
+            if self._on_refused is not None:
+                self._on_refused(self.address)
+            return
+        self.server_key = key
+        C.client_socket(self.sock, keys, key)
+        self.sock.connect(self.address)
+        if on_key is not None:
+            on_key(self.address, key)
 
     async def _read(self) -> None:
         while True:
@@ -98,7 +155,7 @@ class PeerConnection:
 
         A caller that kept the event loop busy (an inline READ) finds its Acquire's reply
         here at once, instead of one to two loop turns later through the reader task
-        (~50-100 us of a sub-millisecond pull, issue 12.4). Safe beside the reader: pyzmq
+        (~50-100 us of a sub-millisecond pull). Safe beside the reader: pyzmq
         checks the socket's events before it receives, and both run on the loop thread.
         It takes everything queued, never stopping early: ZMQ's descriptor is
         edge-triggered, and a reply left behind here might not wake the reader. (Bounded:
@@ -143,9 +200,38 @@ class PeerConnection:
                 event = parse_monitor_message(await self._monitor.recv_multipart())
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+                self._handshaken = True
+            elif event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                err = C.handshake_refusal(f"peer {self.address}", event["event"],
+                                          int(event["value"]), self.curve)
+                if self.refused is None:  # once per outage, not per redial
+                    log.error("%s", err, extra={"peer": self.address})
+                self.refused = err
+                self._fail_waiting(err)
+                if self._on_refused is not None:
+                    self._on_refused(self.address)
+            elif event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self._handshaken = False
                 self._up.set()
+            elif (event["event"] == zmq.EVENT_DISCONNECTED and self.curve
+                  and not self._handshaken):
+                # A CURVE server that cannot open our HELLO (we hold a key it no longer
+                # has: it rotated) closes without a word: a refusal all the same.
+                self.connected = False
+                self.lost_s = self.clock.now()
+                self._up.clear()
+                err = C.handshake_refusal(f"peer {self.address}",
+                                          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, True)
+                self.refused = err
+                self._fail_waiting(err)
+                self._on_lost(self.address, "CURVE handshake refused")
+                if self._on_refused is not None:
+                    self._on_refused(self.address)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.lost_s = self.clock.now()
@@ -154,15 +240,16 @@ class PeerConnection:
                 self._fail_waiting()
                 self._on_lost(self.address, "disconnected")
 
-    def _fail_waiting(self) -> None:
+    def _fail_waiting(self, error: KvdError | None = None) -> None:
         """Requests sent before the connection dropped get no answer on it (a redialled
         connection is a new ZMQ session): fail them now, peer_lost, rather than at their
         timeout. Liveness (or the peer's kernel) dropped it, so a partition, a dead or a
-        frozen peer fails a handshake or an Acquire within peer_liveness_timeout_s."""
+        frozen peer fails a handshake or an Acquire within peer_liveness_timeout_s.
+        ``error``: the security handshake failed instead (fails them with that)."""
         waiting, self._waiting = self._waiting, {}
         for fut in waiting.values():
             if not fut.done():
-                fut.set_exception(PeerLostError(
+                fut.set_exception(error or PeerLostError(
                     f"peer {self.address} is unreachable: its connection dropped before it "
                     "answered"))
 
@@ -178,6 +265,9 @@ class PeerConnection:
         """
         msg_id = next(self._ids)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        if self.refused is not None:
+            fut.set_exception(self.refused)
+            return fut
         sending = self.sock.send_multipart(P.encode(msg, msg_id, self.token, self.own_instance))
         self._waiting[msg_id] = fut
         what = type(msg).__name__
@@ -229,6 +319,8 @@ class PeerConnection:
         return await self.send(msg, timeout_s)
 
     def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         self._reader.cancel()
         self._watcher.cancel()
         try:

@@ -37,10 +37,12 @@ import zmq.asyncio
 
 from kvd.config import Config
 from kvd.daemon.clock import Clock
+from kvd.daemon.curve_auth import CurveGuard
 from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines.table import Engine, compat_hash
 from kvd.daemon.peers.conn import PeerConnection, Reply
 from kvd.errors import (
+    AuthError,
     IncompatibleError,
     KvdError,
     KvdTimeoutError,
@@ -96,8 +98,11 @@ class PeerTable:
     """Connections to remote daemons and the cached handshakes."""
 
     def __init__(self, ctx: zmq.asyncio.Context, cfg: Config, clock: Clock, metrics: Metrics,
-                 datapath: DataPath, token: str, daemon_id: str, instance_id: str) -> None:
+                 datapath: DataPath, token: str, daemon_id: str, instance_id: str,
+                 curve: CurveGuard | None = None) -> None:
         self.ctx = ctx
+        self.curve = curve
+        self.server_keys: dict[str, bytes] = {}  # peer address -> its CURVE key (learnt)
         self.cfg = cfg
         self.clock = clock
         self.metrics = metrics
@@ -119,20 +124,62 @@ class PeerTable:
             raise KvdError(f"remote address {address!r} must be a tcp:// peer endpoint")
         c = self.conns.get(address)
         if c is None:
+            curve = self.curve
             c = self.conns[address] = PeerConnection(
                 self.ctx, address, self.token, self.instance_id, self.cfg.max_message_bytes,
-                self.clock, self.drop_address, self.cfg.peer_liveness_timeout_s)
+                self.clock, self.drop_address, self.cfg.peer_liveness_timeout_s,
+                curve_keys=curve.keys if curve else None,
+                server_key=self.server_keys.get(address),
+                candidates=(lambda: _candidates(curve)) if curve else None,
+                on_key=self.server_keys.__setitem__, on_refused=self._refused,
+                discover_timeout_s=self.cfg.handshake_timeout_s)
         return c
 
+    def _refused(self, address: str) -> None:
+        """The security handshake with ``address`` failed: a CURVE connection is dropped
+        (its requests already failed) so that the next request looks for the server's
+        key again (it may have rotated it); a plaintext one stays, failing requests at
+        once until a redial succeeds."""
+        if self.curve is None:
+            return
+        self.server_keys.pop(address, None)
+        c = self.conns.get(address)
+        if c is not None:
+            del self.conns[address]
+            asyncio.get_running_loop().call_soon(c.close)
+            self.drop_address(address, "CURVE handshake refused")
+
+    def revoke(self, removed: frozenset[bytes]) -> None:
+        """Keys removed from the allowlist: close our connections to daemons holding them."""
+        for address, key in list(self.server_keys.items()):
+            if key not in removed:
+                continue
+            del self.server_keys[address]
+            c = self.conns.pop(address, None)
+            if c is not None:
+                c.close()
+            log.warning("closed the connection to %s: its key was removed from the "
+                        "allowlist", address, extra={"peer": address})
+            self.drop_address(address, "key revoked")
+
     async def request(self, address: str, msg: object, timeout_s: float | None = None) -> Reply:
-        """One request to a daemon; no answer drops what we cached about it."""
-        return await self.send(address, msg, timeout_s)
+        """One request to a daemon; no answer drops what we cached about it. With CURVE,
+        a refusal on a connection made with a cached server key is retried once with
+        the key looked up afresh (the peer may have rotated its keypair)."""
+        cached = self.curve is not None and address in self.server_keys
+        try:
+            return await self.send(address, msg, timeout_s)
+        except AuthError:
+            if not cached:
+                raise
+            self._refused(address)
+            return await self.send(address, msg, timeout_s)
 
     def send(self, address: str, msg: object, timeout_s: float | None = None
              ) -> asyncio.Future[Reply]:
         """The same request, on the wire before this returns: its reply (or error) is
-        the returned future, so the caller can work meanwhile (issue 12.4: a pull posts
-        its READs while its Acquire travels)."""
+        the returned future, so the caller can work meanwhile (a pull posts its READs
+        while its Acquire travels: one round trip off a small pull's path)."""
         try:
             conn = self.conn(address)
         except KvdError as exc:
@@ -291,6 +338,13 @@ class PeerTable:
             return
         if await conn.reconnected(min(KNOWN_DEAD_WAIT_S, self.cfg.handshake_timeout_s)):
             return
+        if self.curve is not None and (conn.refused is not None
+                                       or address in self.server_keys):
+            # Its redials may be failing the CURVE handshake (the peer rotated its
+            # keypair, and rebinding dropped our connection): look its key up afresh;
+            # a daemon really gone fails that within the liveness timeout.
+            self._refused(address)
+            return
         lost_s = self.clock.now() - (conn.lost_s or self.clock.now())
         raise PeerLostError(f"peer {address} is unreachable: its connection dropped "
                             f"{lost_s:.1f}s ago and has not come back")
@@ -308,6 +362,13 @@ class PeerTable:
         for c in self.conns.values():
             c.close()
         self.conns.clear()
+
+
+def _candidates(curve: CurveGuard) -> list[bytes]:
+    """The keys a new peer may hold: the allowlist but this daemon's own key (a peer
+    sharing it, one keypair per tier, is tried only when no other key fits: every
+    wrong guess costs the server a refused handshake)."""
+    return sorted(curve.allowed["peer"] - {curve.keys.public})
 
 
 def _geometry(d: P.EngineDesc) -> tuple:

@@ -100,9 +100,18 @@ class HeldRequest:
             return True
         return False
 
-    def abandon(self, consumer_engine: str) -> bool:
-        """A consumer gave up (its READs are released); True once no consumer is left."""
+    def abandon(self, consumer_engine: str, instance: str = "") -> bool:
+        """A consumer gave up (its READs are released); True once no consumer is left.
+
+        An Abandon from another incarnation of the consumer's daemon than the one reading
+        now changes nothing: it was sent before that daemon restarted (its READs died with
+        it) and came in late, on the dead incarnation's connection, after the new one's
+        Acquire; counting it would release the hold under the new one's READ.
+        """
         if self.terminal:
+            return False
+        reader = self.readers.get(consumer_engine)
+        if reader is not None and instance and reader.instance and reader.instance != instance:
             return False
         self.abandoned.add(consumer_engine)
         self.consumers_done.add(consumer_engine)

@@ -168,7 +168,7 @@ class Producer:
             try:
                 await self.svc.clock.wait_for(fut, min(
                     ACQUIRE_WAITS_FOR_PUBLISH_S, self.svc.cfg.handshake_timeout_s / 4))
-            except (asyncio.TimeoutError, TimeoutError):
+            except TimeoutError:
                 pass  # acquire() refuses it: never published, or released already
             finally:
                 if entry in waiting:
@@ -189,6 +189,13 @@ class Producer:
         cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
                            msg.consumer_layer_partition)
         check_parallelism(geometry(engine.model), cpar, "consumer")
+        if any(r.gone for r in self._pinned.get((held.engine_id, held.request_id), ())):
+            # Its blocks are in the pools of the registration that published it (kept while
+            # pinned), not in those the engine registered since: a consumer that greeted the
+            # new registration would read the request's block ids there.
+            raise NotFoundError(f"request {msg.request_id!r}: engine {engine.engine_id!r} "
+                                "left after publishing it; its blocks are not in the pools "
+                                "registered now")
         now = self.svc.clock.now()
         held.acquire(msg.consumer_engine_id, msg.block_ids, now,
                      self.expected_reads(engine, cpar), consumer_instance)
@@ -197,13 +204,13 @@ class Producer:
         return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
                           hold_id=held.hold_id)
 
-    def abandon(self, msg: P.Abandon) -> P.Ok:
+    def abandon(self, msg: P.Abandon, consumer_instance: str = "") -> P.Ok:
         for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
                                                    ()):
             if consumer == msg.consumer_engine_id:
                 _resolve(fut, False)  # its Acquire, still waiting, is refused
         held = self.held.get(msg.producer_engine_id, msg.request_id)
-        if held.abandon(msg.consumer_engine_id):
+        if held.abandon(msg.consumer_engine_id, consumer_instance):
             self.finish(held, "cancelled")
         return P.Ok()
 
@@ -316,7 +323,7 @@ class Producer:
         stopped (SIGSTOP, a stalled host, a stuck loop): the consumers' heartbeats sent
         meanwhile still wait in its socket, and a consumer's READ may still be running
         against these blocks. Expiring now would hand them back to the engine under
-        that READ; the leases are moved on by the gap instead (issue 20/21).
+        that READ (a write after hand-back); the leases are moved on by the gap instead.
         """
         last, self._last_expire_s = self._last_expire_s, now_s
         if now_s - last > STALL_S:

@@ -3,7 +3,8 @@
 A pull is one `Pull` (kvd.daemon.pull.machine: the record and every decision, over the
 transition table in kvd.daemon.pull.state) carried out by one `PullDriver`
 (kvd.daemon.pull.driver: inline in the engine's request, then in the pull's task) with
-the mover chosen here (kvd.daemon.pull.movers). Its states:
+the mover chosen here (kvd.daemon.pull.movers), its descriptors from
+kvd.daemon.pull.assemble. Its states:
 
     queued --early_acquire--> acquiring
     queued --wait_ranks--> waiting_ranks
@@ -34,11 +35,12 @@ from collections import deque
 from typing import NamedTuple
 
 from kvd.daemon import hybrid
-from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
+from kvd.daemon.engines.table import Engine, check_block_ids
 from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.pull.assemble import PullAssembler
 from kvd.daemon.pull.driver import Peers, PullDriver
-from kvd.daemon.pull.hostmap import HostMapper, HostMaps, host_bases
-from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers
+from kvd.daemon.pull.hostmap import HostMapper, HostMaps
+from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, NixlMover
 from kvd.daemon.pull.quarantine import QuarantineCounts
@@ -47,26 +49,15 @@ from kvd.daemon.services import Services
 from kvd.errors import (
     BlockIdError,
     BusyError,
-    IncompatibleError,
     KvdError,
     TooLargeError,
 )
-from kvd.planner import Parallelism, RankId
-from kvd.planner.assembly import (
-    PreparedPull,
-    ProducerReads,
-    RankPool,
-    match_tail,
-    prepare_pull,
-)
-from kvd.pool.geometry import geometry, parallelism, rank_layout
-from kvd.transport.localcopy import LocalCopier
 from kvd.transport.samehost import host_facts, local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
 
-MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
+MAX_NAMED = 256  # remote addresses whose "is it me?" answer is kept; cleared past it
 
 
 class Route(NamedTuple):
@@ -90,17 +81,14 @@ class Consumer:
         self.jobs: dict[tuple[str, str], Pull] = {}
         self.drivers: dict[tuple[str, str], PullDriver] = {}
         self.finished: deque[Pull] = deque(maxlen=FINISHED_KEEP)
-        self.plans = PlanCache()
-        # (engine, peer engine) -> (prepared assembly, the handshake, the engine and its
-        # epoch: both change with every rank that registers or leaves)
-        self._ready: dict[tuple[str, str], tuple[PreparedPull, RemoteEngine, Engine, int]] = {}
+        self.assembler = PullAssembler(svc.metrics)
         self.quarantine = QuarantineCounts(svc.cfg, svc.metrics)
         cfg = svc.cfg
         own_ports = tuple(sorted({p for p in (_port(cfg.peer_address), _port(cfg.engine_address),
                                               cfg.metrics_port) if p}))
         self._nixl = NixlMover(svc.datapath, svc.peers, own_ports)
         self._remote = Route(self._nixl, svc.peers)
-        self._copier = LocalCopier(threads=cfg.copy_threads)
+        self._copier = local_copier(cfg.copy_threads)
         # Another daemon on this host whose pool files map here: copied, like a local pull,
         # with the control messages still going to that daemon (kvd.daemon.pull.hostmap).
         self._host_mover = LocalMover(self._copier)
@@ -127,7 +115,7 @@ class Consumer:
         if me is None:
             me = names_this_daemon(msg.remote_address, self._own_addresses,
                                    self._local_hosts)
-            if len(self._names_me) >= MAX_PREPARED:
+            if len(self._names_me) >= MAX_NAMED:
                 self._names_me.clear()
             self._names_me[msg.remote_address] = me
         return self._local if me else self._remote
@@ -158,8 +146,8 @@ class Consumer:
                     peers.forget(*key)
 
     def close(self) -> None:
-        """Copies end first (the copier waits for them), then the mappings go."""
-        self._copier.close()
+        """Copies end first (the movers wait for them), then the mappings go."""
+        self._host_mover.close()
         if self._local is not None:
             self._local.mover.close()
         self.hosts.close()
@@ -190,7 +178,7 @@ class Consumer:
         self.jobs[pull.key] = pull
         self.svc.metrics.inflight_transfers.inc()
         driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
-                            self._groups, self._reported,
+                            self.assembler, self._reported,
                             pick=self.pick if route is self._remote else None)
         self.drivers[pull.key] = driver
         if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
@@ -220,68 +208,6 @@ class Consumer:
                 task.cancel()
                 tasks.append(task)
         return tasks
-
-    def _groups(self, pull: Pull, engine: Engine, remote: RemoteEngine
-                ) -> dict[str, ProducerReads]:
-        """The pull's descriptors, grouped by producer (kvd.planner.assembly)."""
-        msg = pull.msg
-        if remote.compat != engine.compat:
-            raise IncompatibleError(
-                f"engine {msg.remote_engine_id!r} is incompatible with {msg.engine_id!r} "
-                f"(model/dtype/layout differ: {remote.desc.model} {remote.desc.layout})")
-        if not engine.live_ranks():
-            raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
-        if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
-            return hybrid.assemble_pull(engine, remote, msg, host_bases(remote))
-        local_ids, remote_ids = match_tail(
-            msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
-            remote.desc.layout.block_size_tokens, msg.num_tokens)
-        return self._assemble(engine, remote, local_ids, remote_ids)
-
-    def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
-                  ) -> dict[str, ProducerReads]:
-        return self._prepared(engine, remote).assemble(local_ids, remote_ids)
-
-    def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
-        """The assembly's inputs, bound once per (engine, peer engine) and reused while
-        they stay the same: the local pools and geometry (the engine's epoch changes
-        with every rank that registers or leaves) and the handshake (identity: a new one
-        is a new object) (issue 23.4: a small pull rebuilt them every time)."""
-        key = (engine.engine_id, remote.desc.engine_id)
-        hit = self._ready.get(key)
-        m = self.svc.metrics
-        if (hit is not None and hit[1] is remote and hit[2] is engine
-                and hit[3] == engine.epoch):
-            m.plan_cache_hits.inc()
-            return hit[0]
-        local = tuple(RankPool(r.rank, r.cache, r.first_layer, r.pool.addr, r.device_id)
-                      for r in engine.live_ranks())
-        owners = tuple(d.agent for d in remote.daemons.values())
-        rpar, remote_pools = self._remote_pools(remote)
-        plan, cached = self.plans.get(geometry(engine.model), rpar, engine.par)
-        (m.plan_cache_hits if cached else m.plan_cache_misses).inc()
-        prepared = prepare_pull(plan, local, remote_pools, owners)
-        if len(self._ready) >= MAX_PREPARED:
-            self._ready.clear()
-        self._ready[key] = (prepared, remote, engine, engine.epoch)
-        return prepared
-
-    @staticmethod
-    def _remote_pools(remote: RemoteEngine) -> tuple[Parallelism, dict[RankId, RankPool]]:
-        """The remote engine's parallelism and rank pools, built once per handshake (on
-        the host path, at the addresses its pool files are mapped at here)."""
-        if remote.pools is None:
-            rdesc = remote.desc
-            rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
-            bases = host_bases(remote)
-            pools = {}
-            for rid, rr in remote.ranks.items():
-                cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
-                                           rr.desc.num_blocks)
-                pools[rid] = RankPool(rid, cache, first, bases.get(rid, rr.desc.base_addr),
-                                      rr.desc.device_id, owner=rr.agent)
-            remote.pools = (rpar, pools)
-        return remote.pools
 
     def status(self) -> tuple[list[P.PullStatus], list[P.PullStatus]]:
         """Pulls in flight, and the last ones finished (for ``FINISHED_KEEP_S``)."""

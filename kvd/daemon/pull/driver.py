@@ -143,8 +143,8 @@ class PullDriver:
         if isinstance(act, Assemble):
             return self._assembled()
         if isinstance(act, Post):
-            if not self.mover.can_post_now(list(act.posts)):
-                return None
+            if not self.mover.can_post_now(list(act.posts)) or not self.engine.live_ranks():
+                return None  # (an engine gone: the task fails the pull, `_pin`)
             if not act.again:
                 try:
                     self.quarantine.check_room(pull.nbytes)
@@ -244,8 +244,14 @@ class PullDriver:
     async def _do(self, act: Action) -> list[Action]:
         pull, svc, clock = self.pull, self.svc, self.svc.clock
         if isinstance(act, WaitRanks):
-            self.engine = await svc.registry.complete(pull.msg.engine_id,
-                                                      svc.cfg.handshake_timeout_s)
+            engine = await svc.registry.complete(pull.msg.engine_id,
+                                                 svc.cfg.handshake_timeout_s)
+            if self.engine is not None and engine is not self.engine:
+                # It left and registered again (greeting again, or waiting for its ranks):
+                # the pull's blocks are the old registration's, not the new pool's.
+                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the "
+                               "pull")
+            self.engine = engine
             return pull.ranks_ready()
         if isinstance(act, Greet):
             assert self.engine is not None
@@ -338,6 +344,7 @@ class PullDriver:
         self.acquiring = Acquiring({a: self.peers.send(a, msg) for a in remote.daemons},
                                    self.peers.take_ready)
         self._acquired_from = remote
+        pull.acquire_sent(svc.clock.now())
 
     _acquired_from: RemoteEngine | None = None
 
@@ -387,8 +394,14 @@ class PullDriver:
         self._unpin()
 
     def _pin(self) -> None:
+        """Pin the engine's pools for the READs about to be posted; none left (the engine
+        left meanwhile, e.g. during a read-again's first READ) fails the pull: unpinned, a
+        retired pool is freed under the READs that write into it."""
         assert self.engine is not None
-        for r in self.engine.live_ranks():
+        ranks = self.engine.live_ranks()
+        if not ranks:
+            raise KvdError(f"engine {self.engine.engine_id!r} left before its READs were posted")
+        for r in ranks:
             r.pins += 1
             self.pull.pinned.append(r)
 

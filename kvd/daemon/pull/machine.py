@@ -207,6 +207,8 @@ class Pull:
     _quarantined_s: float = 0.0
     _next_warn_s: float = 0.0
     _severed: set[str] = field(default_factory=set)
+    _stepped_s: float | None = None  # the read phase's last step (`_stalled`)
+    _stall: str = ""  # a stall seen while discarding: the pull fails once that ends
 
     @property
     def key(self) -> tuple[str, str]:
@@ -275,6 +277,7 @@ class Pull:
         self._to(On.POST)
         self._posted = True
         self.posted_s = posted_s
+        self._stepped_s = posted_s + post_s  # a large post itself may take a while
         self.handles = [r.xfer_id for r in results if r.xfer_id is not None]
         self.live = set(self.handles)
         self.reading_from = {r.xfer_id: p.peer for p, r in zip(self.posts, results, strict=True)
@@ -316,8 +319,12 @@ class Pull:
                                     if s.state is not XferState.PENDING)
         if self.state is PullState.QUARANTINED:
             return self._quarantine_step(now_s, unreachable)
+        stall = self._stalled(now_s)
         if self._then:  # discarding: only their end matters
+            self._stall = self._stall or stall
             return [PollAfter(self._discard_poll_s())] if self.live else []
+        if stall:
+            return self.fail(stall, now_s)
         failed = [s.error for s in states.values() if s.error is not None]
         if failed:
             return self._probe(failed[0])
@@ -368,6 +375,9 @@ class Pull:
         assert self.remote is not None
         if self._failure:
             return self.fail(self._failure, now_s)
+        stall = self._stalled(now_s)
+        if stall:
+            return self.fail(stall, now_s)
         if not self.replies.current(self.remote.daemons):
             # A producer daemon restarted, or its pools changed, since we cached this.
             if self.handles:
@@ -393,6 +403,8 @@ class Pull:
         then, self._then = self._then, ""
         self.handles, self.live, self.reading_from = [], set(), {}
         self._posted = False
+        if self._stall:
+            return self.fail(self._stall, now_s)
         if then == "post":
             return [Post(self.posts, again=True)]
         return self._greet_again(now_s)
@@ -405,6 +417,7 @@ class Pull:
         self._to(On.STALE)
         self.replies, self.posts, self.notices, self.acquired = None, (), (), []
         self._posted = False
+        self._stepped_s = None  # a new handshake and Acquire: a new read phase
         return [ForgetHandshake(), WaitRanks()]
 
     # ------------------------------------------------------------ leases
@@ -477,6 +490,28 @@ class Pull:
             return [Quarantine(True, self.nbytes), *self._quarantine_step(now_s or 0.0,
                                                                           frozenset())]
         return [Release()]
+
+    def acquire_sent(self, now_s: float) -> None:
+        """The Acquire left (the driver says when): its reply is due within
+        ``liveness_timeout_s``, like every later step of the read phase (`_stalled`)."""
+        if self._stepped_s is None:
+            self._stepped_s = now_s
+
+    def _stalled(self, now_s: float) -> str:
+        """Why nothing read can be trusted, when this pull was not stepped for more than
+        ``liveness_timeout_s`` since its last step of the read phase (polls come
+        milliseconds apart; an Acquire's reply within that, or liveness loses its
+        connection): its daemon stalled (frozen, a stuck loop), no heartbeat renewed the
+        producers' leases meanwhile, and a hold may have ended under our READ, its blocks
+        reused by their engine. A producer that stalled moves its leases on instead
+        (kvd.daemon.produce.producer.Producer.expire). Not for a local pull: its producer
+        is this very daemon, stalled with it, and moved its leases on by the same gap."""
+        last, self._stepped_s = self._stepped_s, now_s
+        if (self.path == "local" or last is None
+                or now_s - last <= self.liveness_timeout_s):
+            return ""
+        return (f"{PeerLostError.code}: this daemon stalled {now_s - last:.1f}s during the "
+                "pull, no lease renewed meanwhile: the producers' holds may have ended")
 
     def _producers(self) -> dict[str, tuple[str, ...]]:
         """Agent -> control addresses of the producers a live transfer reads from."""

@@ -2,8 +2,9 @@
 
 One class because vLLM loads one by name; it holds either the scheduler
 half (engine-core process) or the worker half (each worker process) and
-forwards to it. Everything with logic lives in scheduler.py, worker.py and
-the vLLM-free ``kvd.integrations.vllm_core``.
+forwards to it. Everything with logic lives in the vLLM-free
+``kvd.integrations.connector_core`` (scheduler.py, worker.py); what differs between
+vLLM versions lives in ``compat``.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvd.integrations.vllm.keepalive import RankKeepalive
-from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdWorkerMeta
-from kvd.integrations.vllm.scheduler import KvdScheduler
-from kvd.integrations.vllm.settings import ConnectorConfigError, ConnectorSettings
+from kvd.integrations.connector_core.keepalive import RankKeepalive
+from kvd.integrations.connector_core.messages import as_vllm
+from kvd.integrations.connector_core.scheduler import KvdScheduler
+from kvd.integrations.connector_core.settings import ConnectorConfigError, ConnectorSettings
+from kvd.integrations.connector_core.worker import KvdWorker
+from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
 from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
 from kvd.integrations.vllm.vllm_geometry import (
     geometry_from_vllm,
     group_layout,
     is_multi_group,
 )
-from kvd.integrations.vllm.worker import KvdWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +56,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_vllm(vllm_config.kv_transfer_config)
-        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        if vllm_config.model_config.enable_sleep_mode:  # where vLLM never asks (compat)
             raise ConnectorConfigError(SLEEP_REFUSED)
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
@@ -68,6 +70,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._keepalive = RankKeepalive(self.settings, par.tensor_parallel_size,
                                             par.pipeline_parallel_size)
         else:
+            from vllm.platforms import current_platform
+
+            if current_platform.device_type == "cuda":
+                # At start-up: a shim that cannot build fails here, in one line.
+                from kvd.integrations.connector_core.cuda_alloc import build_shim
+
+                build_shim()
             geom = geometry_from_vllm(vllm_config, kv_cache_config, self.settings.model_name)
             self._worker = KvdWorker(self.settings, geom,
                                      multi_group=is_multi_group(kv_cache_config))
@@ -89,9 +98,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33 asks when it checks its config: with enable_sleep_mode it then
-        refuses to start ("KvdConnector does not support sleep mode."). 0.32 never asks;
-        __init__ refuses there."""
+        """Asked by the versions that check it (compat.HOOKS_BY_VERSION): with
+        enable_sleep_mode vLLM then refuses to start ("KvdConnector does not support
+        sleep mode."). Where vLLM never asks, __init__ refuses."""
         return False
 
     @classmethod
@@ -119,17 +128,19 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.check_kv_caches(kv_caches)
 
     def unregister_kv_caches(self) -> None:
-        """vLLM 0.33 calls this before a sleep or a KV discard (``release_kv_cache_memory``),
-        even without enable_sleep_mode. Refuse before vLLM frees or remaps memory that
-        kvd serves to its peers: the sleep fails before any memory is touched."""
+        """Called before a sleep or a KV discard (``release_kv_cache_memory``), even
+        without enable_sleep_mode, by the versions that have it (compat.HOOKS_BY_VERSION).
+        Refuse before vLLM frees or remaps memory that kvd serves to its peers: the
+        sleep fails before any memory is touched."""
         raise RuntimeError(SLEEP_REFUSED)
 
     def restore_kv_caches(self) -> None:
-        """vLLM 0.33 calls this on wake-up: nothing to redo, unregister_kv_caches never
-        lets a sleep through, so the rank's registration with kvd is intact."""
+        """Called on wake-up (compat.HOOKS_BY_VERSION): nothing to redo,
+        unregister_kv_caches never lets a sleep through, so the rank's registration with
+        kvd is intact."""
 
     def get_handshake_metadata(self) -> Any:
-        return self._worker.handshake() if self._worker is not None else None
+        return as_vllm(self._worker.handshake(), KvdHandshake) if self._worker else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -170,7 +181,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         """After the daemon restarted and this worker registered again: the new
         instance for the scheduler (once); None otherwise."""
-        return self._worker.worker_meta() if self._worker is not None else None
+        meta = self._worker.worker_meta() if self._worker is not None else None
+        return as_vllm(meta, KvdWorkerMeta) if meta is not None else None
 
     def get_kv_connector_stats(self) -> KvdConnectorStats | None:
         if self._worker is None or not self._worker.reports:
@@ -193,7 +205,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' output each step: a re-registration's new daemon instance."""
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, KvdWorkerMeta):
             self._scheduler.daemon_moved(meta.peer_address, meta.instance_id)
 
@@ -213,7 +225,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_meta()
+        return as_vllm(self._scheduler.build_meta(), KvdConnectorMetadata)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvd.integrations.vllm_core.events import TransferTotals
+from kvd.integrations.connector_core.events import TransferTotals
 
 _KEYS = ("pulls_ok", "pulls_failed", "sends_ok", "sends_expired", "nbytes", "descriptors",
          "duration_s")
@@ -71,7 +71,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
             metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
 
-        self.pulls = counter("vllm:kvd_pulls", "kvd pulls that completed, by outcome")
+        self.pulls = counter("vllm:kvd_pulls",
+                             "kvd pulls that completed ok (failed: vllm:kvd_pulls_failed)")
         self.failed = counter("vllm:kvd_pulls_failed", "kvd pulls that failed or timed out")
         self.sends = counter("vllm:kvd_sends", "published requests released after reads")
         self.expired = counter("vllm:kvd_sends_expired",

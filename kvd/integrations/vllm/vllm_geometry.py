@@ -12,8 +12,8 @@ import os
 from typing import Any
 
 from kvd.errors import LayoutError
-from kvd.integrations.vllm_core.geometry import VllmKvGeometry
-from kvd.integrations.vllm_core.hybrid import (
+from kvd.integrations.connector_core.geometry import VllmKvGeometry
+from kvd.integrations.connector_core.hybrid import (
     SPEC_KINDS,
     VllmCacheGroup,
     VllmHybridGeometry,
@@ -50,7 +50,7 @@ def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
     for tensor in kv_cache_config.kv_cache_tensors:
         sizes.add(tensor.size)
         for i, name in enumerate(tensor.layers):
-            starts[name] = getattr(tensor, "offset", 0) + i * getattr(tensor, "layer_stride", 0)
+            starts[name] = tensor.offset + i * tensor.layer_stride
     if len(sizes) != 1:
         raise LayoutError(f"vLLM KV cache tensors of several sizes {sorted(sizes)}: kvd "
                           "serves one backing allocation")
@@ -60,8 +60,7 @@ def _layer_order(kv_cache_config: Any) -> tuple[list[str], int]:
 def _tensor_order(kv_cache_config: Any) -> dict[str, int]:
     """Each layer's position in its KVCacheTensor (layers[l] starts at l * layer_stride)."""
     return {name: i for tensor in kv_cache_config.kv_cache_tensors
-            for i, name in enumerate(getattr(tensor, "layers", None)
-                                     or getattr(tensor, "shared_by", ()))}
+            for i, name in enumerate(tensor.layers)}
 
 
 def _layer_id(name: str) -> int | None:
@@ -75,7 +74,7 @@ def _layer_id(name: str) -> int | None:
 
 
 def cache_groups(kv_cache_config: Any) -> list[VllmCacheGroup]:
-    """vLLM's KV-cache groups as plain values (kvd.integrations.vllm_core.hybrid), each
+    """vLLM's KV-cache groups as plain values (kvd.integrations.connector_core.hybrid), each
     group's layers in their tensor order."""
     order = _tensor_order(kv_cache_config)
     out = []
@@ -212,7 +211,8 @@ def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     if kv_cache_config is None:
-        raise LayoutError("KvdConnector needs vLLM's kv_cache_config (vLLM 0.32 or newer)")
+        raise LayoutError("KvdConnector needs vLLM's kv_cache_config (vLLM passes it to "
+                          "every connector it makes with three arguments)")
     groups = kv_cache_config.kv_cache_groups
     if is_multi_group(kv_cache_config):
         return hybrid_geometry_from_vllm(vllm_config, kv_cache_config, model_name)
@@ -242,7 +242,7 @@ def geometry_from_vllm(vllm_config: Any, kv_cache_config: Any,
         heads_on_rank=spec.num_kv_heads,
         layer_names=tuple(names),
         head_size=spec.head_size,
-        head_size_v=getattr(spec, "head_size_v", spec.head_size),
+        head_size_v=spec.head_size_v,
         dtype=str(spec.dtype).removeprefix("torch."),
         mla=mla,
         block_size_tokens=spec.block_size,

@@ -23,6 +23,10 @@ the next one allocates; peak is ~2 GiB at the default 512 MiB):
    warm-up and once more at the end.
 4. 1-block pull latency: many sequential pulls of a 1-block request (pull call to
    ``done_recving`` at the client), p50/p99.
+5. local (``local.bench_local``): both engines on ONE daemon, so a pull is a copy in
+   that daemon (no network): each scenario's throughput as a ratio to a single-thread
+   memcpy timed alternately with it, per copy-thread count, and the 1-block local pull
+   against the 1-block pull between two daemons, alternating. JSON key ``local``.
 
 Every "shm" buffer (memcpy shm, raw NIXL shm) and both daemons' pools live in
 ``shm_dir`` (/dev/shm by default; a huge-page mount to measure huge-page pools).
@@ -63,6 +67,14 @@ from kvd.tools.bench.geometry import (
     MiB,
     Scenario,
     kvd_descriptors,
+)
+from kvd.tools.bench.local import (
+    LOCAL_TP1_TP1,
+    LOCAL_TP1_TP2,
+    LOCAL_TP4_TP2,
+    bench_local,
+    local_verified,
+    render_local,
 )
 from kvd.tools.bench.raw import DescSet, RawStream, bench_memcpy, bench_nixl
 from kvd.tools.bench.report import build_result, machine_info, render
@@ -125,7 +137,7 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
         raise RuntimeError("raw NIXL READ did not deliver the expected bytes")
 
     logs = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-    # The best single stream again, timed between kvd's repeats (issue 23's ratio): a
+    # The best single stream again, timed between kvd's repeats (the target's ratio): a
     # baseline from a minute earlier saw other background load than kvd did.
     raw = RawStream(nbytes, shm_dir)
     try:
@@ -140,8 +152,14 @@ def run_bench(nbytes_mib: int = 512, repeats: int = 5, skip_hetero: bool = False
         raise RuntimeError("the raw NIXL stream did not deliver the expected bytes")
     machine["posting_workers"] = posting_workers
     machine["posting_workers_used"] = max(1, len(kvd.get("rails", [])))
-    return build_result(geom, scenarios, nbytes, repeats, memcpy, nixl, kvd, ndesc,
-                        desc_nbytes, machine, logs, started)
+    local_scenarios = ((LOCAL_TP1_TP1,) if skip_hetero
+                       else (LOCAL_TP1_TP1, LOCAL_TP1_TP2, LOCAL_TP4_TP2))
+    local = bench_local(geom, blocks, pool_blocks, p_ids, d_ids, repeats, latency_pulls, logs,
+                        shm_dir=shm_dir, scenarios=local_scenarios)
+    result = build_result(geom, scenarios, nbytes, repeats, memcpy, nixl, kvd, ndesc,
+                          desc_nbytes, machine, logs, started)
+    result["local"] = local
+    return result
 
 
 def main(as_json: bool = False, nbytes_mib: int = 512, repeats: int = 5,
@@ -149,5 +167,8 @@ def main(as_json: bool = False, nbytes_mib: int = 512, repeats: int = 5,
          shm_dir: str = DEFAULT_SHM_DIR, posting_workers: str = "auto") -> int:
     result = run_bench(nbytes_mib=nbytes_mib, repeats=repeats, skip_hetero=skip_hetero,
                        kv_layout=kv_layout, shm_dir=shm_dir, posting_workers=posting_workers)
-    print(json.dumps(result, indent=2) if as_json else render(result))
-    return 0 if all(s["verified"] for s in result["scenarios"]) else 1
+    print(json.dumps(result, indent=2) if as_json
+          else render(result) + "\n\n" + render_local(result["local"]))
+    return 0 if (all(s["verified"] and s.get("verified_consecutive") is not False
+                     for s in result["scenarios"])
+                 and local_verified(result["local"])) else 1

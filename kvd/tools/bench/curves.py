@@ -216,7 +216,7 @@ def render_curves(result: dict[str, Any]) -> str:
 
 
 def _pools(result: dict[str, Any]) -> str:
-    """Where the pools lived and on which pages: the figures depend on it (issue 12.2)."""
+    """Where the pools lived and on which pages: the figures depend on it (huge pages or not)."""
     where = f"in {result['shm_dir']}"
     if result.get("pool_backing"):
         where += f" ({result['pool_backing']}, {(result.get('pool_page_nbytes') or 0) // 1024}"\

@@ -10,7 +10,7 @@ no decoding, validation, planning, bookkeeping or metrics.
 
 So ``kvd p50 / floor p50`` is what kvd's own control path costs, in one run, and a
 target below the floor is out of reach of any design that keeps a round trip to the
-engine and one to the producer on the pull's path (issue 12.4).
+engine and one to the producer on the pull's path.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _serve_decode(conn: Any, stop: Any, meta: bytes, remote_base: int, nbytes: i
 
 class FloorPipeline:
     """The floor's three processes, kept running so that its pulls can be timed between
-    kvd's own (issue 23: both then see the same background load). Its processes wait
+    kvd's own (both then see the same background load). Its processes wait
     in ``poll`` between pulls, as idle daemons do: they take no core from kvd."""
 
     def __init__(self, block_nbytes: int, shm_dir: str = DEFAULT_SHM_DIR, warmup: int = 50

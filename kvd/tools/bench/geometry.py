@@ -17,7 +17,7 @@ from kvd.tools.sim import EngineShape, layout_spec
 from kvd.wire.protocol import ModelSpec
 
 MiB = 1 << 20
-# Issue 12's targets: homogeneous >= 0.85x memcpy and hetero >= 0.7x (on huge-page
+# The first targets: homogeneous >= 0.85x memcpy and hetero >= 0.7x (on huge-page
 # pools), kvd >= 0.95x the best raw NIXL READ on the same memory, 1-block p50 <= 0.5 ms
 # and p99 <= 2 ms.
 TARGET_RATIO_KVD_MEMCPY = 0.85
@@ -25,9 +25,10 @@ TARGET_RATIO_HETERO_MEMCPY = 0.7
 TARGET_RATIO_KVD_NIXL = 0.95
 TARGET_P50_MS = 0.5
 TARGET_P99_MS = 2.0
-# Issue 23's: each scenario >= 1.3x the best single-stream raw NIXL READ of the same
-# bytes on the same memory kind (several posting workers), 16 concurrent 32 MiB pulls
-# >= 0.9x one such pull, 1-block pull p50 <= 1.5x and p99 <= 3x the floor of the run.
+# The posting-workers targets: each scenario >= 1.3x the best single-stream raw NIXL
+# READ of the same bytes on the same memory kind (several posting workers), 16
+# concurrent 32 MiB pulls >= 0.9x one such pull, 1-block pull p50 <= 1.5x and p99 <= 3x
+# the floor of the run.
 TARGET_RATIO_SINGLE_STREAM = 1.3
 TARGET_RATIO_CONCURRENT = 0.9
 TARGET_FLOOR_P50 = 1.5

@@ -242,7 +242,7 @@ class RawStream:
     """One raw NIXL READ stream kept open beside kvd (two spawned processes, shm
     memory like kvd's pools, one descriptor: the best single stream), so that the bench
     can time it between kvd's own repeats: both then see the same background load,
-    where a baseline measured a minute earlier need not (issue 23). Its target spins
+    where a baseline measured a minute earlier need not. Its target spins
     (polls NIXL without pause, as `bench_nixl`'s does) only while one of its READs
     runs, so that it takes no core from kvd meanwhile."""
 

@@ -95,7 +95,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
         k = kvd["scenarios"][scn.name]
         same = statistics.median(nixl[scn.name])
         separate = fmt_gbps(nbytes, statistics.median(nixl["single:shm"]))
-        # issue 23: the best single stream timed between kvd's repeats (same background)
+        # the best single stream timed between kvd's repeats (same background load)
         stream = k.get("nixl_gbps_shm_interleaved") or separate
         out_scn.append({
             "name": scn.name,
@@ -120,7 +120,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             # what kvd itself costs (the rest is NIXL/UCX and 4 KiB shm pages).
             "ratio_kvd_nixl_same_descriptors_shm": round(
                 k["kvd_gbps"] / fmt_gbps(nbytes, statistics.median(nixl[scn.name + ":shm"])), 3),
-            # Issues 12.4 and 23: kvd against the best single-descriptor READ on the same
+            # kvd against the best single-descriptor READ on the same
             # memory (shm pools allocated like kvd's), that READ timed between kvd's
             # repeats (the raw stream and kvd alternate: both see the same background
             # load); "_separate": against the same READ timed before kvd started.
@@ -129,12 +129,22 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
             "ratio_kvd_nixl_shm": round(k["kvd_gbps"] / stream, 3),
             "ratio_kvd_nixl_shm_separate": round(k["kvd_gbps"] / separate, 3),
             "kvd_gbps_daemon": k["kvd_daemon_gbps"],
-            # Issue 12.1, from the decode daemon's /metrics over the timed pulls.
+            # What posting cost, from the decode daemon's /metrics over the timed pulls.
             "kvd_post_us_per_descriptor": k.get("kvd_post_us_per_descriptor"),
             "kvd_post_ms_per_pull": k.get("kvd_post_ms_per_pull"),
             "kvd_posting_share": k.get("kvd_posting_share"),
             "kvd_pool_page_bytes": k.get("kvd_pool_page_bytes"),
             "kvd_gbps_consecutive": k["kvd_gbps_consecutive"],
+            # Consecutive block ids (one merged descriptor per rank pair, cut by bytes over
+            # the posting workers) against the raw stream timed between those pulls.
+            "nixl_gbps_shm_interleaved_consecutive": k.get(
+                "nixl_gbps_shm_interleaved_consecutive"),
+            "ratio_kvd_nixl_shm_consecutive": round(
+                k["kvd_gbps_consecutive"]
+                / (k.get("nixl_gbps_shm_interleaved_consecutive") or separate), 3),
+            "kvd_ms_consecutive": k.get("kvd_ms_consecutive"),
+            "nixl_shm_interleaved_ms_consecutive": k.get("nixl_shm_interleaved_ms_consecutive"),
+            "verified_consecutive": k.get("verified_consecutive"),
             "descriptors_consecutive": ndesc[scn.name + ":consecutive"],
             "memcpy_gbps_best": memcpy["memcpy_gbps_best"],
             # Same copy between two pools allocated like kvd's (pool_backing auto: 2 MiB
@@ -166,7 +176,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
         "floor_1block_p50_ms": lat.get("floor_1block_p50_ms"),
         "floor_1block_p99_ms": lat.get("floor_1block_p99_ms"),
         "floor_verified": lat.get("floor_verified"),
-        # issue 23: the floor's pulls alternate with kvd's (the same background load)
+        # the floor's pulls alternate with kvd's (the same background load)
         "floor_1block_samples": lat.get("floor_1block_samples"),
         "floor_interleaved": "floor_1block_samples" in lat,
         "ratio_pull_1block_floor": (
@@ -175,7 +185,7 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
         "ratio_pull_1block_floor_p99": (
             round(lat["pull_1block_p99_ms"] / lat["floor_1block_p99_ms"], 2)
             if lat.get("floor_1block_p99_ms") else None),
-        # Issue 23: N concurrent 32 MiB pulls against one at a time, same run.
+        # N concurrent 32 MiB pulls against one at a time, same run.
         **kvd.get("concurrency", {}),
         # READs and bytes per posting worker on the decode daemon over the whole run.
         "posting_worker_stats": kvd.get("rails", []),
@@ -207,10 +217,13 @@ def build_result(geom: Geometry, scenarios: list[Scenario], nbytes: int, repeats
                                and result["pull_1block_p50_ms"] <= TARGET_P50_MS),
         "pull_1block_p99_ms": (result["pull_1block_p99_ms"] is not None
                                and result["pull_1block_p99_ms"] <= TARGET_P99_MS),
-        # issue 23 (ratio_kvd_nixl_shm: kvd / one descriptor, one posting thread, same
+        # (ratio_kvd_nixl_shm: kvd / one descriptor, one posting thread, same
         # memory kind: the best single stream)
         "ratio_kvd_nixl_single_stream": all(s["ratio_kvd_nixl_shm"] >= TARGET_RATIO_SINGLE_STREAM
                                             for s in out_scn),
+        # the same for consecutive block ids (contiguous pulls, split by bytes)
+        "ratio_kvd_nixl_single_stream_contiguous": all(
+            s["ratio_kvd_nixl_shm_consecutive"] >= TARGET_RATIO_SINGLE_STREAM for s in out_scn),
         "ratio_concurrent_vs_single": (result.get("ratio_concurrent_vs_single") is not None
                                        and result["ratio_concurrent_vs_single"]
                                        >= TARGET_RATIO_CONCURRENT),
@@ -234,7 +247,9 @@ def render(result: dict[str, Any]) -> str:
             ("nixl kvd-descs shm", "nixl_gbps_kvd_descriptors_shm", "{:.2f}"),
             ("kvd", "kvd_gbps", "{:.2f}"), ("kvd/memcpy", "ratio_kvd_memcpy", "{:.2f}"),
             ("kvd/nixl shm", "ratio_kvd_nixl_shm", "{:.2f}"),
-            ("kvd consec.", "kvd_gbps_consecutive", "{:.2f}"), ("descs", "descriptors", "{}")]
+            ("kvd consec.", "kvd_gbps_consecutive", "{:.2f}"),
+            ("consec./nixl shm", "ratio_kvd_nixl_shm_consecutive", "{:.2f}"),
+            ("descs", "descriptors", "{}")]
     rows = [[c[0] for c in cols]]
     for s in result["scenarios"]:
         row = []
@@ -288,6 +303,8 @@ def render(result: dict[str, Any]) -> str:
                 (f"p99 <= {TARGET_P99_MS} ms", "pull_1block_p99_ms"),
                 (f"each >= {TARGET_RATIO_SINGLE_STREAM}x one nixl stream",
                  "ratio_kvd_nixl_single_stream"),
+                (f"contiguous >= {TARGET_RATIO_SINGLE_STREAM}x one nixl stream",
+                 "ratio_kvd_nixl_single_stream_contiguous"),
                 (f"concurrent >= {TARGET_RATIO_CONCURRENT}x one pull",
                  "ratio_concurrent_vs_single"),
                 (f"1-block p50 <= {TARGET_FLOOR_P50}x floor", "ratio_pull_1block_floor_p50"),

@@ -1,8 +1,8 @@
 """VRAM -> VRAM: kvd with CUDA IPC pools next to raw NIXL on GPU buffers, one GPU, one run.
 
-UNTESTED ON A GPU: the development machines have none. ``device="cpu"`` runs the very
-same code on DRAM (heap buffers for raw NIXL, shm pools for kvd), which is how its
-plumbing is checked here; ``device="cuda"`` is what to run on a GPU node.
+``device="cuda"`` runs it on a GPU node (run on an H200: benchmarks/README.md);
+``device="cpu"`` runs the very same code on DRAM (heap buffers for raw NIXL, shm pools
+for kvd), which checks its plumbing on a machine without a GPU.
 
 Phases (each frees its buffers before the next):
 
@@ -237,7 +237,11 @@ def _host_u16(kv: Any) -> np.ndarray:
 
 
 def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: str,
-              seed: int = 7, daemon_args: tuple[str, ...] = ()) -> dict[str, Any]:
+              seed: int = 7, daemon_args: tuple[str, ...] = (),
+              one_daemon: bool = False) -> dict[str, Any]:
+    """Pulls of ``nbytes_mib`` (0: one block) between two daemons, or with ``one_daemon``
+    between two engines of one daemon (a local pull: the daemon copies between its pools,
+    on the GPU with CUDA pools)."""
     from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
     from kvd.tools.bench.geometry import Geometry
     from kvd.tools.localcluster import DaemonProcess
@@ -251,8 +255,10 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
     logs = Path(tempfile.mkdtemp(prefix="kvd-vram-"))
     extra = ["--device", device, *daemon_args]
     prefill = DaemonProcess.start("vram-prefill", logs, extra_args=extra)
-    decode = DaemonProcess.start("vram-decode", logs, extra_args=extra)
-    pc, dc = prefill.client(timeout_s=60), decode.client(timeout_s=60)
+    decode = (prefill if one_daemon
+              else DaemonProcess.start("vram-decode", logs, extra_args=extra))
+    pc = prefill.client(timeout_s=60)
+    dc = pc if one_daemon else decode.client(timeout_s=60)
     model = geom.model()
     try:
         def register(client: Any, engine: str) -> Any:
@@ -281,7 +287,9 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
         nbytes = ev.nbytes
         rails = [{"worker": r.worker, "rail": r.rail, "reads": r.reads, "nbytes": r.nbytes}
                  for r in dc.status().rails]
+        paths = sorted({p.path for p in dc.status().finished_pulls})
         return {"nbytes": nbytes, "rails": rails, "blocks": blocks, "pool_blocks": pool_blocks,
+                "paths": paths, "kvd_p50_ms": round(statistics.median(totals) * 1e3, 3),
                 "p_ids": p_ids, "d_ids": d_ids, "geometry": geom.to_json(),
                 "kvd_gbps": round(nbytes / statistics.median(totals) / 1e9, 2),
                 "kvd_daemon_gbps": round(nbytes / statistics.median(daemon) / 1e9, 2),
@@ -289,9 +297,10 @@ def kvd_pulls(nbytes_mib: int, device: str, gpu: int, repeats: int, kv_layout: s
                 "logs": str(logs)}
     finally:
         pc.close()
-        dc.close()
+        if not one_daemon:
+            dc.close()
+            decode.stop()
         prefill.stop()
-        decode.stop()
 
 
 def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats: int = 5,
@@ -320,6 +329,13 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
     raw = raw_nixl(pool_blocks * geom.block_nbytes, device, gpu, repeats, sets)
     kvd = kvd_pulls(nbytes_mib, device, gpu, repeats, kv_layout, seed,
                     daemon_args=("--set", f"posting_workers={posting_workers}"))
+    # Both engines on one daemon: the pull is a copy inside it (on the GPU with CUDA
+    # pools), judged against the device copy of the same bytes above; and 1-block pulls,
+    # local and between two daemons, for the latency.
+    local = kvd_pulls(nbytes_mib, device, gpu, repeats, kv_layout, seed, one_daemon=True)
+    latency = max(20, repeats)
+    one_local = kvd_pulls(0, device, gpu, latency, kv_layout, seed, one_daemon=True)
+    one_remote = kvd_pulls(0, device, gpu, latency, kv_layout, seed)
 
     def gbps(name: str, n: int) -> float | None:
         return round(n / statistics.median(raw[name]) / 1e9, 2) if name in raw else None
@@ -340,7 +356,16 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
                                                   if k.endswith(":verified"))),
         "raw_verified": {k: v for k, v in raw.items() if k.endswith(":verified")},
         "logs": kvd["logs"], "seconds": round(time.perf_counter() - started, 1),
+        "local_gbps": local["kvd_gbps"], "local_daemon_gbps": local["kvd_daemon_gbps"],
+        "local_paths": local["paths"], "local_verified": bool(local["verified"]),
+        "ratio_local_copy": round(local["kvd_gbps"] / ceiling, 3) if ceiling else None,
+        "one_block_local_p50_ms": one_local["kvd_p50_ms"],
+        "one_block_remote_p50_ms": one_remote["kvd_p50_ms"],
+        "ratio_one_block_local_remote": round(one_local["kvd_p50_ms"]
+                                              / one_remote["kvd_p50_ms"], 3),
     }
+    result["verified"] = bool(result["verified"] and local["verified"]
+                              and one_local["verified"] and one_remote["verified"])
     if result["nixl_gbps"]:
         result["ratio_kvd_nixl"] = round(result["kvd_gbps"] / result["nixl_gbps"], 3)
     if device == "cuda":
@@ -365,5 +390,9 @@ def render_vram(r: dict[str, Any]) -> str:
         f"  kvd end to end (client)           {r['kvd_gbps']}  "
         f"(daemon's own duration: {r['kvd_daemon_gbps']})",
         f"  kvd / raw NIXL 1 descriptor       {r.get('ratio_kvd_nixl')}",
+        f"  kvd local (one daemon, {','.join(r.get('local_paths', []))})  {r.get('local_gbps')}"
+        f"  = {r.get('ratio_local_copy')}x the device copy",
+        f"  1-block p50 ms: local {r.get('one_block_local_p50_ms')}, two daemons "
+        f"{r.get('one_block_remote_p50_ms')} ({r.get('ratio_one_block_local_remote')}x)",
         f"  verified: {r['verified']} {r['raw_verified']}; {r['seconds']} s; logs {r['logs']}",
     ])

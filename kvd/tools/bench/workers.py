@@ -1,14 +1,16 @@
-"""Workers x size curve (issue 23): one pull of 32 MiB ... 1 GiB through daemons with 1, 2
+"""Workers x size curve: one pull of 32 MiB ... 1 GiB through daemons with 1, 2
 and 4 posting workers, next to the best single-stream raw NIXL READ of the same bytes.
 
 One run, same machine, same memory kind (pools like kvd's, in ``shm_dir``): raw NIXL
 first (one descriptor per size, one posting thread: the single-stream ceiling), then
-for each worker count a daemon pair (``--set posting_workers=N``), random block
-ids of a pool 1.25x the largest request, ``publish`` -> ``done_recving`` at the client
-(median), checked byte for byte at every size. All pairs run at once and take turns
+for each worker count a daemon pair (``--set posting_workers=N``), ``publish`` ->
+``done_recving`` at the client (median), checked byte for byte at every size, for two
+block-id patterns: random ids of a pool 1.25x the largest request (a fragmented
+cache) and consecutive ids on both sides (``contiguous``: a fresh engine's cache, one
+descriptor once merged, which the READ split cuts by bytes). All pairs run at once and take turns
 pull by pull, so that load from elsewhere on a shared host falls on every worker count
-alike (``ratio_vs_one_worker``). ``plot_workers`` draws GB/s against
-size, one line per worker count, and the raw single stream.
+alike (``ratio_vs_one_worker``, within one pattern). ``plot_workers`` draws GB/s
+against size, one line per worker count and pattern, and the raw single stream.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ from kvd.tools.bench.raw import bench_nixl, fill_test_pattern
 
 WORKERS = (1, 2, 4)
 SIZES_MIB = (32, 64, 128, 256, 512, 1024)
+PATTERNS = ("random", "contiguous")
+
+
+def _zero(kv: np.ndarray, geom: Geometry, block_ids: list[int]) -> None:
+    """Destination blocks zeroed before a checked pull: the check then proves that pull."""
+    from kvd.tools.sim import blocks_view
+
+    view = blocks_view(kv, geom.kv_layout, geom.head_layout)
+    for b in block_ids:
+        view[b] = 0
 
 
 def _raw_single_stream(sizes: list[int], block_nbytes: int, repeats: int, shm_dir: str
@@ -44,7 +56,7 @@ def _raw_single_stream(sizes: list[int], block_nbytes: int, repeats: int, shm_di
 def run_workers_curve(workers: tuple[int, ...] = WORKERS,
                       sizes_mib: tuple[int, ...] = SIZES_MIB, repeats: int = 5,
                       kv_layout: str = DEFAULT_KV_LAYOUT, shm_dir: str = DEFAULT_SHM_DIR,
-                      seed: int = 7) -> dict[str, Any]:
+                      seed: int = 7, patterns: tuple[str, ...] = PATTERNS) -> dict[str, Any]:
     from kvd.tools.bench.e2e import check_pulled_blocks, timed_pull
     from kvd.tools.localcluster import DaemonProcess
     from kvd.tools.sim import layout_spec
@@ -54,8 +66,9 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
     sizes = sorted({max(1, m * MiB // geom.block_nbytes) for m in sizes_mib})
     pool_blocks = sizes[-1] + max(1, sizes[-1] // 4)
     rng = random.Random(seed)
-    ids = {n: (rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n))
+    ids = {("random", n): (rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n))
            for n in sizes}
+    ids.update({("contiguous", n): (list(range(n)), list(range(n))) for n in sizes})
     raw = _raw_single_stream(sizes, geom.block_nbytes, repeats, shm_dir)
     logs = Path(tempfile.mkdtemp(prefix="kvd-workers-"))
     rows: list[dict[str, Any]] = []
@@ -74,13 +87,15 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
             fill_test_pattern(prank.kv.reshape(-1).view(np.uint8))
             drank = dc.register("decode", model, layout_spec(geom.shape(1, pool_blocks)), 0, 1)
             pairs[w] = (prefill, decode, pc, dc, prank, drank)
-        for n in sizes:
-            p_ids, d_ids = ids[n]
+        for n, pattern in ((n, p) for n in sizes for p in patterns):
+            p_ids, d_ids = ids[(pattern, n)]
+            tag = f"{pattern[0]}{n}"
             times: dict[int, list[float]] = {w: [] for w in workers}
             ok: dict[int, bool] = {}
             for w in workers:
                 _, _, pc, dc, prank, drank = pairs[w]
-                timed_pull(pc, dc, pairs[w][0].peer_address, "decode", f"w{w}-s{n}-warm",
+                _zero(drank.kv, geom, d_ids)
+                timed_pull(pc, dc, pairs[w][0].peer_address, "decode", f"w{w}-{tag}-warm",
                            p_ids, d_ids)
                 ok[w] = check_pulled_blocks(prank.kv, [drank.kv], geom, p_ids, d_ids)
             # Worker counts take turns, pull by pull: on a shared host, load that comes and
@@ -89,11 +104,11 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
                 for w in workers:
                     prefill, _, pc, dc, _, _ = pairs[w]
                     times[w].append(timed_pull(pc, dc, prefill.peer_address, "decode",
-                                               f"w{w}-s{n}-{i}", p_ids, d_ids)[0])
+                                               f"w{w}-{tag}-{i}", p_ids, d_ids)[0])
             nbytes = n * geom.block_nbytes
             for w in workers:
                 gbps = fmt_gbps(nbytes, statistics.median(times[w]))
-                rows.append({"workers": w, "nbytes": nbytes, "kvd_gbps": gbps,
+                rows.append({"workers": w, "ids": pattern, "nbytes": nbytes, "kvd_gbps": gbps,
                              "kvd_p50_ms": round(statistics.median(times[w]) * 1e3, 2),
                              "nixl_single_stream_gbps": raw[n],
                              "ratio_vs_single_stream": round(gbps / raw[n], 3),
@@ -177,26 +192,38 @@ def _fmt(n: int) -> str:
     return f"{n / (1024 * MiB):g} GiB" if n >= 1024 * MiB else f"{n / MiB:g} MiB"
 
 
+def _pattern_rows(result: dict[str, Any], pattern: str) -> list[dict[str, Any]]:
+    return [r for r in result["workers_curve"] if r.get("ids", "random") == pattern]
+
+
 def render_workers(result: dict[str, Any]) -> str:
-    rows = result["workers_curve"]
-    workers = sorted({r["workers"] for r in rows})
-    sizes = sorted({r["nbytes"] for r in rows})
-    by = {(r["workers"], r["nbytes"]): r for r in rows}
-    head = ["size", "nixl 1 stream", *(f"{w} workers" for w in workers),
-            *(f"x stream ({w}w)" for w in workers), *(f"x 1w ({w}w)" for w in workers[1:]),
-            "ok"]
-    table = [head]
-    for s in sizes:
-        table.append([_fmt(s), str(by[(workers[0], s)]["nixl_single_stream_gbps"]),
-                      *(str(by[(w, s)]["kvd_gbps"]) for w in workers),
-                      *(str(by[(w, s)]["ratio_vs_single_stream"]) for w in workers),
-                      *(str(by[(w, s)]["ratio_vs_one_worker"]) for w in workers[1:]),
-                      str(all(by[(w, s)]["verified"] for w in workers))])
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines = ["kvd pull throughput (GB/s) by posting workers and size; one pull at a time, "
-             "random block ids", ""]
-    lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in table]
-    lines.insert(3, "  ".join("-" * wd for wd in widths))
+    lines: list[str] = []
+    for pattern in PATTERNS:
+        rows = _pattern_rows(result, pattern)
+        if not rows:
+            continue
+        workers = sorted({r["workers"] for r in rows})
+        sizes = sorted({r["nbytes"] for r in rows})
+        by = {(r["workers"], r["nbytes"]): r for r in rows}
+        head = ["size", "nixl 1 stream", *(f"{w} workers" for w in workers),
+                *(f"x stream ({w}w)" for w in workers),
+                *(f"x 1w ({w}w)" for w in workers[1:]), "ok"]
+        table = [head]
+        for s in sizes:
+            table.append([_fmt(s), str(by[(workers[0], s)]["nixl_single_stream_gbps"]),
+                          *(str(by[(w, s)]["kvd_gbps"]) for w in workers),
+                          *(str(by[(w, s)]["ratio_vs_single_stream"]) for w in workers),
+                          *(str(by[(w, s)]["ratio_vs_one_worker"]) for w in workers[1:]),
+                          str(all(by[(w, s)]["verified"] for w in workers))])
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        what = ("random block ids" if pattern == "random"
+                else "consecutive block ids (contiguous: one descriptor, split by bytes)")
+        lines += [*([""] if lines else []),
+                  f"kvd pull throughput (GB/s) by posting workers and size; one pull at a "
+                  f"time, {what}", ""]
+        body = ["  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)) for r in table]
+        body.insert(1, "  ".join("-" * wd for wd in widths))
+        lines += body
     extra = result.get("workers_small_and_concurrent") or []
     if extra:
         table = [["workers", "1-block p50 ms", "p99 ms", "one 32 MiB pull", "concurrent",
@@ -233,15 +260,22 @@ def plot_workers(result: dict[str, Any], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     sizes = sorted({r["nbytes"] for r in rows})
     x = [s / MiB for s in sizes]
-    first = [r for r in rows if r["workers"] == rows[0]["workers"]]
-    ax.plot(x, [r["nixl_single_stream_gbps"] for r in first], "s--", color="tab:green",
+    first = sorted((r for r in _pattern_rows(result, "random") or rows
+                    if r["workers"] == rows[0]["workers"]), key=lambda r: r["nbytes"])
+    ax.plot(x, [r["nixl_single_stream_gbps"] for r in first], "s:", color="tab:green",
             label="raw NIXL, one stream")
-    for w in sorted({r["workers"] for r in rows}):
-        mine = sorted((r for r in rows if r["workers"] == w), key=lambda r: r["nbytes"])
-        ax.plot(x, [r["kvd_gbps"] for r in mine], "o-", linewidth=2, label=f"kvd, {w} workers")
+    colors = ["tab:blue", "tab:orange", "tab:red", "tab:purple", "tab:brown"]
+    for i, w in enumerate(sorted({r["workers"] for r in rows})):
+        for pattern, style in (("random", "o-"), ("contiguous", "^--")):
+            mine = sorted((r for r in _pattern_rows(result, pattern) if r["workers"] == w),
+                          key=lambda r: r["nbytes"])
+            if mine:
+                ax.plot([r["nbytes"] / MiB for r in mine], [r["kvd_gbps"] for r in mine],
+                        style, linewidth=2, color=colors[i % len(colors)],
+                        label=f"kvd, {w} workers, {pattern} ids")
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [_fmt(s) for s in sizes], rotation=30)
-    ax.set_xlabel("request size (one pull, random block ids)")
+    ax.set_xlabel("request size (one pull; solid: random block ids, dashed: consecutive)")
     ax.set_ylabel("GB/s")
     ax.set_ylim(bottom=0)
     ax.set_title("kvd throughput by posting workers")

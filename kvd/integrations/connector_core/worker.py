@@ -5,7 +5,7 @@ so kvd owns the memory NIXL reads and writes (zero copy); afterwards every
 layer view is checked against kvd's layout. Only the first rank polls the
 daemon: kvd reports per engine, not per rank (get_finished_count is 1). Nothing in
 vLLM's step waits on the daemon: the step checks for events without blocking, with
-a thread as the fallback (kvd.integrations.vllm.completions).
+a thread as the fallback (kvd.integrations.connector_core.completions).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvd.client import EventCursor, KvdClient, RankHandle
-from kvd.errors import LayoutError
-from kvd.integrations.vllm.completions import EventPoller, EventPump
-from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
-from kvd.integrations.vllm.rejoin import Rejoin
-from kvd.integrations.vllm.settings import ConnectorSettings
-from kvd.integrations.vllm_core import cpu_binding
-from kvd.integrations.vllm_core.events import EventBook, StepReport
-from kvd.integrations.vllm_core.geometry import LayerView, VllmKvGeometry, check_views
-from kvd.integrations.vllm_core.hybrid import VllmHybridGeometry, check_hybrid_views
+from kvd.errors import KvdTimeoutError, LayoutError
+from kvd.integrations.connector_core import cpu_binding
+from kvd.integrations.connector_core.completions import EventPoller, EventPump
+from kvd.integrations.connector_core.events import EventBook, StepReport
+from kvd.integrations.connector_core.geometry import LayerView, VllmKvGeometry, check_views
+from kvd.integrations.connector_core.hybrid import VllmHybridGeometry, check_hybrid_views
+from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements, WorkerRejoined
+from kvd.integrations.connector_core.rejoin import Rejoin
+from kvd.integrations.connector_core.settings import ConnectorSettings
 
 log = logging.getLogger("kvd.vllm")
 
@@ -71,10 +71,15 @@ class KvdWorker:
         if self.handle is None:
             self.geom.check_allocation()
             g = self.geom
-            self.handle = self.client.register(
-                self.settings.engine_id, g.model_spec(), g.layout_spec(), tp_rank=g.tp_rank,
-                tp_size=g.tp_size, pp_rank=g.pp_rank, pp_size=g.pp_size,
-                layer_partition=g.layer_partition)
+            try:
+                self.handle = self.client.register(
+                    self.settings.engine_id, g.model_spec(), g.layout_spec(),
+                    tp_rank=g.tp_rank, tp_size=g.tp_size, pp_rank=g.pp_rank,
+                    pp_size=g.pp_size, layer_partition=g.layer_partition)
+            except KvdTimeoutError:
+                line = unreachable_line(self.settings.address, self.settings.request_timeout_s)
+                log.error("%s", line)
+                raise KvdTimeoutError(line) from None
             self._announced = self.handle.instance_id  # the handshake tells the scheduler
             # The incarnation we registered with, before any poll reply: a daemon that
             # restarts before the first one answers is then a restart too (its pulls in
@@ -95,7 +100,7 @@ class KvdWorker:
     def allocation_context(self) -> contextlib.AbstractContextManager:
         handle = self.register()
         if handle.pool.handle.kind == "cuda_ipc":
-            from kvd.integrations.vllm.cuda_alloc import cuda_pool_context
+            from kvd.integrations.connector_core.cuda_alloc import cuda_pool_context
 
             return cuda_pool_context(handle.pool)
         return _cpu_pool_context(handle)
@@ -114,14 +119,14 @@ class KvdWorker:
             return
         check_views(g, views, _pool_addr(handle), pool.nbytes)
 
-    def handshake(self) -> KvdHandshake:
+    def handshake(self) -> Handshake:
         handle = self.register()
-        return KvdHandshake(peer_address=handle.peer_address, daemon_id=handle.daemon_id,
+        return Handshake(peer_address=handle.peer_address, daemon_id=handle.daemon_id,
                             instance_id=handle.instance_id)
 
     # ------------------------------------------------------------ completions
 
-    def on_metadata(self, meta: KvdConnectorMetadata) -> None:
+    def on_metadata(self, meta: StepAnnouncements) -> None:
         """Start of a step: note the scheduler's announcements, ask for events (the
         reply comes during the forward pass; ``step`` takes it)."""
         if meta.rejoin:  # every rank: its own registration is gone too
@@ -165,14 +170,14 @@ class KvdWorker:
             log.error("request %s: kvd never reported its transfer; giving up", rid)
         return self.book.take()
 
-    def worker_meta(self) -> KvdWorkerMeta | None:
+    def worker_meta(self) -> WorkerRejoined | None:
         """Once after a re-registration: the new daemon instance (and its peer address)
         for the scheduler's receipts, through vLLM's worker -> scheduler metadata."""
         handle = self.handle
         if not self.reports or handle is None or handle.instance_id == self._announced:
             return None
         self._announced = handle.instance_id
-        return KvdWorkerMeta(peer_address=handle.peer_address,
+        return WorkerRejoined(peer_address=handle.peer_address,
                              instance_id=handle.instance_id)
 
     def close(self) -> None:
@@ -188,6 +193,13 @@ class KvdWorker:
                 self.client.deregister(self.handle)
             self.handle = None
         self.client.close()
+
+
+def unreachable_line(address: str, timeout_s: float) -> str:
+    """The one line an engine logs when its kvd does not answer the registration."""
+    return (f"KvdConnector: no kvd answered at {address} within {timeout_s:g}s: start "
+            f"`kvd serve` on this host first (its engine face must be {address}), or set "
+            "kvd_address in kv_connector_extra_config to the running daemon's address")
 
 
 def _pool_addr(handle: RankHandle) -> int:

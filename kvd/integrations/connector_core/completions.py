@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 from kvd.client import EventCursor, KvdClient, NoWaitClient
-from kvd.integrations.vllm.settings import ConnectorSettings
+from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.vllm")

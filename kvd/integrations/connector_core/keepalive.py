@@ -14,7 +14,7 @@ import threading
 
 from kvd.client import KvdClient
 from kvd.errors import KvdError
-from kvd.integrations.vllm.settings import ConnectorSettings
+from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.wire.protocol import Ping
 
 PING_INTERVAL_S = 5.0

@@ -233,7 +233,7 @@ def check_hybrid_views(spec: Any, layout: Any, tp_size: int, pp_size: int, pp_ra
                        layer_numbers: Mapping[str, int] | None = None) -> None:
     """Every vLLM view of a hybrid rank lies where kvd's hybrid layout puts it.
 
-    ``views``: LayerView (kvd.integrations.vllm_core.geometry) of every cache
+    ``views``: LayerView (kvd.integrations.connector_core.geometry) of every cache
     layer, named with the global layer index. Attention views are
     [block, head, token, K||V channel] pages (LBHNC; [block, token, head, ..] for
     LBNHC); Mamba views are vLLM's raw

@@ -1,6 +1,6 @@
 """Warn when vLLM's CPU thread binding pins two engines' workers to the same cores.
 
-Why (issue 25): vLLM's CPU backend binds each worker (``VLLM_CPU_OMP_THREADS_BIND=auto``)
+Why: vLLM's CPU backend binds each worker (``VLLM_CPU_OMP_THREADS_BIND=auto``)
 to the cores it picks for local rank 0, the same cores for every engine of a host, and
 every thread the worker starts inherits the mask. A worker waiting for its next step
 spins in ``sched_yield`` (vLLM's shm message queue). Traced on Linux 6.18: a prefill

@@ -21,10 +21,9 @@ from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
 from kvd.errors import KvdError, NotFoundError
-from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake
-from kvd.integrations.vllm.settings import ConnectorSettings
-from kvd.integrations.vllm_core.hybrid import publish_groups, pull_groups
-from kvd.integrations.vllm_core.params import (
+from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups
+from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements
+from kvd.integrations.connector_core.params import (
     ParamsError,
     RemotePrefill,
     blocks_to_pull,
@@ -32,6 +31,7 @@ from kvd.integrations.vllm_core.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.vllm")
@@ -80,7 +80,7 @@ class KvdScheduler:
         self._now = now
         self._client: NoWaitClient | None = None
         self._pending: dict[str, _Pull] = {}
-        self._meta = KvdConnectorMetadata()
+        self._meta = StepAnnouncements()
 
     @property
     def client(self) -> NoWaitClient:
@@ -92,7 +92,7 @@ class KvdScheduler:
         self.client  # noqa: B018 - made now, at start-up: a ZMQ context (and its I/O
         # thread) made in the first publish's step would cost that step ~1 ms
         for meta in metadata.values():
-            if isinstance(meta, KvdHandshake) and meta.peer_address:
+            if isinstance(meta, Handshake) and meta.peer_address:
                 self.peer_address = meta.peer_address
                 self.daemon_instance = meta.instance_id
                 return
@@ -254,13 +254,13 @@ class KvdScheduler:
 
     # ------------------------------------------------------------ every step
 
-    def build_meta(self) -> KvdConnectorMetadata:
+    def build_meta(self) -> StepAnnouncements:
         """Once per step: act on the replies that came, send the pulls queued since."""
         self._take_replies()
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
-        meta, self._meta = self._meta, KvdConnectorMetadata()
+        meta, self._meta = self._meta, StepAnnouncements()
         return meta
 
     def _take_replies(self) -> None:

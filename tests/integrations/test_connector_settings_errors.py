@@ -4,23 +4,15 @@ naming the key and the value (vLLM prints it as the worker's last line), and
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm",
-                allow_module_level=True)
-
-from kvd.integrations.vllm.settings import (  # noqa: E402
+from kvd.integrations.connector_core.settings import (
     ConnectorConfigError,
     ConnectorSettings,
 )
-
-pytestmark = pytest.mark.vllm
 
 
 def _settings(**extra: object) -> ConnectorSettings:
