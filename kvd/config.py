@@ -54,6 +54,7 @@ class Config:
     posting_workers: str = "auto"
     rails: str = "auto"
     copy_threads: int = 2
+    host_pulls: bool = True
     log_format: str = "text"
     log_level: str = "info"
     auth_token_file: str = ""
@@ -124,6 +125,10 @@ FIELD_HELP: dict[str, str] = {
     "copy_threads": "Threads that copy a local pull (producer and consumer engines both on "
                     "this daemon) between their pools, the copy split between them by bytes: "
                     "1..16.",
+    "host_pulls": "Pull from another daemon on this host by mapping its DRAM pool files "
+                  "and copying (control messages still go to that daemon), when the "
+                  "producer daemon says it is on this host and its pools are reachable "
+                  "(shared pool directory or IPC namespace); false: always NIXL READs.",
     "log_format": "'text' or 'json' (one JSON object per line).",
     "log_level": "debug, info, warning or error.",
     "auth_token_file": "File holding a shared token that engines and peers must present.",

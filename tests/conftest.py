@@ -9,6 +9,7 @@ whole module (starting one costs ~1 s); a module may set ``DAEMON_ARGS`` (extra
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,11 @@ def _register_support() -> None:
 
 
 _register_support()
+
+# Two daemons of this one host stand for two nodes in the suites: their pulls go over
+# NIXL, as between nodes. The host path (pool files mapped between daemons of one host)
+# has its own tests, which turn it on with --set host_pulls=true (a flag beats this).
+os.environ.setdefault("KVD_HOST_PULLS", "false")
 
 from support.cluster import Pair, running_pair  # noqa: E402
 

@@ -10,7 +10,7 @@ also uses; this module sits above both and nothing below imports it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.table import RemoteEngine
@@ -53,9 +53,10 @@ def check_pull(spec: P.ModelSpec, msg: P.Pull) -> None:
     check_group_ids(spec, msg.remote_block_ids, msg.remote_group_block_ids, "pull (remote)")
 
 
-def assemble_pull(engine: Engine, remote: RemoteEngine, msg: P.Pull
-                  ) -> dict[str, ProducerReads]:
-    """A hybrid pull's READs, grouped by producer (the consumer posts one each)."""
+def assemble_pull(engine: Engine, remote: RemoteEngine, msg: P.Pull,
+                  bases: Mapping[RankId, int] | None = None) -> dict[str, ProducerReads]:
+    """A hybrid pull's READs, grouped by producer (the consumer posts one each).
+    ``bases``: where the producer's pools are mapped here (the host path), by rank."""
     if msg.num_tokens < 0:
         raise LayoutError("a hybrid pull needs num_tokens (where each group's tail starts)")
     assert msg.local_group_block_ids is not None and msg.remote_group_block_ids is not None
@@ -68,7 +69,8 @@ def assemble_pull(engine: Engine, remote: RemoteEngine, msg: P.Pull
     remote_pools = {
         rid: HybridRankPool(rid, hybrid_rank_layout(spec, rdesc.layout, rpar, rid.pp_rank,
                                              rr.desc.num_blocks),
-                            rr.desc.base_addr, rr.desc.device_id, owner=rr.agent)
+                            (bases or {}).get(rid, rr.desc.base_addr), rr.desc.device_id,
+                            owner=rr.agent)
         for rid, rr in remote.ranks.items()}
     return assemble_hybrid_pull(plan, local, remote_pools, msg.local_group_block_ids,
                                 msg.remote_group_block_ids, msg.num_tokens,

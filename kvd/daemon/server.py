@@ -284,6 +284,7 @@ class Daemon:
                 self.events.expire()
                 self.registry.expire(now)
                 await self.registry.collect()
+                self.consumer.housekeeping()
                 self.events.forget_except(set(self.registry.engines))
             except Exception:  # noqa: BLE001 - housekeeping must go on
                 log.exception("housekeeping failed")

@@ -114,6 +114,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         ("role", "path", "outcome"),
         "Requests finished, by role (producer: a held request released; consumer: a pull "
         "completed), path (local: copied inside this daemon, both engines registered here; "
+        "host: copied from another daemon's pool files mapped here, that daemon on this host; "
         "remote: read across daemons over NIXL) and outcome (ok, failed, expired, "
         "cancelled).",
     ),
@@ -123,7 +124,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "counter",
         ("role", "path"),
         "Bytes of KV cache moved by finished transfers (consumer: read into local pools; "
-        "producer: read out of local pools by peers), by path (local or remote).",
+        "producer: read out of local pools by peers), by path (local, host or remote).",
     ),
     MetricDoc(
         "transfer_duration",
@@ -131,7 +132,7 @@ METRIC_DOCS: tuple[MetricDoc, ...] = (
         "histogram",
         ("role", "path"),
         "Time from a pull being accepted (consumer) or a request being published (producer) "
-        "until it finished, whatever the outcome, by path (local or remote).",
+        "until it finished, whatever the outcome, by path (local, host or remote).",
         TRANSFER_BUCKETS,
     ),
     MetricDoc(

@@ -96,7 +96,8 @@ class Metrics:
         Bytes count only for ``ok``: a failed pull's partial reads were not
         delivered to the engine, so counting them would overstate throughput.
         ``path``: "local" when the bytes were copied inside this daemon (both engines
-        registered here), "remote" when they crossed to or from another daemon.
+        registered here), "host" when copied from another daemon's pool files mapped here
+        (consumer side), "remote" when they crossed to or from another daemon.
         """
         self.transfers.labels(role=role, path=path, outcome=outcome).inc()
         if outcome == "ok" and nbytes:

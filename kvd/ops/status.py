@@ -46,14 +46,17 @@ def format_status(st: Status, as_json: bool = False) -> str:
                      "pages or set shm_dir to a huge-page mount: docs/operations.md)")
     lines += ["", f"peers ({len(st.peers)})"]
     lines += [f"  {p.address:<28} {p.local_engine} <- {p.remote_engine}"
-              f"  instance {p.instance[:12]}" for p in st.peers]
+              f"  instance {p.instance[:12]}"
+              + (f"  path {p.path}" if p.path else "") + (f" ({p.why})" if p.why else "")
+              for p in st.peers]
     lines += ["", f"held requests ({len(st.held)})"]
     lines += [f"  {h.engine_id:<20} {h.request_id:<24} {h.state:<8} blocks={h.blocks} "
               f"lease {h.lease_remaining_s:.1f}s" for h in st.held]
     lines += ["", f"pulls in flight ({len(st.pulls)})"]
     lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} {p.path:<6} "
               f"age {p.age_s:.3f}s" for p in st.pulls]
-    if st.finished_pulls:  # path local: copied inside this daemon, no network
+    if st.finished_pulls:  # path local: copied inside this daemon; host: from another
+        # daemon's pool files mapped here; neither took the network for the bytes
         lines += ["", f"finished pulls, last {len(st.finished_pulls)}"]
         lines += [f"  {p.engine_id:<20} {p.request_id:<24} {p.state:<14} {p.path:<6} "
                   f"{p.nbytes / 2**20:.1f} MiB{'  ' + p.error if p.error else ''}"

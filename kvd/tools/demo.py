@@ -81,10 +81,13 @@ def _run(model: ModelSpec, pshape: EngineShape, dshape: EngineShape, p_blocks: i
     # Segment names unique to this run: two demos at once never meet, and a check that
     # nothing was left behind can look for exactly these.
     tag = f"kvd-demo-{os.getpid()}"
-    node = DaemonProcess.start("node", logs, extra_args=["--set", f"shm_prefix={tag}-node"])
+    # The other daemon stands for another node: NIXL READs, not the host path.
+    nodes = ["--set", "host_pulls=false"]
+    node = DaemonProcess.start("node", logs,
+                               extra_args=["--set", f"shm_prefix={tag}-node", *nodes])
     try:
         other = DaemonProcess.start("other", logs,
-                                    extra_args=["--set", f"shm_prefix={tag}-other"])
+                                    extra_args=["--set", f"shm_prefix={tag}-other", *nodes])
     except BaseException:
         node.stop()
         raise

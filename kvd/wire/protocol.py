@@ -337,6 +337,8 @@ class PeerStatus(msgspec.Struct, frozen=True):
     remote_engine: str
     agent: str
     instance: str = ""
+    path: str = ""  # the path its pulls take: "host" (mapped pools, a copy) or "remote"
+    why: str = ""  # why that path (e.g. why not "host")
 
 
 class HeldStatus(msgspec.Struct, frozen=True):
@@ -401,12 +403,28 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compat_hash: str
 
 
+class PoolFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a rank's DRAM pool lives as a file on the producer's host ("" path: none,
+    a memfd or VRAM pool), with its device and inode (the file's identity: a consumer
+    daemon on the same host maps it only if the path opens that very file)."""
+
+    path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    dev: int = 0
+    ino: int = 0
+
+
 class HelloReply(msgspec.Struct, frozen=True):
     daemon_id: str
     agent_name: str
     agent_metadata: bytes
     engine: EngineDesc
     engine_daemons: list[str]
+    # Same-host pulls (older daemons send neither: their pulls go over the network): the
+    # producer daemon's host token (kvd.transport.samehost.same_host_token) and, per rank
+    # of ``engine.ranks`` in that order, its pool file.
+    host_token: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    pool_files: Annotated[list[PoolFile], msgspec.Meta(max_length=4096)] = msgspec.field(
+        default_factory=list)
 
 
 class Acquire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -27,8 +27,9 @@ from support.clock import FakeClock
 
 
 def config(prefix: str, **overrides: Any) -> Config:
+    # host_pulls off: a pair stands for two nodes (its fake transport between them)
     settings = {"lease_s": 5.0, "heartbeat_interval_s": 1.0, "handshake_timeout_s": 2.0,
-                **overrides}
+                "host_pulls": False, **overrides}
     return Config(engine_address=f"tcp://127.0.0.1:{free_port()}",
                   peer_address=f"tcp://127.0.0.1:{free_port()}", metrics_port=0,
                   shm_prefix=prefix, **settings)

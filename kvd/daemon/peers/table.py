@@ -67,6 +67,7 @@ class RemoteDaemon:
     agent: str  # NIXL agent name
     instance: str  # incarnation that answered the handshake
     epoch: int  # the engine's epoch on that daemon at handshake time
+    host_token: str = ""  # its host (kvd.transport.samehost), "" from an older daemon
 
 
 @dataclass
@@ -75,6 +76,7 @@ class RemoteRank:
     daemon: str  # peer address
     agent: str
     desc: P.RankDesc
+    pool_file: P.PoolFile = P.PoolFile()  # its pool's file on its host ("" path: none)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class RemoteEngine:
     ranks: dict[RankId, RemoteRank] = field(default_factory=dict)
     daemons: dict[str, RemoteDaemon] = field(default_factory=dict)  # by peer address
     pools: Any = None  # (parallelism, rank pools) for the assembly, built at first use
+    route: Any = None  # the consumer's choice of path for this handshake (host or remote)
 
     @functools.cached_property
     def compat(self) -> str:
@@ -303,10 +306,13 @@ class PeerTable:
                 remote = RemoteEngine(desc=body.engine)
             elif _geometry(remote.desc) != _geometry(body.engine):
                 raise IncompatibleError(f"daemons disagree on engine {remote_engine!r} geometry")
-            remote.daemons[addr] = RemoteDaemon(addr, agent, reply.instance, body.engine.epoch)
-            for r in body.engine.ranks:
+            remote.daemons[addr] = RemoteDaemon(addr, agent, reply.instance, body.engine.epoch,
+                                                body.host_token)
+            files = (body.pool_files if len(body.pool_files) == len(body.engine.ranks)
+                     else [P.PoolFile()] * len(body.engine.ranks))
+            for r, f in zip(body.engine.ranks, files, strict=True):
                 rid = RankId(r.tp_rank, r.pp_rank)
-                remote.ranks.setdefault(rid, RemoteRank(rid, addr, agent, r))
+                remote.ranks.setdefault(rid, RemoteRank(rid, addr, agent, r, f))
             todo.extend(a for a in body.engine_daemons if a not in seen)
         assert remote is not None
         want = {RankId(t, p) for t in range(remote.desc.tp_size)
@@ -345,7 +351,8 @@ class PeerTable:
 
     def status(self) -> list[P.PeerStatus]:
         return [P.PeerStatus(address=addr, local_engine=k[0], remote_engine=k[1], agent=d.agent,
-                             instance=d.instance)
+                             instance=d.instance, path=getattr(remote.route, "path", ""),
+                             why=getattr(remote.route, "why", ""))
                 for k, remote in self.remotes.items() for addr, d in remote.daemons.items()]
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
@@ -30,6 +31,7 @@ from kvd.errors import (
 )
 from kvd.planner import Parallelism, check_parallelism
 from kvd.pool.geometry import geometry, parallelism
+from kvd.transport.samehost import host_facts, same_host_token
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")
@@ -128,9 +130,21 @@ class Producer:
                 f"{msg.consumer.engine_id!r}: model/dtype/layout differ "
                 f"({engine.model} {engine.layout} vs {msg.consumer.model} {msg.consumer.layout})")
         dp = self.svc.datapath
+        desc = engine.desc()
         return P.HelloReply(daemon_id=self.svc.daemon_id, agent_name=dp.agent_name,
-                            agent_metadata=await dp.metadata(), engine=engine.desc(),
-                            engine_daemons=list(engine.engine_daemons))
+                            agent_metadata=await dp.metadata(), engine=desc,
+                            engine_daemons=list(engine.engine_daemons),
+                            host_token=self._host_token,
+                            pool_files=[pool_file(r.pool) for r in engine.live_ranks()])
+
+    @functools.cached_property
+    def _host_token(self) -> str:
+        """This daemon's host, IPC namespace and pool directory, for a consumer daemon to
+        tell whether it can map our pool files (kvd.transport.samehost)."""
+        try:
+            return same_host_token(host_facts(self.svc.cfg.shm_dir))
+        except ValueError:  # an absurdly long pool directory path: no same-host pulls
+            return ""
 
     def acquire_must_wait(self, msg: P.Acquire) -> bool:
         """Whether an Acquire arrived before its Publish (the engine is registered here,
@@ -335,3 +349,18 @@ class Producer:
                              lease_remaining_s=round(h.deadline_s - now, 3),
                              consumers_done=len(h.consumers_done), consumers=h.consumers)
                 for h in self.held.items.values()]
+
+
+def pool_file(pool: object) -> P.PoolFile:
+    """A pool's file, for a consumer daemon on this host to map: its path and identity;
+    none (an empty path) for a memfd pool (no path another process may open) or a VRAM
+    pool."""
+    directory, name = getattr(pool, "directory", None), getattr(pool, "name", None)
+    if directory is None or not name or getattr(pool, "fd", None) is not None:
+        return P.PoolFile()
+    path = os.path.join(str(directory), str(name))
+    try:
+        st = os.stat(path)
+    except OSError:
+        return P.PoolFile()
+    return P.PoolFile(path=path, dev=st.st_dev, ino=st.st_ino)

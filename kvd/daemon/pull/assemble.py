@@ -13,6 +13,7 @@ from __future__ import annotations
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, PlanCache
 from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.pull.hostmap import host_bases
 from kvd.daemon.pull.machine import Pull
 from kvd.errors import IncompatibleError, KvdError
 from kvd.ops.metrics import Metrics
@@ -48,7 +49,7 @@ class PullAssembler:
         if not engine.live_ranks():
             raise KvdError(f"engine {msg.engine_id!r} left before its READs were posted")
         if engine.model.hybrid is not None:  # every KV-cache group, Mamba state included
-            return hybrid.assemble_pull(engine, remote, msg)
+            return hybrid.assemble_pull(engine, remote, msg, host_bases(remote))
         local_ids, remote_ids = match_tail(
             msg.local_block_ids, msg.remote_block_ids, engine.layout.block_size_tokens,
             remote.desc.layout.block_size_tokens, msg.num_tokens)
@@ -84,16 +85,18 @@ class PullAssembler:
 
     @staticmethod
     def _remote_pools(remote: RemoteEngine) -> tuple[Parallelism, dict[RankId, RankPool]]:
-        """The remote engine's parallelism and rank pools, built once per handshake."""
+        """The remote engine's parallelism and rank pools, built once per handshake (on
+        the host path, at the addresses its pool files are mapped at here)."""
         if remote.pools is None:
             rdesc = remote.desc
             rpar = parallelism(rdesc.tp_size, rdesc.pp_size, rdesc.layer_partition)
+            bases = host_bases(remote)
             pools = {}
             for rid, rr in remote.ranks.items():
                 cache, first = rank_layout(rdesc.model, rdesc.layout, rpar, rid.pp_rank,
                                            rr.desc.num_blocks)
-                pools[rid] = RankPool(rid, cache, first, rr.desc.base_addr, rr.desc.device_id,
-                                      owner=rr.agent)
+                pools[rid] = RankPool(rid, cache, first, bases.get(rid, rr.desc.base_addr),
+                                      rr.desc.device_id, owner=rr.agent)
             remote.pools = (rpar, pools)
         return remote.pools
 

@@ -39,6 +39,7 @@ from kvd.daemon.engines.table import Engine, check_block_ids
 from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.assemble import PullAssembler
 from kvd.daemon.pull.driver import Peers, PullDriver
+from kvd.daemon.pull.hostmap import HostMapper, HostMaps
 from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, NixlMover
@@ -51,7 +52,7 @@ from kvd.errors import (
     KvdError,
     TooLargeError,
 )
-from kvd.transport.samehost import local_host_names, names_this_daemon
+from kvd.transport.samehost import host_facts, local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
@@ -85,13 +86,19 @@ class Consumer:
         cfg = svc.cfg
         own_ports = tuple(sorted({p for p in (_port(cfg.peer_address), _port(cfg.engine_address),
                                               cfg.metrics_port) if p}))
-        self._remote = Route(NixlMover(svc.datapath, svc.peers, own_ports), svc.peers)
+        self._nixl = NixlMover(svc.datapath, svc.peers, own_ports)
+        self._remote = Route(self._nixl, svc.peers)
+        self._copier = local_copier(cfg.copy_threads)
+        # Another daemon on this host whose pool files map here: copied, like a local pull,
+        # with the control messages still going to that daemon (kvd.daemon.pull.hostmap).
+        self._host_mover = LocalMover(self._copier)
+        self._host_mover.path = "host"
+        self.hosts = HostMapper(host_facts(cfg.shm_dir), enabled=cfg.host_pulls)
         self._local: Route | None = None
         if local_dispatch is not None:
             own = cfg.peer_advertise or cfg.peer_address
-            copier = local_copier(cfg.copy_threads)
             self._local = Route(
-                LocalMover(copier, cuda_copier=_cuda_copier),
+                LocalMover(self._copier, cuda_copier=_cuda_copier),
                 LocalPeers(svc.registry, local_dispatch, own, svc.datapath.agent_name,
                            svc.instance_id, svc.clock.now))
         self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
@@ -113,9 +120,37 @@ class Consumer:
             self._names_me[msg.remote_address] = me
         return self._local if me else self._remote
 
+    def pick(self, remote: RemoteEngine) -> tuple[Mover, HostMaps | None] | None:
+        """The one place a network pull's mover is chosen, once its handshake is known
+        (cached at the pull's start, or fresh after its greeting): the host path when
+        the producer daemon is on this host and its pool files map here (decided once
+        per handshake, `HostMapper.choose`), else NIXL READs. Also the mappings the
+        pull must pin while it may copy. None: the handshake's mappings were retired
+        meanwhile (its producer freed a pool): greet again."""
+        route = self.hosts.choose(remote)
+        if route is None:
+            return None
+        if route.maps is not None:
+            return self._host_mover, route.maps
+        return self._nixl, None
+
+    def housekeeping(self) -> None:
+        """Unmap what no cached handshake uses any more (dropped, replaced, or a pool its
+        producer freed: that handshake is forgotten too)."""
+        peers = self.svc.peers
+        for stale in self.hosts.sweep(peers.remotes.values()):
+            for key, remote in list(peers.remotes.items()):
+                if remote is stale:
+                    log.info("pool files of %s were freed by its daemon: handshake dropped",
+                             key[1])
+                    peers.forget(*key)
+
     def close(self) -> None:
+        """Copies end first (the movers wait for them), then the mappings go."""
+        self._host_mover.close()
         if self._local is not None:
             self._local.mover.close()
+        self.hosts.close()
 
     def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
         """Validate cheaply and queue; the outcome arrives later as a done_recving event,
@@ -143,7 +178,8 @@ class Consumer:
         self.jobs[pull.key] = pull
         self.svc.metrics.inflight_transfers.inc()
         driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
-                            self.assembler, self._reported)
+                            self.assembler, self._reported,
+                            pick=self.pick if route is self._remote else None)
         self.drivers[pull.key] = driver
         if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
             driver.task = self.svc.spawn(driver.run())

@@ -59,6 +59,9 @@ log = logging.getLogger("kvd.consumer")
 PROBE_TIMEOUT_S = 0.5
 
 Assembler = Callable[[Pull, Engine, RemoteEngine], dict[str, ProducerReads]]
+# The consumer's choice of mover for a handshake, and what the pull pins while it may
+# copy (kvd.daemon.pull.hostmap.HostMaps); None: the handshake is stale, greet again.
+Picker = Callable[[RemoteEngine], "tuple[Mover, Any] | None"]
 
 
 class Peers(Protocol):
@@ -91,10 +94,12 @@ class PullDriver:
 
     def __init__(self, svc: Services, pull: Pull, mover: Mover, peers: Peers,
                  quarantine: QuarantineCounts, assemble: Assembler,
-                 on_reported: Callable[[Pull], None]) -> None:
+                 on_reported: Callable[[Pull], None], pick: Picker | None = None) -> None:
         self.svc = svc
         self.pull = pull
         self.mover = mover
+        self._pick = pick  # network pulls: the mover follows the handshake (host or NIXL)
+        self._maps: Any = None  # the host mappings this pull pins (until it reported)
         self.peers = peers  # the producer's daemons (this daemon itself for a local pull)
         self.quarantine = quarantine
         self._assemble = assemble
@@ -113,6 +118,8 @@ class PullDriver:
         """Drive the pull without waiting; True when it is reported already (else start
         `run`, which goes on from where this stopped)."""
         self.engine = engine
+        if cached is not None and not self._choose(cached):
+            cached = None  # its mappings were retired: greet afresh
         acts = self.pull.begin(cached)
         while acts:
             more = self._now(acts[0])
@@ -251,6 +258,13 @@ class PullDriver:
             msg = pull.msg
             remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
                                                     msg.remote_address)
+            if not self._choose(remote):  # its producer freed a pool meanwhile: once more
+                self.peers.forget(msg.engine_id, msg.remote_engine_id)
+                remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
+                                                        msg.remote_address)
+                if not self._choose(remote):
+                    raise KvdError(f"engine {msg.remote_engine_id!r}: its pools keep "
+                                   "being freed")
             return pull.greeted(remote)
         if isinstance(act, SendAcquire):
             self._send_acquire()
@@ -290,6 +304,29 @@ class PullDriver:
         return done
 
     # ------------------------------------------------------------ the parts
+
+    def _choose(self, remote: RemoteEngine) -> bool:
+        """The mover for this handshake (no transfer of the pull is out: it is chosen
+        before the pull assembles, again after each greeting); pins its mappings, if
+        any, until the pull reported. False: the handshake is stale."""
+        if self._pick is None:
+            return True
+        assert not self.pull.handles
+        picked = self._pick(remote)
+        if picked is None:
+            return False
+        mover, maps = picked
+        self._unpin_maps()
+        if maps is not None:
+            maps.pin()
+        self.mover, self._maps = mover, maps
+        self.pull.path = mover.path
+        return True
+
+    def _unpin_maps(self) -> None:
+        if self._maps is not None:
+            self._maps.unpin()
+            self._maps = None
 
     def _send_acquire(self) -> None:
         """The Acquire to every producer daemon of the handshake the pull works with (one
@@ -450,6 +487,7 @@ class PullDriver:
             svc.events.push(msg.engine_id, act.event)
         self.reported = True
         self._on_reported(pull)
+        self._unpin_maps()  # every copy of the pull ended and was released (Release first)
         # Metrics and the log after the engine's answer (off its path); in the same loop
         # turn, so no later request sees them stale.
         m = svc.metrics

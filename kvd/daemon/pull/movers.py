@@ -15,6 +15,7 @@ from typing import Protocol
 from kvd.daemon.datapath import DataPath, PostResult, XferStatus
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.table import PeerTable, RemoteEngine
+from kvd.daemon.pull.hostmap import host_bases
 from kvd.daemon.pull.machine import Notice
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, ReadPost
@@ -28,7 +29,7 @@ FRESH_POST_MAX_DESCRIPTORS = 8
 
 
 class Mover(Protocol):
-    path: str  # "remote" or "local": in kvd status, the logs and the metrics' labels
+    path: str  # "remote", "local" or "host": in kvd status, the logs and the metrics' labels
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
         """Whether `post_now` would post these without waiting (unless a lock is taken)."""
@@ -59,6 +60,7 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
     posts, notices = [], []
     nbytes = descriptors = 0
     local_pools: tuple[PoolSpan, ...] | None = None
+    bases = host_bases(remote)
     for g in groups.values():
         notices.append((g.owner, P.ReadNotice(
             request_id=msg.producer_request_id, producer_engine_id=msg.remote_engine_id,
@@ -67,7 +69,9 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
             continue
         # Pools named so that the data path posts through prepared lists; not for a few
         # descriptors: the lookup then costs more than NIXL's validation.
-        prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS
+        # The host path names them always: the copier checks every descriptor against the
+        # mapped pools (a wrong address would crash the daemon, not fail the pull).
+        prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS or bool(bases)
         if prepped and local_pools is None:
             local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
                                 for r in engine.live_ranks())
@@ -76,7 +80,8 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
             nbytes=g.nbytes, mem_type=remote.desc.mem_type, notif=b"",
             local_devs=g.local_devs, remote_devs=g.remote_devs,
             local_pools=local_pools if prepped and local_pools else (),
-            remote_pools=tuple(PoolSpan(rr.desc.base_addr, rr.desc.nbytes, rr.desc.device_id)
+            remote_pools=tuple(PoolSpan(bases.get(rr.rank, rr.desc.base_addr), rr.desc.nbytes,
+                                        rr.desc.device_id)
                                for rr in remote.ranks.values()
                                if rr.agent == g.owner) if prepped else ()))
         nbytes += g.total_nbytes

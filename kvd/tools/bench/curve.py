@@ -88,7 +88,7 @@ def bench_curve(nbytes_mib: int = 512, repeats: int = 5, latency_pulls: int = 20
     for name in ("prefill", "decode"):
         pub, _ = C.write_keypair(keydir, name)
         (allow / pub.name).write_text(pub.read_text())
-    common = ["--set", f"shm_dir={shm_dir}"]
+    common = ["--set", f"shm_dir={shm_dir}", "--set", "host_pulls=false"]  # NIXL, as two nodes
     daemons: dict[str, tuple[Any, Any]] = {}
     clients: dict[str, tuple[Any, Any]] = {}
     out: dict[str, Any] = {"nbytes": blocks * geom.block_nbytes, "repeats": repeats,

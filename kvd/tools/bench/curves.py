@@ -112,7 +112,8 @@ def run_curves(max_mib: int = MAX_MIB, repeats: int = 5, conc_mib: int = 32,
     raw = _raw(geom, sizes, pool_blocks, ids, repeats, shm_dir)
 
     logs = Path(tempfile.mkdtemp(prefix="kvd-curves-"))
-    extra = ["--set", f"shm_dir={shm_dir}", *daemon_args]
+    # NIXL READs, as between two nodes (the last --set wins: daemon_args may turn it on)
+    extra = ["--set", f"shm_dir={shm_dir}", "--set", "host_pulls=false", *daemon_args]
     prefill = DaemonProcess.start("curves-prefill", logs, extra_args=extra)
     decode = DaemonProcess.start("curves-decode", logs, extra_args=extra)
     pc, dc = prefill.client(timeout_s=60), decode.client(timeout_s=60)

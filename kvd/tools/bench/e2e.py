@@ -87,7 +87,9 @@ def bench_kvd(geom: Geometry, scenarios: list[Scenario], blocks: int, pool_block
 
     model = geom.model()
     out: dict[str, Any] = {"scenarios": {}}
-    pools = ["--set", f"shm_dir={shm_dir}", *daemon_args]
+    # The two daemons stand for two nodes: NIXL READs, not the host path (pool files
+    # mapped between daemons of one host), unless daemon_args turn it on (the last wins).
+    pools = ["--set", f"shm_dir={shm_dir}", "--set", "host_pulls=false", *daemon_args]
     prefill = DaemonProcess.start("bench-prefill", log_dir, extra_args=pools)
     decode = DaemonProcess.start("bench-decode", log_dir, extra_args=pools)
     pc, dc = prefill.client(timeout_s=30), decode.client(timeout_s=30)

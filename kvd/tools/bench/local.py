@@ -330,7 +330,9 @@ def bench_local(geom: Geometry, blocks: int, pool_blocks: int, p_ids: list[int],
     latency pairs on the last one, with a second daemon for the two-daemon pulls."""
     from kvd.tools.localcluster import DaemonProcess
 
-    pools = ["--set", f"shm_dir={shm_dir}"]
+    # The second daemon stands for another node: its pulls are NIXL READs, not the host
+    # path (pool files mapped between daemons of one host).
+    pools = ["--set", f"shm_dir={shm_dir}", "--set", "host_pulls=false"]
     repeats = max(repeats, MIN_REPEATS)
     rows: list[dict[str, Any]] = []
     latency: dict[str, Any] = {}

@@ -76,7 +76,8 @@ def run_workers_curve(workers: tuple[int, ...] = WORKERS,
     pairs: dict[int, tuple[Any, ...]] = {}
     try:
         for w in workers:  # every pair up at once: their pulls interleave (see below)
-            extra = ["--set", f"shm_dir={shm_dir}", "--set", f"posting_workers={w}"]
+            extra = ["--set", f"shm_dir={shm_dir}", "--set", f"posting_workers={w}",
+                     "--set", "host_pulls=false"]  # NIXL READs, as between two nodes
             prefill = DaemonProcess.start(f"workers{w}-prefill", logs, extra_args=extra)
             pairs[w] = (prefill,)
             decode = DaemonProcess.start(f"workers{w}-decode", logs, extra_args=extra)
