@@ -169,13 +169,7 @@ class LocalCopier:
         copy = _Copy(parts=plan.parts, nbytes=plan.total,
                      pending=0 if inline else len(plan.parts))
         with self._lock:
-            if self._closed:
-                raise TransferError("local copier is closed")
-            if len(self._copies) >= self.max_handles:
-                raise BusyError(f"{len(self._copies)} local copies unreleased "
-                                f"(at most {self.max_handles})")
-            handle = next(self._ids)
-            self._copies[handle] = copy
+            handle = self._admit(copy)
             if not inline:
                 self._queue.extend((copy, part) for part in plan.parts)
                 self._wake.notify(len(plan.parts))
@@ -186,6 +180,18 @@ class LocalCopier:
             except Exception as e:  # noqa: BLE001 - reported on poll, like a failed READ
                 copy.error = e
             copy.ended.set()
+        return handle
+
+    def _admit(self, copy: _Copy) -> int:
+        """A handle for ``copy`` (the lock held): refused once closed or when
+        ``max_handles`` copies are unreleased."""
+        if self._closed:
+            raise TransferError("local copier is closed")
+        if len(self._copies) >= self.max_handles:
+            raise BusyError(f"{len(self._copies)} local copies unreleased "
+                            f"(at most {self.max_handles})")
+        handle = next(self._ids)
+        self._copies[handle] = copy
         return handle
 
     def _post_inline(self, rows: list[tuple[int, int, int]],
@@ -201,13 +207,7 @@ class LocalCopier:
                                         f"[{addr:#x}, +{k}) lies outside the {side} pool")
         copy = _Copy(parts=(), nbytes=sum(k for _, _, k in rows), pending=0)
         with self._lock:
-            if self._closed:
-                raise TransferError("local copier is closed")
-            if len(self._copies) >= self.max_handles:
-                raise BusyError(f"{len(self._copies)} local copies unreleased "
-                                f"(at most {self.max_handles})")
-            handle = next(self._ids)
-            self._copies[handle] = copy
+            handle = self._admit(copy)
         try:
             for d, s, k in rows:
                 self._copy_fn(d, s, k)
