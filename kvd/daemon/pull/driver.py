@@ -214,9 +214,25 @@ class PullDriver:
             acts = pull.fail(pull.describe(exc), clock.now())
         finally:
             timer.cancel()
-        # The end: quarantine, release, report. Shielded: a drain that cancels the task
-        # meanwhile makes the quarantine end (cancel_reason), never skips the report.
-        await asyncio.shield(self._end(acts))
+        # The end: quarantine, release, report. In this same step when nothing of it needs
+        # waiting (no transfer handle left: a shield would cost the pull a loop turn or
+        # two); else shielded: a drain that cancels the task meanwhile makes the
+        # quarantine end (cancel_reason), never skips the report.
+        while acts:
+            more = self._now(acts[0])
+            if more is None:
+                break
+            acts = more + acts[1:]
+        if acts:
+            await asyncio.shield(self._end(acts))
+        else:
+            self._ended()
+
+    def _ended(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if not self.reported:  # cannot happen: the table ends every pull with a report
+            log.error("pull %s ended without a report", self.pull.msg.request_id)
 
     def _time_out(self, task: asyncio.Task[None]) -> None:
         if not task.done() and not self.pull.ending:
@@ -236,10 +252,7 @@ class PullDriver:
                 act, acts = acts[0], acts[1:]
                 acts = await self._do(act) + acts
         finally:
-            if self._heartbeat is not None:
-                self._heartbeat.cancel()
-        if not self.reported:  # cannot happen: the table ends every pull with a report
-            log.error("pull %s ended without a report", self.pull.msg.request_id)
+            self._ended()
 
     async def _do(self, act: Action) -> list[Action]:
         pull, svc, clock = self.pull, self.svc, self.svc.clock
