@@ -26,7 +26,7 @@ from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.conn import Reply
 from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.acquire import Acquiring
-from kvd.daemon.pull.machine import (
+from kvd.daemon.pull.actions import (
     Action,
     Assemble,
     AwaitReplies,
@@ -36,7 +36,6 @@ from kvd.daemon.pull.machine import (
     PollAfter,
     Post,
     Probe,
-    Pull,
     Quarantine,
     Release,
     Report,
@@ -45,6 +44,7 @@ from kvd.daemon.pull.machine import (
     WaitRanks,
     Warn,
 )
+from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import Mover, build_posts
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.daemon.services import Services

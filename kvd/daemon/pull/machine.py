@@ -35,6 +35,25 @@ from kvd.daemon.engines.table import EngineRank
 from kvd.daemon.peers.conn import Reply
 from kvd.daemon.peers.table import RemoteEngine
 from kvd.daemon.pull.acquire import Replies, may_predate_publish, receipted
+from kvd.daemon.pull.actions import (  # the steps' return values; re-exported here
+    Action,
+    Assemble,
+    AwaitReplies,
+    Discard,
+    ForgetHandshake,
+    Greet,
+    Notice,
+    PollAfter,
+    Post,
+    Probe,
+    Quarantine,
+    Release,
+    Report,
+    SendAcquire,
+    Sever,
+    WaitRanks,
+    Warn,
+)
 from kvd.daemon.pull.state import On, PullState, next_state
 from kvd.errors import KvdError, PeerLostError, TransferError
 from kvd.transport.base import ReadPost
@@ -55,115 +74,6 @@ EARLY_POST_MAX_BYTES = 4 << 20
 # READ's notice arrives, which may be a moment before we see the READ done ourselves.
 LOST_GRACE_S = 0.05
 GREETINGS = 2  # handshakes a pull may go through (the cached one counts) before failing
-
-Notice = tuple[str, P.ReadNotice]  # (producer agent, its notice)
-
-
-# ------------------------------------------------------------------ actions
-
-
-@dataclass(frozen=True)
-class WaitRanks:
-    """Wait (bounded) until every rank of the consumer engine is registered."""
-
-
-@dataclass(frozen=True)
-class Greet:
-    """Handshake with the producer's daemons (cached per engine pair)."""
-
-
-@dataclass(frozen=True)
-class ForgetHandshake:
-    """The cached handshake proved stale (a producer daemon restarted, or its pools
-    changed): drop it, so that the next greeting is a fresh one."""
-
-
-@dataclass(frozen=True)
-class SendAcquire:
-    """Ask every producer daemon to hold the request for us (replies come later)."""
-
-
-@dataclass(frozen=True)
-class Assemble:
-    """Plan the descriptors and build the transfers (`Pull.assembled`)."""
-
-
-@dataclass(frozen=True)
-class Post:
-    """Pin the local pools and post these transfers (after checking the quarantine caps
-    unless ``again``: a read-again is the same pull's transfers)."""
-
-    posts: tuple[ReadPost, ...]
-    again: bool = False
-
-
-@dataclass(frozen=True)
-class AwaitReplies:
-    """Every reply to the Acquire is needed before going on (`Pull.on_replies`)."""
-
-
-@dataclass(frozen=True)
-class PollAfter:
-    """Poll the transfers that have not ended, after ``delay_s`` (0: a loop turn)."""
-
-    delay_s: float
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A transfer failed: drop the cached producer daemons and ask each whether it is
-    still the incarnation we greeted (`Pull.on_probed`)."""
-
-    addresses: tuple[str, ...]
-    error: TransferError
-
-
-@dataclass(frozen=True)
-class Discard:
-    """Let every transfer posted end (failed or not), release them, unpin
-    (`Pull.discarded`): their bytes are not trusted."""
-
-
-@dataclass(frozen=True)
-class Sever:
-    """Tear down the data connections to these producers (agent -> control addresses):
-    their transfers fail at the next poll."""
-
-    producers: Mapping[str, tuple[str, ...]]
-
-
-@dataclass(frozen=True)
-class Quarantine:
-    """Count the pull as quarantined (``enter``) or not any more."""
-
-    enter: bool
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Warn:
-    text: str
-
-
-@dataclass(frozen=True)
-class Release:
-    """Release every transfer handle (none can land any more), unpin, then
-    `Pull.released`."""
-
-
-@dataclass(frozen=True)
-class Report:
-    """Deliver the outcome to the engine, then count it; ``notices`` (ok) or ``abandon``
-    (failed: producer daemons that hold the request for us) after that."""
-
-    event: P.Event
-    notices: tuple[Notice, ...]
-    abandon: tuple[str, ...]
-
-
-Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
-          | PollAfter | Probe | Discard | Sever | Quarantine | Warn | Release | Report)
-
 
 # ------------------------------------------------------------------ the pull
 

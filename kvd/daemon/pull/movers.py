@@ -15,8 +15,8 @@ from typing import Protocol
 from kvd.daemon.datapath import DataPath, PostResult, XferStatus
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.table import PeerTable, RemoteEngine
+from kvd.daemon.pull.actions import Notice
 from kvd.daemon.pull.hostmap import host_bases
-from kvd.daemon.pull.machine import Notice
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, ReadPost
 from kvd.wire import protocol as P

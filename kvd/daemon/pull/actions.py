@@ -1,0 +1,121 @@
+"""What a pull's steps return: the actions its driver carries out (kvd.daemon.pull.
+machine decides them, kvd.daemon.pull.driver carries them out; both import them from
+here). Each is a small frozen value; none does anything by itself."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvd.errors import TransferError
+from kvd.transport.base import ReadPost
+from kvd.wire import protocol as P
+
+Notice = tuple[str, P.ReadNotice]  # (producer agent, its notice)
+
+
+# ------------------------------------------------------------------ actions
+
+
+@dataclass(frozen=True)
+class WaitRanks:
+    """Wait (bounded) until every rank of the consumer engine is registered."""
+
+
+@dataclass(frozen=True)
+class Greet:
+    """Handshake with the producer's daemons (cached per engine pair)."""
+
+
+@dataclass(frozen=True)
+class ForgetHandshake:
+    """The cached handshake proved stale (a producer daemon restarted, or its pools
+    changed): drop it, so that the next greeting is a fresh one."""
+
+
+@dataclass(frozen=True)
+class SendAcquire:
+    """Ask every producer daemon to hold the request for us (replies come later)."""
+
+
+@dataclass(frozen=True)
+class Assemble:
+    """Plan the descriptors and build the transfers (`Pull.assembled`)."""
+
+
+@dataclass(frozen=True)
+class Post:
+    """Pin the local pools and post these transfers (after checking the quarantine caps
+    unless ``again``: a read-again is the same pull's transfers)."""
+
+    posts: tuple[ReadPost, ...]
+    again: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitReplies:
+    """Every reply to the Acquire is needed before going on (`Pull.on_replies`)."""
+
+
+@dataclass(frozen=True)
+class PollAfter:
+    """Poll the transfers that have not ended, after ``delay_s`` (0: a loop turn)."""
+
+    delay_s: float
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A transfer failed: drop the cached producer daemons and ask each whether it is
+    still the incarnation we greeted (`Pull.on_probed`)."""
+
+    addresses: tuple[str, ...]
+    error: TransferError
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Let every transfer posted end (failed or not), release them, unpin
+    (`Pull.discarded`): their bytes are not trusted."""
+
+
+@dataclass(frozen=True)
+class Sever:
+    """Tear down the data connections to these producers (agent -> control addresses):
+    their transfers fail at the next poll."""
+
+    producers: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """Count the pull as quarantined (``enter``) or not any more."""
+
+    enter: bool
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Warn:
+    text: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """Release every transfer handle (none can land any more), unpin, then
+    `Pull.released`."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """Deliver the outcome to the engine, then count it; ``notices`` (ok) or ``abandon``
+    (failed: producer daemons that hold the request for us) after that."""
+
+    event: P.Event
+    notices: tuple[Notice, ...]
+    abandon: tuple[str, ...]
+
+
+Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
+          | PollAfter | Probe | Discard | Sever | Quarantine | Warn | Release | Report)
+
