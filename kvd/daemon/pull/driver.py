@@ -106,6 +106,7 @@ class PullDriver:
         self._on_reported = on_reported
         self.engine: Engine | None = None
         self.acquiring: Acquiring | None = None
+        self._acquired_from: RemoteEngine | None = None  # the handshake it was sent to
         self.task: asyncio.Task[None] | None = None
         self._pending: list[Action] = []
         self._heartbeat: asyncio.Task[None] | None = None
@@ -359,7 +360,6 @@ class PullDriver:
         self._acquired_from = remote
         pull.acquire_sent(svc.clock.now())
 
-    _acquired_from: RemoteEngine | None = None
 
     def _assembled(self) -> list[Action]:
         pull = self.pull
