@@ -87,14 +87,14 @@ def bench_d2d(torch, CudaCopier, total: int, rounds: int) -> dict:  # noqa: N803
     dst = torch.empty_like(src)
     base_src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
     base_dst = torch.empty_like(base_src)
-    copiers = {}
-    for streams in (1, 2, 4):
-        copiers[f"copier_{streams}stream"] = CudaCopier(streams_per_device=streams)
-        try:
-            copiers[f"copier_{streams}stream_batch"] = CudaCopier(streams_per_device=streams,
-                                                                  batch=True)
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            copiers.setdefault("_batch_unavailable", str(e))
+    copiers = {"kernel": CudaCopier(kernel=True),
+               "copier_1stream": CudaCopier(streams_per_device=1, kernel=False),
+               "copier_2stream": CudaCopier(streams_per_device=2, kernel=False)}
+    try:
+        copiers["copier_1stream_batch"] = CudaCopier(streams_per_device=1, batch=True,
+                                                     kernel=False)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        copiers["_batch_unavailable"] = str(e)
     batch_note = copiers.pop("_batch_unavailable", None)
     results: dict = {"batch_unavailable": batch_note, "shapes": {}}
     for name, (d, s, n) in shapes(total, rng).items():
@@ -150,27 +150,27 @@ def bench_latency(torch, CudaCopier, reps: int) -> dict:  # noqa: N803
     out = {}
     src = torch.randint(0, 256, (4 * MIB,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    c = CudaCopier(streams_per_device=1)
-    for size in (64 << 10, 2 * MIB):
-        lat, ref = [], []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            h = c.post([dst.data_ptr()], [src.data_ptr()], [size], dst_devs=0, src_devs=0)
-            while not c.poll(h):
-                pass
-            c.release(h)
-            lat.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dst[:size].copy_(src[:size])
-            torch.cuda.synchronize()
-            ref.append(time.perf_counter() - t0)
-        out[f"{size >> 10}KiB"] = {"copier_p50_us": round(statistics.median(lat) * 1e6, 1),
-                                   "copier_p99_us": round(float(np.percentile(lat, 99)) * 1e6,
-                                                          1),
-                                   "torch_copy_sync_p50_us": round(statistics.median(ref) * 1e6,
-                                                                   1)}
-    c.close()
+    for label, c in (("kernel", CudaCopier(streams_per_device=1, kernel=True)),
+                     ("memcpy", CudaCopier(streams_per_device=1, kernel=False))):
+        for size in (64 << 10, 2 * MIB):
+            lat, ref = [], []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                h = c.post([dst.data_ptr()], [src.data_ptr()], [size], dst_devs=0, src_devs=0)
+                while not c.poll(h):
+                    pass
+                c.release(h)
+                lat.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dst[:size].copy_(src[:size])
+                torch.cuda.synchronize()
+                ref.append(time.perf_counter() - t0)
+            out[f"{label}_{size >> 10}KiB"] = {
+                "copier_p50_us": round(statistics.median(lat) * 1e6, 1),
+                "copier_p99_us": round(float(np.percentile(lat, 99)) * 1e6, 1),
+                "torch_copy_sync_p50_us": round(statistics.median(ref) * 1e6, 1)}
+        c.close()
     return out
 
 

@@ -9,9 +9,16 @@ cannot be recalled) or raises, keeping the handle.
 
 Descriptors carry a device per side (``HOST`` = -1 for DRAM, else the GPU index):
 
-* **d2d** (one GPU) and **peer** (two GPUs): ``cudaMemcpyAsync(..., cudaMemcpyDefault)``
-  per merged piece on the destination GPU's streams (peer access enabled once per
-  pair where the GPUs allow it; otherwise the driver stages through the host);
+* **d2d** (one GPU) and **peer** (two GPUs with peer access): one **gather kernel**
+  launch per lane (`GATHER_KERNEL`, compiled with NVRTC through torch at first use):
+  each thread block copies one chunk of at most `KERNEL_CHUNK_NBYTES` with 16-byte
+  loads where the addresses allow. Measured on an H200, per-piece ``cudaMemcpyAsync``
+  ran 5-8 us a piece (2 MiB blocks: 0.13x a device copy; 16 KiB pieces: 0.002x) and
+  ``cudaMemcpyBatchAsync`` hardly better, while a kernel moves any shape at memory
+  speed (docs/notes/2026-11-27-gpu-local-copy.md). Where NVRTC is missing the copier
+  falls back to ``cudaMemcpyAsync(..., cudaMemcpyDefault)`` per merged piece on the
+  destination GPU's streams (``kernel_error`` says why); peer access is enabled once per
+  pair where the GPUs allow it (otherwise the driver stages through the host);
 * **h2d** / **d2h** to host memory registered with the copier (`register_host`, page-
   locked with ``cudaHostRegister``): direct DMA, same as above;
 * **h2d** / **d2h** to host memory not registered (a pool file of another daemon, say):
@@ -43,6 +50,7 @@ from kvd.transport.copyplan import (
     as_descriptors,
     merge_adjacent,
     plan_copy,
+    small_copy,
 )
 
 HOST = -1
@@ -56,6 +64,54 @@ MAX_HANDLES = 65536
 CUDA_MEMCPY_DEFAULT = 4
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 CUDA_HOST_REGISTER_PORTABLE = 1
+KERNEL_CHUNK_NBYTES = 64 << 10  # one thread block's share of a gather-kernel copy
+KERNEL_THREADS = 256
+KERNEL_MAX_BLOCKS = 1 << 16  # grid-stride beyond this
+
+# dst[i] <- src[i] for every chunk (dst, src, nbytes) of ``desc``: one thread block per
+# chunk (grid-stride), 16-, 8- or 1-byte moves as the chunk's alignment allows.
+GATHER_KERNEL = r"""
+extern "C" __global__ void kvd_gather_copy(const long long* __restrict__ desc, int nchunks) {
+  for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    unsigned long long dst = (unsigned long long)desc[3 * c];
+    unsigned long long src = (unsigned long long)desc[3 * c + 1];
+    long long n = desc[3 * c + 2];
+    if (((dst | src | (unsigned long long)n) & 15ULL) == 0) {
+      const int4* s = (const int4*)src;
+      int4* d = (int4*)dst;
+      long long m = n >> 4;
+      for (long long i = threadIdx.x; i < m; i += blockDim.x) d[i] = s[i];
+    } else if (((dst | src | (unsigned long long)n) & 7ULL) == 0) {
+      const long long* s = (const long long*)src;
+      long long* d = (long long*)dst;
+      long long m = n >> 3;
+      for (long long i = threadIdx.x; i < m; i += blockDim.x) d[i] = s[i];
+    } else {
+      const unsigned char* s = (const unsigned char*)src;
+      unsigned char* d = (unsigned char*)dst;
+      for (long long i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+    }
+  }
+}
+"""
+
+
+def chunk_descriptors(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,
+                      chunk_nbytes: int = KERNEL_CHUNK_NBYTES) -> np.ndarray:
+    """The gather kernel's table: every piece cut into chunks of at most
+    ``chunk_nbytes``, as rows (dst, src, nbytes) of int64, in order. Pure."""
+    if chunk_nbytes < 1:
+        raise ValueError("chunk_nbytes must be >= 1")
+    dst, src, nbytes = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (dst, src, nbytes))
+    counts = -(-nbytes // chunk_nbytes)
+    piece = np.repeat(np.arange(len(nbytes)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offset = (np.arange(int(counts.sum()), dtype=np.int64) - first) * chunk_nbytes
+    table = np.empty((len(piece), 3), dtype=np.int64)
+    table[:, 0] = dst[piece] + offset
+    table[:, 1] = src[piece] + offset
+    table[:, 2] = np.minimum(chunk_nbytes, nbytes[piece] - offset)
+    return table
 
 
 # ----------------------------------------------------------------- the plan (pure)
@@ -122,15 +178,22 @@ def _within(addrs: np.ndarray, nbytes: np.ndarray,
 def plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs, *, streams: int = 1,
                      pinned: Sequence[tuple[int, int]] = (),
                      min_part_nbytes: int = MIN_STREAM_PART_NBYTES,
-                     max_piece_nbytes: int = MAX_PIECE_NBYTES) -> tuple[Lane, ...]:
+                     max_piece_nbytes: int = MAX_PIECE_NBYTES,
+                     whole_kinds: frozenset[str] = frozenset()) -> tuple[Lane, ...]:
     """Group descriptors into lanes by (source device, destination device, staged),
     keeping their order, merge adjacent ones, and split each lane over ``streams``
     streams by equal bytes. ``*_devs``: one per descriptor or one for all (``HOST``
-    for DRAM). ``pinned``: host regions registered with CUDA (direct DMA). Pure;
-    ValueError as `kvd.transport.copyplan.as_descriptors`, and for host to host."""
+    for DRAM). ``pinned``: host regions registered with CUDA (direct DMA).
+    ``whole_kinds``: lanes of these kinds stay one part, merged but not cut (the gather
+    kernel cuts its own chunks). Pure; ValueError as
+    `kvd.transport.copyplan.as_descriptors`, and for host to host."""
     if not 1 <= streams <= MAX_STREAMS_PER_DEVICE:
         raise ValueError(f"streams must be 1..{MAX_STREAMS_PER_DEVICE}, got {streams}")
-    dst, src, size = as_descriptors(dst_addrs, src_addrs, nbytes)
+    small = small_copy(dst_addrs, src_addrs, nbytes)  # a few us instead of numpy's ~100
+    if small is not None:
+        dst, src, size = (np.array(col, dtype=np.int64) for col in zip(*small, strict=True))
+    else:
+        dst, src, size = as_descriptors(dst_addrs, src_addrs, nbytes)
     ddev, sdev = _devs(dst_devs, len(size), "destination"), _devs(src_devs, len(size),
                                                                    "source")
     host_side = np.where(sdev == HOST, src, dst)
@@ -138,17 +201,28 @@ def plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs, *, stream
     staged = on_host & ~_within(host_side, size, pinned)
     keys = np.stack([sdev, ddev, staged.astype(np.int64)], axis=1)
     lanes = []
-    uniq, first = np.unique(keys, axis=0, return_index=True)
-    for key in uniq[np.argsort(first)]:
+    if len(keys) and (keys == keys[0]).all():  # the usual case: one lane, no sort
+        groups = [(keys[0], None)]
+    else:
+        uniq, first = np.unique(keys, axis=0, return_index=True)
+        groups = [(key, np.flatnonzero((keys == key).all(axis=1)))
+                  for key in uniq[np.argsort(first)]]
+    for key, sel in groups:
         s_dev, d_dev, is_staged = (int(k) for k in key)
         kind = _kind(s_dev, d_dev)
-        sel = np.flatnonzero((keys == key).all(axis=1))
-        ld, ls, ln = merge_adjacent(dst[sel], src[sel], size[sel])
-        plan = plan_copy(ld, ls, ln, parts=1 if is_staged else streams,
-                         min_part_nbytes=min_part_nbytes, max_piece_nbytes=max_piece_nbytes)
+        if sel is None:
+            ld, ls, ln = merge_adjacent(dst, src, size)
+        else:
+            ld, ls, ln = merge_adjacent(dst[sel], src[sel], size[sel])
+        if kind in whole_kinds and not is_staged:
+            parts: tuple[CopyPart, ...] = (CopyPart(ld, ls, ln),)
+        else:
+            parts = plan_copy(ld, ls, ln, parts=1 if is_staged else streams,
+                              min_part_nbytes=min_part_nbytes,
+                              max_piece_nbytes=max_piece_nbytes).parts
         device = s_dev if kind == "d2h" else d_dev
         lanes.append(Lane(src_dev=s_dev, dst_dev=d_dev, kind=kind, device=device,
-                          staged=bool(is_staged), parts=plan.parts))
+                          staged=bool(is_staged), parts=parts))
     return tuple(lanes)
 
 
@@ -227,6 +301,7 @@ class _MemcpyAttributes(ctypes.Structure):
 @dataclass
 class _DeviceCopy:
     events: list = field(default_factory=list)  # torch.cuda.Event, one per stream used
+    tables: list = field(default_factory=list)  # gather-kernel tables the GPU still reads
     staged: object | None = None  # concurrent.futures.Future of the staged part
     abandoned: bool = False
     nbytes: int = 0
@@ -250,9 +325,13 @@ class CudaCopier:
 
     def __init__(self, streams_per_device: int = 2, batch: bool = False,
                  slot_nbytes: int = STAGING_SLOT_NBYTES, slots: int = STAGING_SLOTS,
-                 max_handles: int = MAX_HANDLES, _runtime: tuple | None = None) -> None:
-        """``_runtime``: (torch-like module, cudart-like object) instead of torch and
-        libcudart: the CPU suite's simulated GPU (tests/transport/test_cudacopy_plan.py)."""
+                 max_handles: int = MAX_HANDLES, kernel: bool | None = None,
+                 _runtime: tuple | None = None) -> None:
+        """``kernel``: device-to-device lanes through the gather kernel (True: required,
+        TransferError if it cannot be built; None: where it builds, else per-piece
+        copies; False: never). ``_runtime``: (torch-like module, cudart-like object)
+        instead of torch and libcudart: the CPU suite's simulated GPU
+        (tests/transport/test_cudacopy_plan.py), which has no kernel."""
         if not 1 <= streams_per_device <= MAX_STREAMS_PER_DEVICE or slots < 1 \
                 or slot_nbytes < 1:
             raise ValueError("streams_per_device 1..16, slots >= 1, slot_nbytes >= 1")
@@ -264,7 +343,13 @@ class CudaCopier:
             if not torch.cuda.is_available():
                 raise TransferError("CUDA copies: no CUDA device visible")
             _runtime = (torch, _cudart())
+        elif kernel is None:
+            kernel = False  # a simulated GPU runs no kernels
         self._torch, self._rt = _runtime
+        self.kernel = kernel is not False
+        self.kernel_required = kernel is True
+        self.kernel_error: str | None = None
+        self._kernels: dict[int, object] = {}
         version = ctypes.c_int()
         self._check(self._rt.cudaRuntimeGetVersion(ctypes.byref(version)), "version")
         self.runtime_version = version.value
@@ -276,6 +361,7 @@ class CudaCopier:
         self.max_handles = max_handles
         self._streams: dict[int, list] = {}
         self._peers: set[tuple[int, int]] = set()
+        self._peer_access: set[tuple[int, int]] = set()
         self._pinned: dict[int, int] = {}  # base -> nbytes, registered by us
         self._staging: list | None = None  # pinned torch tensors, one per slot
         self._copies: dict[int, _DeviceCopy] = {}
@@ -331,7 +417,12 @@ class CudaCopier:
                 self._rt.cudaGetLastError()
             else:
                 self._check(rc, f"peer access {dst_dev} -> {src_dev}")
+            self._peer_access.add((src_dev, dst_dev))
         self._peers.add((src_dev, dst_dev))  # without P2P the driver stages copies
+
+    def _peer_ok(self, lane: Lane) -> bool:
+        """A kernel on the destination GPU may read the source GPU's memory."""
+        return (lane.src_dev, lane.dst_dev) in self._peer_access
 
     def register_host(self, addr: int, nbytes: int) -> None:
         """Page-lock a host region (a DRAM pool) so copies to and from it are direct
@@ -361,9 +452,11 @@ class CudaCopier:
         malformed descriptors, TransferError when CUDA refuses a copy (what was
         enqueued before still completes: the handle then polls as failed) or the
         copier is closed, BusyError past ``max_handles``."""
+        whole = (frozenset(("d2d", "peer")) if self.kernel and self.kernel_error is None
+                 else frozenset())
         lanes = plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs,
                                  streams=self.streams_per_device,
-                                 pinned=tuple(self._pinned.items()))
+                                 pinned=tuple(self._pinned.items()), whole_kinds=whole)
         self.last_lanes = lanes
         with self._lock:
             if self._closed:
@@ -388,11 +481,69 @@ class CudaCopier:
             copy.staged = self._stager.submit(self._run_staged, copy, staged)
         return handle
 
+    def _gather_kernel(self, device: int):
+        """The gather kernel loaded on ``device``, built at first use; None (and
+        ``kernel_error`` set) where NVRTC cannot build it."""
+        if not self.kernel or self.kernel_error is not None:
+            return None
+        k = self._kernels.get(device)
+        if k is None:
+            torch = self._torch
+            try:
+                with torch.cuda.device(device):
+                    k = torch.cuda._compile_kernel(GATHER_KERNEL, "kvd_gather_copy")
+            except Exception as e:  # noqa: BLE001 - no NVRTC, old torch, ...: fall back
+                self.kernel_error = f"{type(e).__name__}: {e}"
+                if self.kernel_required:
+                    raise TransferError(f"CUDA gather kernel: {self.kernel_error}") from None
+                return None
+            self._kernels[device] = k
+        return k
+
+    def _launch(self, copy: _DeviceCopy, lane: Lane, kernel, stream) -> None:
+        torch = self._torch
+        parts = lane.parts
+        if len(parts) == 1:
+            table = chunk_descriptors(parts[0].dst, parts[0].src, parts[0].nbytes)
+        else:
+            table = chunk_descriptors(np.concatenate([p.dst for p in parts]),
+                                      np.concatenate([p.src for p in parts]),
+                                      np.concatenate([p.nbytes for p in parts]))
+        host = torch.from_numpy(table).pin_memory()
+        with torch.cuda.stream(stream):  # the upload and the kernel, in this order
+            on_gpu = host.to(f"cuda:{lane.device}", non_blocking=True)
+        copy.tables += [host, on_gpu]  # dropped at release, once the kernel has ended
+        n = len(table)
+        kernel(grid=(min(n, KERNEL_MAX_BLOCKS), 1, 1), block=(KERNEL_THREADS, 1, 1),
+               args=[on_gpu, n], stream=stream)
+
     def _issue(self, copy: _DeviceCopy, lane: Lane) -> None:
         torch = self._torch
         streams = self._stream_list(lane.device)
+        kernel = None
+        if lane.kind == "d2d" or (lane.kind == "peer" and self._peer_ok(lane)):
+            kernel = self._gather_kernel(lane.device)
         with torch.cuda.device(lane.device):
+            # Ordered after what this thread already queued on the device (a pool's
+            # zeroing, a test's fill): the copier's streams are its own.
+            current = torch.cuda.current_stream(lane.device)
+            if kernel is not None:
+                stream = streams[0]
+                stream.wait_stream(current)
+                try:
+                    self._launch(copy, lane, kernel, stream)
+                except TransferError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a launch CUDA refused
+                    raise TransferError(f"gather kernel launch: {type(e).__name__}: "
+                                        f"{e}") from None
+                finally:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    copy.events.append(event)
+                return
             for part, stream in zip(lane.parts, streams, strict=False):
+                stream.wait_stream(current)
                 try:
                     self._enqueue(part.dst, part.src, part.nbytes, stream, lane)
                 finally:  # also after a refused copy: what was enqueued is tracked

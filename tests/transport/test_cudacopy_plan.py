@@ -23,6 +23,7 @@ from kvd.transport.cudacopy import (
     HOST,
     CudaCopier,
     Lane,
+    chunk_descriptors,
     plan_device_copy,
     stage_batches,
 )
@@ -146,6 +147,11 @@ class SimStream:
         self.cuda_stream = id(self)
         gpu.streams[self.cuda_stream] = self
 
+    def wait_stream(self, other):
+        """Order after ``other``: the simulated current stream never holds work (the
+        copier's callers queue nothing there), so this only checks it is a stream."""
+        assert isinstance(other, SimStream) and not other.queue
+
     def run(self, upto=None):
         with self.gpu.lock:
             upto = len(self.queue) if upto is None else upto
@@ -188,6 +194,7 @@ class SimGpu:
         self.auto = auto
         self.lock = threading.RLock()
         self.streams: dict[int, SimStream] = {}
+        self.current: dict[int, SimStream] = {}
         self.calls = 0
         self.fail_at = fail_at
         gpu = self
@@ -198,6 +205,10 @@ class SimGpu:
                 return SimStream(gpu, device)
 
             Event = SimEvent
+
+            @staticmethod
+            def current_stream(device):
+                return gpu.current.setdefault(device, SimStream(gpu, device))
 
             @staticmethod
             def device(d):
@@ -351,3 +362,46 @@ def test_without_cuda_the_copier_says_so():
         pytest.skip("this machine has CUDA")
     with pytest.raises(TransferError, match="no CUDA device"):
         CudaCopier()
+
+
+# ------------------------------------------------------------ the gather kernel's table
+
+
+def _byte_pairs(rows) -> np.ndarray:
+    """Every (dst byte, src byte) address pair the rows move, in order."""
+    return np.concatenate([np.stack([np.arange(a, a + k), np.arange(b, b + k)], axis=1)
+                           for a, b, k in rows])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20),
+                          st.integers(1, 5000)), min_size=1, max_size=30),
+       st.sampled_from([1, 7, 64, 4096]))
+def test_chunk_table_moves_exactly_the_pieces_bytes(pieces, chunk):
+    """Independent oracle: the table moves the very byte pairs of the pieces, in order,
+    in chunks of 1..chunk bytes."""
+    d, s, n = (np.array(x, dtype=np.int64) for x in zip(*pieces, strict=True))
+    table = chunk_descriptors(d, s, n, chunk)
+    assert (table[:, 2] >= 1).all() and (table[:, 2] <= chunk).all()
+    assert np.array_equal(_byte_pairs(table.tolist()), _byte_pairs(pieces))
+
+
+def test_chunk_table_keeps_order_and_cuts_at_the_chunk_size():
+    t = chunk_descriptors([1000, 0], [5000, 70_000], [150_000, 3], chunk_nbytes=65536)
+    assert t.tolist() == [[1000, 5000, 65536], [66536, 70536, 65536],
+                          [132072, 136072, 18928], [0, 70_000, 3]]
+    with pytest.raises(ValueError):
+        chunk_descriptors([0], [0], [1], chunk_nbytes=0)
+
+
+def test_simulated_gpu_has_no_kernel_and_copies_piece_by_piece():
+    gpu = SimGpu()
+    c = CudaCopier(streams_per_device=1, _runtime=(gpu, gpu))
+    assert c.kernel is False
+    dst, src, d, s, n = sim_copy(np.random.default_rng(3))
+    want = expected(dst, src, d, s, n)
+    h = c.post(d, s, n, dst_devs=0, src_devs=0)
+    assert c.wait(h)
+    c.release(h)
+    assert np.array_equal(dst, want)
+    assert gpu.calls >= 1
