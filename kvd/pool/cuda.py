@@ -48,6 +48,7 @@ class CudaPool:
     nbytes: int
     device_index: int
     tensor: Any
+    shared: list[Any] | None = None  # the CUDA IPC handle's fields (_share_cuda_)
 
     @property
     def addr(self) -> int:
@@ -63,13 +64,25 @@ class CudaPool:
         # registers and the engine addresses the first nbytes.
         tensor = torch.zeros(torch_segment_nbytes(nbytes), dtype=torch.uint8,
                              device=f"cuda:{device_index}")
+        # Exported now, at registration: memory another process cannot map (an allocator
+        # configured for expandable segments without IPC, say) is refused here with one
+        # line, never handed out to fail later or fall back to a slow path.
+        try:
+            shared = list(tensor.untyped_storage()._share_cuda_())
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or its own
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            del tensor
+            raise KvdError(f"the VRAM pool on cuda:{device_index} cannot be shared with the "
+                           f"engine over CUDA IPC ({first}); check PYTORCH_CUDA_ALLOC_CONF in "
+                           "kvd's environment (no expandable_segments)") from None
         return cls(name=f"{prefix}-cuda{device_index}-{tensor.data_ptr():x}", nbytes=nbytes,
-                   device_index=device_index, tensor=tensor)
+                   device_index=device_index, tensor=tensor, shared=shared)
 
     def handle(self, shape: tuple[int, ...], dtype: str) -> PoolHandle:
-        shared = self.tensor.untyped_storage()._share_cuda_()
+        shared = self.shared if self.shared is not None else list(
+            self.tensor.untyped_storage()._share_cuda_())
         return PoolHandle(kind="cuda_ipc", name=self.name, nbytes=self.nbytes, shape=list(shape),
-                          dtype=dtype, ipc_handle=msgspec.msgpack.encode(list(shared)),
+                          dtype=dtype, ipc_handle=msgspec.msgpack.encode(shared),
                           device_index=self.device_index)
 
     def close(self) -> None:

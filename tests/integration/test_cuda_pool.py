@@ -153,3 +153,38 @@ def test_local_vram_pull_on_one_daemon_is_a_device_copy():
     res = kvd_pulls(64, "cuda", 0, 2, DEFAULT_KV_LAYOUT, one_daemon=True)
     assert res["verified"], res["logs"]
     assert res["paths"] == ["local"]
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _gpu(), reason="no CUDA GPU on this machine: VRAM pools untested here")
+def test_a_daemon_whose_allocator_cannot_share_refuses_or_shares_for_real(tmp_path):
+    """With expandable segments in kvd's environment, a VRAM pool is either shared for real
+    (another process maps it and sees the daemon's bytes) or refused at registration in
+    one line; never handed out unmappable."""
+    d = DaemonProcess.start("cuda-exp", tmp_path, extra_args=["--device", "cuda"],
+                            env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    try:
+        with d.client(timeout_s=60) as c:
+            try:
+                rank = c.register("e", MODEL, LAYOUT)
+            except KvdError as exc:
+                assert "cannot be shared" in str(exc) and "\n" not in str(exc), str(exc)
+                assert c.status().engines == []
+                print("refused:", exc)
+                return
+            import torch
+
+            rank.kv.view(-1)[:4] = torch.tensor([1, 2, 3, 4], dtype=rank.kv.dtype,
+                                                device=rank.kv.device)
+            torch.cuda.synchronize()
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=_open_and_check, args=(rank.pool.handle, q))
+            p.start()
+            p.join(120)
+            assert p.exitcode == 0
+            assert q.get(timeout=5) == 10  # the engine's writes, seen by another process
+            print("shared: expandable segments exported over IPC")
+            c.deregister(rank)
+    finally:
+        assert d.stop() == 0

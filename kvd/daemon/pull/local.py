@@ -224,8 +224,10 @@ class LocalMover:
                 results.append(PostResult(None, True))
             else:
                 self._where[handle] = copier
-                if copier is self.copier:  # DRAM; the CUDA copier is polled as before
-                    self._watch(copier, handle)
+                # A waiter thread wakes the pull when the copy ends (DRAM: the copy
+                # threads' completion; VRAM: the copy's CUDA events, synchronised
+                # off the loop) instead of the pull polling on a timer.
+                self._watch(copier, handle)
                 results.append(PostResult(handle, False))
         return results
 
