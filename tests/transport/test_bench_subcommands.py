@@ -40,6 +40,11 @@ def test_bench_vram_on_dram_runs_the_same_code_byte_exact():
     # both engines on one daemon: the pull was a copy inside it, timed beside the device copy
     assert out["local_paths"] == ["local"] and out["local_gbps"] > 0
     assert out["one_block_local_p50_ms"] > 0 and out["ratio_one_block_local_remote"] > 0
+    # judged in the same run: each target's flag follows from the ratios beside it
+    met, t = out["targets"]["met"], out["targets"]
+    assert met["local_copy"] == (out["ratio_local_copy"] >= t["ratio_local_copy_min"])
+    assert met["local_1block"] == (out["ratio_one_block_local_remote"]
+                                   <= t["ratio_one_block_local_remote_max"])
 
 
 def test_bench_split_measures_whole_and_split_reads_byte_exact():

@@ -41,6 +41,10 @@ from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
 from kvd.tools.bench.raw import end_children
 
 MiB = 1 << 20
+# Targets for local pulls on one GPU: the local VRAM pull >= 0.8x a device copy of the
+# same bytes, and the 1-block local pull p50 <= 0.5x the pull between two daemons.
+TARGET_LOCAL_COPY = 0.8
+TARGET_LOCAL_1BLOCK_RATIO = 0.5
 
 
 def _torch_device(device: str, gpu: int) -> Any:
@@ -414,6 +418,13 @@ def run_vram(nbytes_mib: int = 512, device: str = "cuda", gpu: int = 0, repeats:
                               and one_local["verified"] and one_remote["verified"])
     if result["nixl_gbps"]:
         result["ratio_kvd_nixl"] = round(result["kvd_gbps"] / result["nixl_gbps"], 3)
+    result["targets"] = {
+        "ratio_local_copy_min": TARGET_LOCAL_COPY,
+        "ratio_one_block_local_remote_max": TARGET_LOCAL_1BLOCK_RATIO,
+        "met": {"local_copy": bool(result["ratio_local_copy"] is not None
+                                   and result["ratio_local_copy"] >= TARGET_LOCAL_COPY),
+                "local_1block": result["ratio_one_block_local_remote"]
+                <= TARGET_LOCAL_1BLOCK_RATIO}}
     if device == "cuda":
         import torch
 
@@ -442,5 +453,6 @@ def render_vram(r: dict[str, Any]) -> str:
         f"{r.get('ratio_copier_copy')}x)",
         f"  1-block p50 ms: local {r.get('one_block_local_p50_ms')}, two daemons "
         f"{r.get('one_block_remote_p50_ms')} ({r.get('ratio_one_block_local_remote')}x)",
+        f"  targets met: {r.get('targets', {}).get('met')}",
         f"  verified: {r['verified']} {r['raw_verified']}; {r['seconds']} s; logs {r['logs']}",
     ])
