@@ -80,6 +80,9 @@ class ReadPost:
     remote_devs: np.ndarray | None = None
     local_pools: tuple[PoolSpan, ...] = ()
     remote_pools: tuple[PoolSpan, ...] = ()
+    # This side's memory when it differs from the peer's ``mem_type`` ("": the same): a
+    # local pull between a VRAM and a DRAM pool of one daemon.
+    local_mem_type: str = ""
 
 
 @dataclass(frozen=True)

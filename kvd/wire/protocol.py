@@ -18,6 +18,7 @@ from kvd.errors import ProtocolError  # noqa: F401 - re-exported: callers catch 
 from kvd.wire.codec import Codec
 
 PROTOCOL_VERSION = 2
+DRAM_DEVICE_INDEX = -1  # RegisterEngine.device_index of a rank whose pool is DRAM
 NOTICE_MAGIC = b"kvd1"
 
 DTYPE_NBYTES: dict[str, int] = {
@@ -179,7 +180,10 @@ class RegisterEngine(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
     # Peer addresses of every daemon hosting ranks of this engine (an engine may
     # span nodes); empty means "only this daemon".
     engine_daemons: list[str] = []
-    device_index: int = 0  # GPU of this rank when the daemon runs with device="cuda"
+    # GPU of this rank when the daemon runs with device="cuda"; DRAM_DEVICE_INDEX (-1):
+    # none, the rank's pool is DRAM (shared memory) on such a daemon too, so that a GPU
+    # node's daemon also hosts engines that keep KV in host memory.
+    device_index: int = 0
     # A pool this rank still maps from a previous daemon incarnation (the handle that
     # daemon gave): the new daemon takes it over instead of allocating, so the engine
     # keeps its KV memory across a daemon restart. Only DRAM pools (shm files in the

@@ -70,17 +70,21 @@ class _Mirrored:
 class MirrorClient:
     """KvdClient with host mirrors of VRAM pools (see the module's docstring)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, dram: bool = False) -> None:
         self.client = client
+        self.dram = dram  # register DRAM pools (device_index -1) instead of VRAM ones
         self.ranks: dict[str, list[_Mirrored]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
 
     def register(self, engine_id: str, *args: Any, **kwargs: Any) -> _Mirrored:
+        if self.dram:
+            kwargs["device_index"] = -1
         rank = self.client.register(engine_id, *args, **kwargs)
         h = rank.pool.handle
-        assert h.kind == "cuda_ipc", h.kind  # a VRAM pool, or this test proves nothing
+        # the memory asked for, or this test proves nothing
+        assert h.kind == ("shm" if self.dram else "cuda_ipc"), h.kind
         host = np.zeros(tuple(h.shape), dtype=numpy_dtype(h.dtype))
         m = _Mirrored(rank, host)
         m.push()  # a fresh pool is all zeros: the stray-byte check relies on it
@@ -153,3 +157,21 @@ def test_local_vram_hybrid_pull_is_byte_exact(one, case: str) -> None:
     assert recv.ok, recv.error
     assert sent.ok, sent.error
     assert bad == 0
+
+
+@pytest.mark.parametrize("direction", ["vram-to-dram", "dram-to-vram"])
+@pytest.mark.parametrize("case", ["decode-tp-larger-1-2", "prefill-tp-larger-4-2"])
+def test_local_pull_between_vram_and_dram_pools(one, direction: str, case: str) -> None:
+    """A DRAM engine (device_index -1) beside a VRAM one on the same daemon: the pull is
+    a device<->host copy the daemon issues (staged), byte-exact, never the network."""
+    d, c = one
+    dram = MirrorClient(c.client, dram=True)
+    pc, dc = (c, dram) if direction == "vram-to-dram" else (dram, c)
+    copied = metric(d, "kvd_transfers_total", role="consumer", path="local")
+    m, pshape, dshape, tokens, skip = CASES[case]
+    res = run_transfer(d, d, pc, dc, m, pshape, dshape, tokens, skip_tokens=skip, timeout_s=60)
+    assert res.recv.ok, res.recv.error
+    assert res.sent.ok, res.sent.error
+    assert res.mismatches == 0 and res.stray == 0
+    assert metric(d, "kvd_transfers_total", role="consumer", path="local") == copied + 1
+    assert metric(d, "kvd_transfers_total", role="consumer", path="remote") == 0

@@ -188,3 +188,48 @@ def test_a_daemon_whose_allocator_cannot_share_refuses_or_shares_for_real(tmp_pa
             c.deregister(rank)
     finally:
         assert d.stop() == 0
+
+
+class _DramRanks:
+    """A client whose registrations ask for DRAM pools (device_index -1)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def register(self, *args, **kwargs):
+        return self.client.register(*args, **kwargs, device_index=-1)
+
+
+@pytest.mark.nixl
+def test_a_cuda_daemon_hosts_dram_engines_too(tmp_path):
+    """device_index -1: the rank's pool is DRAM (shm) on a --device cuda daemon, with or
+    without a GPU; a pull between two such engines is a local copy, byte-exact (TP4 ->
+    TP2); an engine's ranks cannot mix DRAM and VRAM; below -1 is refused."""
+    from support.cluster import metric, run_transfer
+    from test_matrix import CASES
+
+    from kvd.errors import IncompatibleError
+
+    d = DaemonProcess.start("cuda-dram", tmp_path, extra_args=["--device", "cuda"])
+    try:
+        with d.client(timeout_s=60) as c:
+            two = ModelSpec(name="cuda", num_kv_heads=2, num_layers=2, head_dim=16)
+            p = c.register("p", two, LAYOUT, 0, 2, device_index=-1)
+            assert p.pool.handle.kind == "shm"
+            with pytest.raises(IncompatibleError, match="one kind of memory"):
+                c.register("p", two, LAYOUT, 1, 2, device_index=0)
+            with pytest.raises(KvdError, match="device_index -2"):
+                c.register("r", MODEL, LAYOUT, device_index=-2)
+            c.deregister(p)
+            m, pshape, _, tokens, _ = CASES["prefill-tp-larger-4-2"]
+            _, dshape, _, _, _ = CASES["decode-tp-larger-1-2"]
+            dram = _DramRanks(c)
+            res = run_transfer(d, d, dram, dram, m, pshape, dshape, tokens, timeout_s=30)
+            assert res.recv.ok and res.sent.ok, (res.recv.error, res.sent.error)
+            assert res.mismatches == 0 and res.stray == 0
+            assert metric(d, "kvd_transfers_total", role="consumer", path="local") == 1
+    finally:
+        assert d.stop() == 0

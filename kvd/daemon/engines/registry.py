@@ -29,6 +29,7 @@ from kvd.daemon.engines.table import (
 )
 from kvd.errors import (
     BusyError,
+    IncompatibleError,
     IncompleteEngineError,
     InvalidRequestError,
     KvdError,
@@ -69,9 +70,8 @@ class EngineRegistry:
     def open(self) -> None:
         """At start: remove the pool files that dead incarnations with this shm_dir and
         prefix left behind (kill -9 skips every cleanup), then claim this incarnation's
-        with an owner lock held until close(). Live daemons' files are never touched."""
-        if self.cfg.device != "cpu":
-            return
+        with an owner lock held until close(). Live daemons' files are never touched.
+        (A cuda daemon too: its ranks may ask for DRAM pools.)"""
         reap_dead_pools(self.cfg.shm_dir, self.cfg.shm_prefix)
         self.pool_owner = PoolOwner.acquire(self.cfg.shm_dir, self.cfg.shm_prefix)
 
@@ -132,7 +132,7 @@ class EngineRegistry:
             raise TooLargeError(f"pool of {nbytes} bytes exceeds max_pool_bytes "
                                 f"({self.cfg.max_pool_bytes}); lower num_blocks")
         async with self._register_lock:  # one at a time: the checks above hold until add()
-            self.table.check_joinable(msg, par)
+            self._check_memory(msg, self.table.check_joinable(msg, par))
             if self.rank_count() >= self.cfg.max_engines:
                 raise BusyError(f"{self.rank_count()} engine ranks registered (max_engines)")
             pool, mem_type, device_id, reg_id = await self._allocate_registered(msg, nbytes)
@@ -214,13 +214,31 @@ class EngineRegistry:
             task.add_done_callback(self._undoing.discard)
             raise
 
+    def _memory_of(self, msg: P.RegisterEngine) -> str:
+        """Where this rank's pool lives: VRAM on a cuda daemon unless the rank asks for
+        DRAM (``device_index`` = ``DRAM_DEVICE_INDEX``), else DRAM."""
+        if self.cfg.device == "cuda" and msg.device_index != P.DRAM_DEVICE_INDEX \
+                and msg.adopt_pool is None:
+            return "VRAM"
+        return "DRAM"
+
+    def _check_memory(self, msg: P.RegisterEngine, engine: Engine | None) -> None:
+        """One engine keeps its KV in one kind of memory: a rank whose pool would be of
+        the other kind than its engine's ranks already here is refused."""
+        mem = self._memory_of(msg)
+        if engine is not None and engine.mem_type != mem:
+            raise IncompatibleError(
+                f"engine {msg.engine_id!r} rank {msg.tp_rank}/{msg.pp_rank}: its pool would be "
+                f"{mem}, its other ranks' are {engine.mem_type}; one engine keeps its KV in "
+                "one kind of memory")
+
     def _allocate(self, msg: P.RegisterEngine, nbytes: int) -> tuple[Pool, str, int]:
         """(pool, NIXL memory type, device id): shm in DRAM, or VRAM on the rank's GPU;
         or the pool the engine kept from a previous incarnation (``adopt_pool``)."""
         if msg.adopt_pool is not None:
             return self._adopt(msg.adopt_pool, nbytes), "DRAM", 0
         try:
-            if self.cfg.device == "cuda":
+            if self._memory_of(msg) == "VRAM":
                 from kvd.pool.cuda import CudaPool
 
                 return (CudaPool.create(self.cfg.shm_prefix, nbytes, msg.device_index), "VRAM",

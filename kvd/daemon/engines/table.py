@@ -51,6 +51,7 @@ from kvd.pool.geometry import (
 )
 from kvd.wire.protocol import (
     AUTO_KV_LAYOUT,
+    DRAM_DEVICE_INDEX,
     DTYPE_NBYTES,
     EngineDesc,
     LayoutSpec,
@@ -253,6 +254,9 @@ def validate_registration(msg: RegisterEngine
         raise KvdError("model head_dim, num_layers and num_kv_heads must be >= 1")
     par = parallelism(msg.tp_size, msg.pp_size, msg.layer_partition)
     check_parallelism(geometry(msg.model), par, "engine")
+    if msg.device_index < DRAM_DEVICE_INDEX:
+        raise KvdError(f"device_index {msg.device_index}: a GPU index >= 0, or "
+                       f"{DRAM_DEVICE_INDEX} for a DRAM pool")
     if not (0 <= msg.tp_rank < msg.tp_size and 0 <= msg.pp_rank < msg.pp_size):
         raise PlanError(f"rank {msg.tp_rank}/{msg.pp_rank} outside TP {msg.tp_size} x PP "
                         f"{msg.pp_size}")

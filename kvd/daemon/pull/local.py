@@ -27,6 +27,7 @@ from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
 from kvd.transport.base import ReadPost
+from kvd.transport.cudacopy import HOST as HOST_DEVICE
 from kvd.transport.localcopy import LocalCopier
 
 log = logging.getLogger("kvd.consumer")
@@ -186,8 +187,10 @@ class LocalMover:
         self._waiters: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _copier_for(self, post: ReadPost) -> tuple[Any, dict[str, Any]]:
-        # One daemon's pools are all of one kind (its `device`): DRAM or VRAM on its GPUs.
-        if post.mem_type != "VRAM":
+        """DRAM to DRAM: the copy threads. Any side in VRAM: the CUDA copier, a DRAM
+        side named as the host (its copies staged through page-locked slots)."""
+        local_mem = post.local_mem_type or post.mem_type
+        if post.mem_type != "VRAM" and local_mem != "VRAM":
             regions = {}
             if post.local_pools and post.remote_pools:
                 regions = {"dst_regions": _regions((p.base, p.nbytes) for p in post.local_pools),
@@ -196,9 +199,11 @@ class LocalMover:
             return self.copier, regions
         if self._cuda is None:
             if self._make_cuda is None:
-                raise TransferError("a local pull between VRAM pools needs CUDA here")
+                raise TransferError("a local pull from or to a VRAM pool needs CUDA here")
             self._cuda = self._make_cuda()
-        return self._cuda, {"dst_devs": post.local_devs, "src_devs": post.remote_devs}
+        return self._cuda, {
+            "dst_devs": post.local_devs if local_mem == "VRAM" else HOST_DEVICE,
+            "src_devs": post.remote_devs if post.mem_type == "VRAM" else HOST_DEVICE}
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
         return True  # a post starts copies on the copy threads; small ones end inline
