@@ -26,7 +26,7 @@ from kvd.errors import ConfigError
 from kvd.tools.localcluster import free_port
 from kvd.transport.loopback import LoopbackTransport
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @contextmanager

@@ -1719,5 +1719,5 @@ def report(seed: int, knobs: Knobs | None = None) -> str:
              *(f"  {f}" for f in full), f"shortest failing trace ({len(small)}): "
              f"{fails(seed, small, knobs)}", *(f"  {f!r}" for f in small),
              f"replay: KVD_SIM_SEED={seed} .venv/bin/python -m pytest -q "
-             "tests/sim/test_fleet_sim.py -k replay  (or fleet.run(seed, faults=[...]))"]
+             "tests/daemon/test_fleet_sim.py -k replay  (or fleet.run(seed, faults=[...]))"]
     return "\n".join(lines)

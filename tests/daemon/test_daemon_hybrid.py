@@ -1,6 +1,6 @@
 """Hybrid engines in the daemon, without NIXL: wire, registration, ids, assembly.
 
-The byte-exact end-to-end cases are tests/integration/test_hybrid.py; these pin
+The byte-exact end-to-end cases are tests/daemon/pull/test_hybrid.py; these pin
 the rules around them: attention-only messages unchanged on the wire, what the
 compatibility key covers, which registrations and block-id lists are refused,
 and that a pull's notices add up to the plan's consumer counts.

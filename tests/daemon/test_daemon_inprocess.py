@@ -470,7 +470,8 @@ def test_one_block_pulls_follow_a_rank_that_registers_again() -> None:
 
 
 def test_a_pull_greeting_again_fails_if_its_engine_registered_again() -> None:
-    """Found by the fleet simulation (tests/sim, seed 552 of its wide schedule): a pull
+    """Found by the fleet simulation (tests/daemon/test_fleet_sim.py, seed 552 of its wide
+    schedule): a pull
     whose Acquire reply names a new epoch of the producer discards its early READ and
     greets again; if its own engine left and registered again meanwhile (a new pool),
     the pull must fail, not read into the new pool's blocks (which the new engine never

@@ -7,7 +7,7 @@ while 1,000 pulls arrive at once for a frozen producer, while they wait, and whi
 they fail after the producer is killed (SIGKILL). Judged on what kvd controls, the time
 the daemon held its own loop (p99 within the 50 ms budget); the round trips are printed,
 since beside other CPU-heavy work they measure the host. Heavier work (1 GiB registrations
-and pulls, a producer lost mid-READ): tests/fault/test_engine_face_heavy.py.
+and pulls, a producer lost mid-READ): tests/daemon/test_engine_face_heavy.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seeded fleet simulation (tests/sim/fleet.py): thousands of runs, each with a random
+"""The seeded fleet simulation (tests/daemon/fleet.py): thousands of runs, each with a random
 schedule of composite faults, every invariant checked as it goes and after quiescence.
 
 Default: ``SEEDS`` seeds (about half a minute). Long mode: ``KVD_SIM_SEEDS=100000``

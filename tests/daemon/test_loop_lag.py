@@ -1,6 +1,6 @@
 """The daemon's loop is never held by a registration, and its lag is measured (issue 20.4).
 
-Fast, in-process checks of the logic behind tests/fault/test_engine_face_heavy.py (which
+Fast, in-process checks of the logic behind tests/daemon/test_engine_face_heavy.py (which
 measures real ``kvd serve`` processes): the loop-lag watcher records how late the loop
 ran, a registration that takes long leaves the engine face answering others, and one
 cancelled midway (the daemon stopping) leaves no pool and no NIXL registration behind.

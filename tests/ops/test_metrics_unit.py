@@ -1,6 +1,6 @@
 """Metrics: names, labels and values as Prometheus sees them (parsed exposition).
 
-The logging setup (kvd.ops.logsetup) has its own module: tests/test_logsetup.py.
+The logging setup (kvd.ops.logsetup) has its own module: tests/ops/test_logsetup.py.
 """
 
 from __future__ import annotations

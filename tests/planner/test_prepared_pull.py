@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_assembly import _pools, pulls
 
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import plan_transfer
@@ -17,7 +18,6 @@ from kvd.planner.assembly import assemble_pull, match_tail, prepare_pull
 from kvd.pool.geometry import geometry, parallelism
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec
-from tests.unit.test_assembly import _pools, pulls
 
 
 def _same(got: dict, want: dict) -> None:

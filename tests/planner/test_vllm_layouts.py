@@ -9,7 +9,7 @@ knows nothing of descriptors.
 from __future__ import annotations
 
 import pytest
-from kvd_itest import run_transfer
+from support.cluster import run_transfer
 
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec

@@ -23,7 +23,7 @@ import pytest
 from kvd.errors import InvalidRequestError, KvdError
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import check_shard, global_kv, layout_spec, write_shard
-from tests.fault.test_restart import BIG, MODEL, SMALL_IDS, _cleanup, _kill, _pull_small
+from tests.daemon.peers.test_restart import BIG, MODEL, SMALL_IDS, _cleanup, _kill, _pull_small
 
 pytestmark = pytest.mark.nixl
 

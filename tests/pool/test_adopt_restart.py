@@ -20,7 +20,15 @@ import pytest
 from kvd.errors import InvalidRequestError, KvdError
 from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.sim import check_shard, global_kv, layout_spec, write_shard
-from tests.fault.test_restart import BIG, MODEL, SMALL_IDS, _cleanup, _kill, _pull_small, _start
+from tests.daemon.peers.test_restart import (
+    BIG,
+    MODEL,
+    SMALL_IDS,
+    _cleanup,
+    _kill,
+    _pull_small,
+    _start,
+)
 
 pytestmark = pytest.mark.nixl
 

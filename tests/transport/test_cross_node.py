@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import Cluster
+from support.multinode.harness import Cluster
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.multinode]
 
 MODEL = {"name": "mn", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
 BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # heads * layers * kv * tokens * dim * bf16: 128 KiB

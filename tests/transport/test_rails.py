@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import Cluster
+from support.multinode.harness import Cluster
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.multinode]
 
 MODEL = {"name": "rails", "num_kv_heads": 8, "num_layers": 8, "head_dim": 128}
 BLOCK_BYTES = 8 * 8 * 2 * 16 * 128 * 2  # heads * layers * kv * tokens * dim * bf16: 512 KiB

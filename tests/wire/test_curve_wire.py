@@ -25,12 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import wire_tools
-from harness import ENGINE_PORT, PEER_PORT, TOKEN, AgentError, Cluster
+from support.multinode import wire_tools
+from support.multinode.harness import ENGINE_PORT, PEER_PORT, TOKEN, AgentError, Cluster
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.multinode]
 
-TOOLS = Path(__file__).resolve().parent / "wire_tools.py"
+TOOLS = Path(wire_tools.__file__).resolve()
 MODEL = {"name": "mn", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
 NUM_BLOCKS = 32
 
@@ -223,5 +223,5 @@ def _refusals(cluster: Cluster, k: dict, peers: Path, tmp: Path) -> None:
         # connection, so the server counts it only when it was first (a race on this
         # link, lost by the server in about half the runs here). The clear, fast error on
         # the plaintext side is asserted above; the server's count is asserted with a
-        # plaintext client that waits (tests/integration/test_curve.py).
+        # plaintext client that waits (tests/wire/test_curve.py).
         third.call("kill_daemon", name="kvd")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from support.clock import FakeClock
 from support.inprocess import config, daemon_pair, run, start_daemon
-from test_daemon_inprocess import register
 
 from kvd.client import AsyncKvdClient
 from kvd.config import Config
 from kvd.daemon.engines.liveness import ConnectionTracker
+from tests.daemon.test_daemon_inprocess import register
 
 
 def _live(status_engines: list) -> set[str]:

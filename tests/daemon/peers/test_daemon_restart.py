@@ -4,7 +4,7 @@ A consumer drops a cached handshake when its producer daemon restarted (another
 instance in a reply, or the connection dropped), when a READ from it failed, and
 when a pull names another address; the next pull handshakes again and succeeds
 without any retry by the engine. A producer that is gone fails pulls with
-``peer_lost``. (tests/fault/test_restart.py does the same with kill -9 and NIXL.)
+``peer_lost``. (tests/daemon/peers/test_restart.py does the same with kill -9 and NIXL.)
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def test_abandon_releases_once_every_consumer_is_done_or_gave_up() -> None:
 
 def test_an_abandon_from_an_earlier_consumer_incarnation_is_stale() -> None:
     """Sent before its daemon restarted, it came in after the new incarnation's Acquire
-    (another connection): the new one reads, the hold stays (found by tests/sim)."""
+    (another connection): the new one reads, the hold stays (found by the fleet
+    simulation, tests/daemon/test_fleet_sim.py)."""
     t = table()
     h = t.publish("p", "r1", [1], 5.0, 1, 0.0)
     h.acquire("c", [1], 1.0, instance="c.1")

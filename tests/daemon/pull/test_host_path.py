@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import TOKEN, Cluster
+from support.multinode.harness import TOKEN, Cluster
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.multinode]
 
 MODEL = {"name": "mnh", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
 NUM_BLOCKS = 32

@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from harness import AgentError, Cluster
+from support.multinode.harness import AgentError, Cluster
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.nixl, pytest.mark.multinode]
 
 MODEL = {"name": "mnp", "num_kv_heads": 4, "num_layers": 8, "head_dim": 64}
 BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # 128 KiB

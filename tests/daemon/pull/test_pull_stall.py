@@ -1,7 +1,8 @@
 """A pull whose own daemon stalled (frozen, a stuck loop) longer than the liveness timeout
 during its read phase fails: no heartbeat renewed the producers' leases meanwhile, so a
 hold may have ended under its READ and its blocks been reused (found by the fleet
-simulation, tests/sim). Driven by hand, as tests/unit/test_pull_machine.py does."""
+simulation, tests/daemon/test_fleet_sim.py). Driven by hand, as
+tests/daemon/pull/test_pull_machine.py does."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ In-process daemons over LoopbackTransport, whose ``hold_reads`` keeps a READ in
 progress until cleared and whose ``sever_peer`` fails a held READ as NIXL's fail once
 their connection is torn down (``severable=False``: a fabric where nothing can be torn
 down). The real-NIXL proof, a frozen producer across nodes, is
-tests/multinode/test_partition.py::test_a_frozen_producer_never_writes_late.
+tests/daemon/pull/test_partition.py::test_a_frozen_producer_never_writes_late.
 """
 
 from __future__ import annotations

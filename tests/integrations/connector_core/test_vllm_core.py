@@ -1,7 +1,7 @@
 """The vLLM connector's engine-free logic: params codec, event mapping, geometry checks.
 
 These run in the default suite without vLLM; the connector itself is proven
-against the real scheduler and real engines in tests/vllm (marker ``vllm``).
+against the real scheduler and real engines in tests/integrations/vllm (marker ``vllm``).
 """
 
 from __future__ import annotations

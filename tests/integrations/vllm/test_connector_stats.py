@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm",
-                allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 

@@ -2,8 +2,8 @@
 decode engine of the same host register with the same daemon, and the decode engine's
 pulls are local copies inside it (no NIXL, no network). Tokens and logprobs must equal
 a plain engine's, the decode engine computing only the last prompt token; a hybrid
-(Mamba + attention) model likewise. The two-daemon shape is tests/vllm/test_engine_pd.py
-and test_engine_hybrid.py.
+(Mamba + attention) model likewise. The two-daemon shape is test_engine_pd.py and
+test_engine_hybrid.py (same folder).
 """
 
 from __future__ import annotations

@@ -9,16 +9,13 @@ directories from transformers' own config classes; no engine starts.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 from engine_build import engine_config  # noqa: E402
 from tiny_hybrid_models import make_config  # noqa: E402

@@ -32,7 +32,7 @@ from kvd.tools.localcluster import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 120.0
 DONE = quickstart.DONE

@@ -11,7 +11,6 @@ with the prefill's bytes once the daemon resumes.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import time
@@ -19,10 +18,8 @@ from pathlib import Path
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import hook_timing  # noqa: E402
 import pd_support  # noqa: E402

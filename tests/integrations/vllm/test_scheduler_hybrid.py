@@ -3,7 +3,7 @@
 vLLM's real Scheduler with its hybrid allocator (two KV-cache groups: Mamba,
 full attention), the worker-side KvdConnectors registering the hybrid rank
 with real daemons and serving vLLM's one KV allocation from kvd's pool, and
-two ``kvd serve`` processes moving the bytes (tests/vllm/hybrid_support.py).
+two ``kvd serve`` processes moving the bytes (tests/integrations/vllm/hybrid_support.py).
 Checked: the connector is SupportsHMA and publishes one block list per group;
 the prefill engine stops one token short (the decode engine recomputes the
 last prompt token on the Mamba state after N-1 tokens); the decode side
@@ -16,16 +16,13 @@ Mamba slots) against kvd's hybrid layout at startup, unrelaxed.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 from hybrid_support import (  # noqa: E402
     HybridEngine,

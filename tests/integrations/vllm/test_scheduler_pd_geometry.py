@@ -8,17 +8,11 @@ rank, both schedulers drained at the end of every case.
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 
-# Without vLLM, "vllm" resolves to this test directory (a namespace package): skip the
-# module before it imports vLLM's scheduler (the conftest skips items, but only once
-# they are collected).
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import pd_support  # noqa: E402
 from pd_support import (  # noqa: E402

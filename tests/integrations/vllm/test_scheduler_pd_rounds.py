@@ -11,7 +11,6 @@ checked against the prefill engine's bytes. The figures are printed (``-s``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import statistics
@@ -19,10 +18,8 @@ import time
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import pd_support  # noqa: E402
 from pd_support import PROMPT, Daemons, MakeEngine, check_pulled  # noqa: E402

@@ -12,7 +12,6 @@ nothing before the window's first block.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from collections.abc import Iterator
@@ -20,10 +19,8 @@ from pathlib import Path
 
 import pytest
 
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is None or _vllm.origin in (None, "namespace"):
-    pytest.skip("vLLM is not installed here; these tests run in .venv-vllm "
-                "(README: 'Run the vLLM suite')", allow_module_level=True)
+# Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
+pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import scheduler_support as ss  # noqa: E402
 import torch  # noqa: E402

@@ -13,7 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-from planner_sim import apply_descriptors
+from support.planner_sim import apply_descriptors
 
 from kvd.errors import LayoutError, PlanError
 from kvd.planner.hybrid.layout import (

@@ -8,7 +8,7 @@ kvd's quarantine does). The producer, which has GET replies queued in its endpoi
 pending queue, then fails the endpoint; UCX 1.23 may SIGSEGV there. Prints one line per
 round: ``producer rc`` (``-11``: the crash) and how the READ ended.
 
-    python tests/multinode/ucx_purge_repro.py --rounds 20
+    python tests/support/multinode/ucx_purge_repro.py --rounds 20
 
 Not a test (minutes, and it counts a crash rather than asserting): the multinode
 frozen-producer test is the proof; this is the quick way to measure a UCX setting.

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.nixl
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "check_bench.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "check_bench.py"
 
 
 def test_independent_check_reports_verified_figures() -> None:
