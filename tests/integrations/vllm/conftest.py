@@ -151,3 +151,64 @@ def reference_engine(start_engine: StartEngine) -> Iterator[EngineProc]:
         yield engine
     finally:
         engine.close()
+
+
+# ------------------------------------------------- the scheduler-level tests (test_scheduler_*)
+# vLLM's real scheduler and kvd's connectors in this process (scheduler_support), against
+# real daemons. Their helpers import vLLM, so these fixtures import them when they run:
+# this conftest also loads in .venv, where those tests skip. The whole-engine modules
+# (test_engine_*) define their own ``daemons`` and ``engines``, which take precedence there.
+
+
+@pytest.fixture(scope="module")
+def daemons(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Any]:
+    """One prefill and one decode daemon (``pd_support.Daemons``) shared by a module (each
+    start costs ~1 s). Their ``kvd serve`` arguments: the module's ``DAEMON_ARGS`` if it
+    sets one, else ``pd_support.DAEMON_ARGS`` (a short handshake timeout)."""
+    import pd_support
+    from scheduler_support import daemon_pair
+
+    args = list(getattr(request.module, "DAEMON_ARGS", pd_support.DAEMON_ARGS))
+    with daemon_pair(tmp_path_factory.mktemp("kvd-logs"), ("p", "d"), args) as (p, d):
+        yield pd_support.Daemons(p, d)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model the engines of ``engines`` load (scheduler_support's tiny Llama)."""
+    from scheduler_support import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def make_engine() -> Callable[..., Any]:
+    """How ``engines`` builds one: ``make(name, model_dir, engine_address, **kwargs)``."""
+    from engine_build import make_engine
+
+    return make_engine
+
+
+@pytest.fixture
+def engines(make_engine: Callable[..., Any], model_dir: Path) -> Iterator[Callable[..., Any]]:
+    """``engines(name, daemon, **make_engine kwargs)``: an engine (vLLM's scheduler plus
+    one worker connector per rank) on ``daemon``. At the test's end every engine is
+    closed and every live daemon must have dropped its ranks and freed its pools
+    (``pd_support.closing_engines``)."""
+    from pd_support import closing_engines
+
+    yield from closing_engines(make_engine, model_dir)
+
+
+@pytest.fixture
+def own_daemons(engines: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
+    """``own_daemons(extra_args)``: a prefill and a decode daemon for this test alone
+    (``pd_support.OwnDaemons``), ended after the test and before its engines close."""
+    from pd_support import OwnDaemons
+
+    own = OwnDaemons(tmp_path)
+    try:
+        yield own
+    finally:
+        own.end()

@@ -1,5 +1,6 @@
-"""What the scheduler-level P->D cases share: two daemons per module, engines that are
-checked freed at the end, and helpers that check the pulled bytes.
+"""What the scheduler-level P->D cases share: the daemons' arguments, the prompt, engines
+that are checked freed at the end, and helpers that check the pulled bytes. The fixtures
+(``daemons``, ``own_daemons``, ``model_dir``, ``engines``) are in conftest.py.
 
 Imported by the test modules only after they have skipped themselves when vLLM is
 missing (this module imports vLLM through engine_build and scheduler_support).
@@ -7,23 +8,24 @@ missing (this module imports vLLM through engine_build and scheduler_support).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import pytest
-from engine_build import make_engine
 from scheduler_support import (
     HEAD_DIM,
     NUM_KV_HEADS,
     NUM_LAYERS,
     SimEngine,
-    daemon_pair,
+    kill_daemon,
     prompt_tokens,
     run_until,
-    write_model_dir,
+    start_daemon,
+    stop_daemon,
 )
 
 from kvd.tools.localcluster import DaemonProcess
@@ -34,30 +36,45 @@ PROMPT = 100  # tokens: 3 full blocks of 32 and a partial one
 BLOCK = 32  # CPU attention takes block sizes that are multiples of 32
 
 
-@dataclass
-class Daemons:
+class Daemons(NamedTuple):
+    """The conftest's ``daemons`` (one pair per module) and ``own_daemons`` (per test)."""
+
     prefill: DaemonProcess
     decode: DaemonProcess
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
-    """One prefill and one decode daemon for the module (each start costs ~1 s)."""
-    logs = tmp_path_factory.mktemp("kvd-logs")
-    with daemon_pair(logs, ("p", "d"), DAEMON_ARGS) as (p, d):
-        yield Daemons(p, d)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("model"))
 
 
 MakeEngine = Callable[..., SimEngine]
 
 
+class OwnDaemons:
+    """The conftest's ``own_daemons``: ``own_daemons(extra_args)`` starts a prefill and a
+    decode daemon for one test, which may freeze, kill or restart them;
+    ``own_daemons.end_also(d)`` hands over another one (a restarted daemon) to end with
+    them. ``end()``: in the order started, each live one is resumed and stopped (it must
+    exit 0 and leave no shm segment), each dead one has its leftover segments removed."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.made: list[DaemonProcess] = []
+
+    def __call__(self, extra_args: list[str] | None = None) -> Daemons:
+        for role in ("p", "d"):
+            self.made.append(start_daemon(self.log_dir, role, extra_args))
+        return Daemons(*self.made[-2:])
+
+    def end_also(self, daemon: DaemonProcess) -> None:
+        self.made.append(daemon)
+
+    def end(self) -> None:
+        with contextlib.ExitStack() as ends:  # every daemon ends, even if one stop fails
+            for d in reversed(self.made):  # (the stack ends them in the order started)
+                ends.callback(stop_daemon if d.proc.poll() is None else kill_daemon, d)
+                if d.proc.poll() is None:
+                    os.kill(d.proc.pid, signal.SIGCONT)
+
+
 def closing_engines(build: Callable[..., Any], model_dir: Path) -> Iterator[Callable[..., Any]]:
-    """The body of an ``engines`` fixture: ``make(name, daemon, **kwargs)`` builds with
+    """The body of the ``engines`` fixture: ``make(name, daemon, **kwargs)`` builds with
     ``build(name, model_dir, engine_address, **kwargs)``; at the end every engine is
     closed and every live daemon must drop its ranks and free its pools."""
     made: list[tuple[Any, DaemonProcess]] = []
@@ -79,12 +96,6 @@ def closing_engines(build: Callable[..., Any], model_dir: Path) -> Iterator[Call
                     assert time.monotonic() < deadline, \
                         f"{engine.engine_id}'s ranks and pools not freed after close: {left}"
                     time.sleep(0.05)
-
-
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[MakeEngine]:
-    """``engines(name, daemon, **make_engine kwargs)`` (see closing_engines)."""
-    yield from closing_engines(make_engine, model_dir)
 
 
 def block_nbytes(e: SimEngine) -> int:

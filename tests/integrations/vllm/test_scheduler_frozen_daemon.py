@@ -22,13 +22,13 @@ import pytest
 pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import hook_timing  # noqa: E402
-import pd_support  # noqa: E402
 from hook_timing import HookTimes, check_hooks  # noqa: E402
 from pd_support import (  # noqa: E402
     DAEMON_ARGS,
     PROMPT,
     PROMPT_TOKENS,
     MakeEngine,
+    OwnDaemons,
     check_pulled,
     generated,
 )
@@ -39,15 +39,12 @@ from scheduler_support import (  # noqa: E402
     prefill,
     prompt_tokens,
     run_until,
-    start_daemon,
     stop_daemon,
 )
 
 from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
-
-model_dir, engines = pd_support.model_dir, pd_support.engines
 
 hook_times = hook_timing.hook_times
 FREEZE_S = 4.0
@@ -67,111 +64,94 @@ def _thaw(pid: int) -> None:
 
 
 def test_decode_daemon_frozen_plain_requests_run_and_remote_ones_finish_after(
-        engines: MakeEngine, tmp_path: Path, hook_times: HookTimes) -> None:
-    p_daemon = start_daemon(tmp_path, "p", DAEMON_ARGS)
-    d_daemon = start_daemon(tmp_path, "d", DAEMON_ARGS)
+        engines: MakeEngine, own_daemons: OwnDaemons, hook_times: HookTimes) -> None:
+    p_daemon, d_daemon = own_daemons(DAEMON_ARGS)
+    p = engines("prefill", p_daemon)
+    d = engines("decode", d_daemon)
+    params = {rid: prefill(p, rid, PROMPT_TOKENS) for rid in ("req-a", "req-b")}
+    hook_times.clear()
+    _freeze(d_daemon.proc.pid)
+    frozen_at = time.monotonic()
     try:
-        p = engines("prefill", p_daemon)
-        d = engines("decode", d_daemon)
-        params = {rid: prefill(p, rid, PROMPT_TOKENS) for rid in ("req-a", "req-b")}
-        hook_times.clear()
-        _freeze(d_daemon.proc.pid)
-        frozen_at = time.monotonic()
-        try:
-            for rid in ("req-a", "req-b"):
-                d.add(f"dec-{rid}", PROMPT_TOKENS, max_tokens=3,
-                      kv_transfer_params=params[rid])
-            d.add("plain", prompt_tokens(7, 40), max_tokens=3)
-            run_until([p, d], lambda: d.finished("plain"), timeout_s=FREEZE_S,
-                      what="the plain request to finish while D's daemon is frozen")
-            assert generated(d, "plain") == [SAMPLED_TOKEN] * 3
-            steps_frozen = len(d.step_s)
-            run_until([p, d], lambda: time.monotonic() - frozen_at > FREEZE_S,
-                      timeout_s=FREEZE_S + 5, what="the freeze to last")
-            longest_step = max(d.step_s[-(len(d.step_s) - steps_frozen + 1):])
-            assert not d.received, "nothing can be received while the daemon is frozen"
-        finally:
-            _thaw(d_daemon.proc.pid)
-        _check_hooks(hook_times)
-        print(f"longest decode step while frozen: {longest_step * 1000:.2f} ms")
-        assert longest_step < 0.5
         for rid in ("req-a", "req-b"):
-            run_until([p, d], lambda r=rid: d.finished(f"dec-{r}"), timeout_s=20,
-                      what=f"dec-{rid} to finish after the thaw")
-            check_pulled(d, f"dec-{rid}", p, 0, PROMPT)
-            assert generated(d, f"dec-{rid}") == [SAMPLED_TOKEN] * 3
-        drain([p, d], timeout_s=20)
-        assert p.stat("sends_ok") == 2
+            d.add(f"dec-{rid}", PROMPT_TOKENS, max_tokens=3,
+                  kv_transfer_params=params[rid])
+        d.add("plain", prompt_tokens(7, 40), max_tokens=3)
+        run_until([p, d], lambda: d.finished("plain"), timeout_s=FREEZE_S,
+                  what="the plain request to finish while D's daemon is frozen")
+        assert generated(d, "plain") == [SAMPLED_TOKEN] * 3
+        steps_frozen = len(d.step_s)
+        run_until([p, d], lambda: time.monotonic() - frozen_at > FREEZE_S,
+                  timeout_s=FREEZE_S + 5, what="the freeze to last")
+        longest_step = max(d.step_s[-(len(d.step_s) - steps_frozen + 1):])
+        assert not d.received, "nothing can be received while the daemon is frozen"
     finally:
         _thaw(d_daemon.proc.pid)
-        stop_daemon(p_daemon)
-        stop_daemon(d_daemon)
+    _check_hooks(hook_times)
+    print(f"longest decode step while frozen: {longest_step * 1000:.2f} ms")
+    assert longest_step < 0.5
+    for rid in ("req-a", "req-b"):
+        run_until([p, d], lambda r=rid: d.finished(f"dec-{r}"), timeout_s=20,
+                  what=f"dec-{rid} to finish after the thaw")
+        check_pulled(d, f"dec-{rid}", p, 0, PROMPT)
+        assert generated(d, f"dec-{rid}") == [SAMPLED_TOKEN] * 3
+    drain([p, d], timeout_s=20)
+    assert p.stat("sends_ok") == 2
 
 
 def test_prefill_daemon_frozen_request_finished_returns_at_once_then_decode_reads(
-        engines: MakeEngine, tmp_path: Path, hook_times: HookTimes) -> None:
+        engines: MakeEngine, own_daemons: OwnDaemons, hook_times: HookTimes) -> None:
     """request_finished returns the kv_transfer_params (receipt included) with the
     prefill daemon frozen; the Publish waits in the socket and the pull succeeds once the
     daemon resumes, the consumer's Acquire and the Publish arriving in either order."""
-    p_daemon = start_daemon(tmp_path, "p", DAEMON_ARGS)
-    d_daemon = start_daemon(tmp_path, "d", DAEMON_ARGS)
+    p_daemon, d_daemon = own_daemons(DAEMON_ARGS)
+    p = engines("prefill", p_daemon)
+    d = engines("decode", d_daemon)
+    hook_times.clear()
+    _freeze(p_daemon.proc.pid)
     try:
-        p = engines("prefill", p_daemon)
-        d = engines("decode", d_daemon)
-        hook_times.clear()
-        _freeze(p_daemon.proc.pid)
-        try:
-            params = prefill(p, "req-f", PROMPT_TOKENS, timeout_s=FREEZE_S)
-            assert params.get("kvd_receipt", "").count("/") == 1, params
-            _check_hooks(hook_times)
-        finally:
-            _thaw(p_daemon.proc.pid)
-        d.add("dec-f", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
-        run_until([p, d], lambda: d.finished("dec-f"), timeout_s=20, what="dec-f to end")
-        check_pulled(d, "dec-f", p, 0, PROMPT)
-        drain([p, d], timeout_s=20)
+        params = prefill(p, "req-f", PROMPT_TOKENS, timeout_s=FREEZE_S)
+        assert params.get("kvd_receipt", "").count("/") == 1, params
+        _check_hooks(hook_times)
     finally:
         _thaw(p_daemon.proc.pid)
-        stop_daemon(p_daemon)
-        stop_daemon(d_daemon)
+    d.add("dec-f", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    run_until([p, d], lambda: d.finished("dec-f"), timeout_s=20, what="dec-f to end")
+    check_pulled(d, "dec-f", p, 0, PROMPT)
+    drain([p, d], timeout_s=20)
 
 
 def test_prefill_daemon_frozen_then_killed_every_request_is_answered(
-        engines: MakeEngine, tmp_path: Path) -> None:
+        engines: MakeEngine, own_daemons: OwnDaemons) -> None:
     """The decode's pull goes to a frozen prefill daemon, which is then killed: with
     "recompute" the decode computes the prompt itself and answers; the time from the
     kill to the answer is printed (handshake_timeout_s is 2 s here)."""
-    p_daemon = start_daemon(tmp_path, "p", DAEMON_ARGS)
-    d_daemon = start_daemon(tmp_path, "d", DAEMON_ARGS)
-    try:
-        p = engines("prefill", p_daemon, extra={"kvd_request_timeout_s": 1.0})
-        d = engines("decode", d_daemon, failure_policy="recompute")
-        params = prefill(p, "req-k", PROMPT_TOKENS)
-        _freeze(p_daemon.proc.pid)
-        d.add("dec-k", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
-        d.add("plain", prompt_tokens(8, 40), max_tokens=2)
-        run_until([p, d], lambda: d.finished("plain"), timeout_s=5, what="plain request")
-        kill_daemon(p_daemon)
-        killed_at = time.monotonic()
-        run_until([d], lambda: d.finished("dec-k"), timeout_s=20,
-                  what="the decode to be answered after P's daemon died")
-        answered_s = time.monotonic() - killed_at
-        print(f"prefill daemon kill -> decode answered: {answered_s:.2f} s")
-        out = d.finished("dec-k")
-        assert out is not None and out.finish_reason is not None
-        assert out.finish_reason.name == "LENGTH", out
-        assert generated(d, "dec-k") == [SAMPLED_TOKEN] * 2
-        assert d.kv_mismatches(d.blocks_seen["dec-k"], 0, PROMPT, d.tag) == 0
-        assert answered_s < 2.0 + 1.0 + 1.0, answered_s  # handshake timeout + 1 s + slack
-        drain([d], timeout_s=20)
-    finally:
-        kill_daemon(p_daemon)
-        stop_daemon(d_daemon)
+    p_daemon, d_daemon = own_daemons(DAEMON_ARGS)
+    p = engines("prefill", p_daemon, extra={"kvd_request_timeout_s": 1.0})
+    d = engines("decode", d_daemon, failure_policy="recompute")
+    params = prefill(p, "req-k", PROMPT_TOKENS)
+    _freeze(p_daemon.proc.pid)
+    d.add("dec-k", PROMPT_TOKENS, max_tokens=2, kv_transfer_params=params)
+    d.add("plain", prompt_tokens(8, 40), max_tokens=2)
+    run_until([p, d], lambda: d.finished("plain"), timeout_s=5, what="plain request")
+    kill_daemon(p_daemon)
+    killed_at = time.monotonic()
+    run_until([d], lambda: d.finished("dec-k"), timeout_s=20,
+              what="the decode to be answered after P's daemon died")
+    answered_s = time.monotonic() - killed_at
+    print(f"prefill daemon kill -> decode answered: {answered_s:.2f} s")
+    out = d.finished("dec-k")
+    assert out is not None and out.finish_reason is not None
+    assert out.finish_reason.name == "LENGTH", out
+    assert generated(d, "dec-k") == [SAMPLED_TOKEN] * 2
+    assert d.kv_mismatches(d.blocks_seen["dec-k"], 0, PROMPT, d.tag) == 0
+    assert answered_s < 2.0 + 1.0 + 1.0, answered_s  # handshake timeout + 1 s + slack
+    drain([d], timeout_s=20)
 
 
 @pytest.mark.parametrize("backing", ["shm", "memfd"])
 def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
-        backing: str, engines: MakeEngine, tmp_path: Path) -> None:
+        backing: str, engines: MakeEngine, own_daemons: OwnDaemons, tmp_path: Path) -> None:
     """D's daemon is killed with a pull in flight and a new one starts on the same
     address: the worker hears a new incarnation and fails the pull within a step
     (recompute: the request is answered), rather than after kvd_pull_timeout_s. Then
@@ -181,8 +161,7 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
     pool kinds a restarted daemon adopts: a file in shm_dir, and a memfd the worker
     hands back through its own fd (kvd.pool.adopt)."""
     args = [*DAEMON_ARGS, "--set", f"pool_backing={backing}"]
-    p_daemon = start_daemon(tmp_path, "p", args)
-    d_daemon = start_daemon(tmp_path, "d", args)
+    p_daemon, d_daemon = own_daemons(args)
     restarted = None
     try:
         p = engines("prefill", p_daemon)
@@ -231,8 +210,8 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
               f"-> first P->D request through it: {first_pd_s:.2f} s")
         assert max(d.step_s) < 0.5, "a step waited on the re-registration"
         drain([p, d], timeout_s=30)
-    finally:
+    finally:  # the crashed daemon's leftovers go first: the restarted one has its name,
+        # and its stop checks that nothing under that name is left
         kill_daemon(d_daemon)
         if restarted is not None:
             stop_daemon(restarted)
-        stop_daemon(p_daemon)

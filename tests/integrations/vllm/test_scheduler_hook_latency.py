@@ -18,7 +18,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,22 +26,17 @@ import pytest
 pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
 import hook_timing  # noqa: E402
-import pd_support  # noqa: E402
 from hook_timing import HookTimes, check_hooks  # noqa: E402
-from pd_support import DAEMON_ARGS, PROMPT, MakeEngine  # noqa: E402
+from pd_support import DAEMON_ARGS, PROMPT, MakeEngine, OwnDaemons  # noqa: E402
 from scheduler_support import (  # noqa: E402
-    kill_daemon,
     prefill,
     prompt_tokens,
-    start_daemon,
-    stop_daemon,
 )
 
 from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl, pytest.mark.slow]
 
-model_dir, engines = pd_support.model_dir, pd_support.engines
 hook_times = hook_timing.hook_times
 
 WINDOW_S = 4.0  # how long the daemons misbehave while the engines step
@@ -101,33 +95,18 @@ class Fault:
             self._signal(signal.SIGCONT)
 
 
-@pytest.fixture
-def fault_daemons(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
-    made = [start_daemon(tmp_path, "p", ARGS)]
-    try:
-        made.append(start_daemon(tmp_path, "d", ARGS))
-        yield made
-    finally:
-        for d in made:
-            if d.proc.poll() is None:
-                os.kill(d.proc.pid, signal.SIGCONT)
-                stop_daemon(d)
-            else:
-                kill_daemon(d)  # (its leftover pool files)
-
-
 @pytest.mark.parametrize("kind", ["slow", "frozen", "dead", "restarting"])
 def test_every_step_hook_returns_within_1ms_whatever_the_daemon_does(
         kind: str, engines: MakeEngine, tmp_path: Path,
-        fault_daemons: list[DaemonProcess], hook_times: HookTimes) -> None:
-    p_daemon, d_daemon = fault_daemons
+        own_daemons: OwnDaemons, hook_times: HookTimes) -> None:
+    p_daemon, d_daemon = daemons = own_daemons(ARGS)
     extra = {"kvd_request_timeout_s": 1.0}
     p = engines("prefill", p_daemon, extra=extra, num_blocks=256)
     d = engines("decode", d_daemon, failure_policy="recompute", extra=extra,
                 num_blocks=256)
     rounds = int(WINDOW_S / ROUND_S)
     params = [prefill(p, f"early-{k}", prompt_tokens(100 + k, PROMPT)) for k in range(rounds)]
-    fault = Fault(kind, fault_daemons, tmp_path)
+    fault = Fault(kind, list(daemons), tmp_path)
     hook_times.clear()
     fault.start()
     try:
@@ -147,7 +126,7 @@ def test_every_step_hook_returns_within_1ms_whatever_the_daemon_does(
     finally:
         fault.stop()
         for again in fault.restarted:
-            fault_daemons.append(again)  # stopped (and checked clean) by the fixture
+            own_daemons.end_also(again)  # stopped (and checked clean) by the fixture
     steps = sum(len(c) for c in hook_times.calls.values())
     print(f"\ndaemons {kind} for {WINDOW_S:.0f} s: {steps} hook calls, "
           f"{len(hook_times.slow())} over 1 ms\n{hook_times.table()}")

@@ -16,7 +16,7 @@ Mamba slots) against kvd's hybrid layout at startup, unrelaxed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,6 @@ from hybrid_support import (  # noqa: E402
 )
 from pd_support import closing_engines  # noqa: E402
 from scheduler_support import (  # noqa: E402
-    daemon_pair,
     drain,
     prefill,
     prompt_tokens,
@@ -41,18 +40,13 @@ from scheduler_support import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma  # noqa: E402
 
 from kvd.integrations.vllm import KvdConnector  # noqa: E402
-from kvd.tools.localcluster import DaemonProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 PROMPT = 100  # tokens: 3 full attention blocks of 32 and a partial one
+DAEMON_ARGS: list[str] = []  # the conftest's ``daemons`` with kvd's defaults
 
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
-    logs = tmp_path_factory.mktemp("kvd-logs")
-    with daemon_pair(logs, ("hp", "hd")) as pair:
-        yield pair
+# The conftest's ``engines``, on the hybrid model.
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +54,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("hybrid-model"))
 
 
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
-    yield from closing_engines(make_hybrid_engine, model_dir)
+@pytest.fixture(scope="module")
+def make_engine() -> Callable[..., HybridEngine]:
+    return make_hybrid_engine
 
 
 def test_connector_supports_hma() -> None:

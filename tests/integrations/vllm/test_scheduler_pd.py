@@ -21,7 +21,6 @@ import pytest
 # Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
 pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
-import pd_support  # noqa: E402
 from pd_support import (  # noqa: E402
     BLOCK,
     DAEMON_ARGS,
@@ -51,7 +50,6 @@ import kvd.integrations.connector_core.scheduler as kvd_vllm_scheduler  # noqa: 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 # The shared fixtures (module-scoped daemons: each module gets its own pair).
-daemons, model_dir, engines = pd_support.daemons, pd_support.model_dir, pd_support.engines
 
 
 # ------------------------------------------------------------------ the basic hand-off

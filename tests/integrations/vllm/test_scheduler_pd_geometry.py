@@ -14,7 +14,6 @@ import pytest
 # Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
 pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
-import pd_support  # noqa: E402
 from pd_support import (  # noqa: E402
     PROMPT,
     PROMPT_TOKENS,
@@ -34,7 +33,6 @@ from scheduler_support import (  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 # The shared fixtures (module-scoped daemons: each module gets its own pair).
-daemons, model_dir, engines = pd_support.daemons, pd_support.model_dir, pd_support.engines
 
 
 @pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])

@@ -21,15 +21,12 @@ import pytest
 # Where vLLM is absent (.venv) the module skips before it imports vLLM's code.
 pytest.importorskip("vllm", reason="no vLLM here; these tests run in .venv-vllm (README)")
 
-import pd_support  # noqa: E402
 from pd_support import PROMPT, Daemons, MakeEngine, check_pulled  # noqa: E402
 from scheduler_support import drain, prompt_tokens, run_until  # noqa: E402
 
 from kvd.client import NoWaitClient  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
-
-daemons, model_dir, engines = pd_support.daemons, pd_support.model_dir, pd_support.engines
 
 ROUNDS = 20
 STEP_MAX_S = 1.0  # a step that waited on the daemon took 10-30 s (issue 25)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,6 @@ import torch  # noqa: E402
 from engine_build import make_multi_group_engine  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
-from kvd.tools.localcluster import DaemonProcess  # noqa: E402
-
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 # tokens. The decode computes the last prompt token (149), which attends to tokens
@@ -39,6 +36,7 @@ WINDOW = 23
 FULL_LAYERS, SLIDING_LAYERS = (0, 2), (1, 3)
 NAMES = {i: f"model.layers.{i}.self_attn.attn" for i in range(4)}
 PROMPT = 150  # 5 blocks of 32, the last partial
+DAEMON_ARGS: list[str] = []  # the conftest's ``daemons`` with kvd's defaults
 
 
 class SwaEngine(ss.SimEngine):
@@ -103,13 +101,6 @@ def make_swa_engine(name: str, model_dir: Path, kvd_address: str, *, tp_size: in
     return make_multi_group_engine(SwaEngine, name, model_dir, kvd_address, specs,
                                       block_size=block_size, num_blocks=num_blocks,
                                       tp_size=tp_size)
-
-
-@pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
-    logs = tmp_path_factory.mktemp("swa-logs")
-    with ss.daemon_pair(logs, ("sp", "sd")) as pair:
-        yield pair
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1)])
