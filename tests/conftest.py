@@ -1,4 +1,10 @@
-"""Root conftest: ``tests/support`` importable from every suite, and the one daemon pair.
+"""Root conftest: the one daemon pair, and the multinode marker's skip.
+
+pytest imports this file with ``tests/`` first on sys.path (its default "prepend" import
+mode, ``tests/`` having no ``__init__.py``), so ``support`` (tests/support) is importable
+from every test. Nothing else under tests/ may be named like a package a test imports:
+``tests/integrations/__init__.py`` keeps ``tests/integrations`` off sys.path, so the
+vLLM tests' folder ``tests/integrations/vllm`` is never the top-level ``vllm``.
 
 ``pair`` is one prefill and one decode ``kvd serve`` process (real NIXL) shared by a
 whole module (starting one costs ~1 s); a module may set ``DAEMON_ARGS`` (extra
@@ -8,31 +14,12 @@ whole module (starting one costs ~1 s); a module may set ``DAEMON_ARGS`` (extra
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-
-def _register_support() -> None:
-    """Import ``tests/support`` as the package ``support`` without putting ``tests/`` on
-    sys.path: there, its subdirectories would shadow real packages (``tests/vllm`` as a
-    namespace package ``vllm`` would defeat ``importorskip("vllm")``)."""
-    if "support" in sys.modules:
-        return
-    init = Path(__file__).resolve().parent / "support" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("support", init,
-                                                  submodule_search_locations=[str(init.parent)])
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["support"] = module
-    spec.loader.exec_module(module)
-
-
-_register_support()
 
 # Two daemons of this one host stand for two nodes in the suites: their pulls go over
 # NIXL, as between nodes. The host path (pool files mapped between daemons of one host)
@@ -40,6 +27,23 @@ _register_support()
 os.environ.setdefault("KVD_HOST_PULLS", "false")
 
 from support.cluster import Pair, running_pair  # noqa: E402
+
+
+@functools.cache
+def _multinode_unavailable_reason() -> str | None:
+    from support.multinode.harness import cannot_run
+
+    return cannot_run()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``multinode`` (they build network namespaces) skip, naming why, where
+    namespaces cannot be made (no root, no ``ip``/``unshare``)."""
+    multinode = [item for item in items if item.get_closest_marker("multinode")]
+    if not multinode or (why := _multinode_unavailable_reason()) is None:
+        return
+    for item in multinode:
+        item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -48,7 +48,7 @@ def test_ruff_targets_the_python_the_package_requires():
     ("exec('x = 1')\n", "S102"),
 ])
 def test_the_security_rules_catch_what_they_claim_to(tmp_path, source, rule):
-    """The rules replace tests/fault/test_no_pickle.py: each forbidden use is caught."""
+    """The rules replace the former no-pickle test module: each forbidden use is caught."""
     bad = tmp_path / "kvd_bad.py"
     bad.write_text(source)
     out = _ruff("--config", str(ROOT / "pyproject.toml"), "--output-format", "concise",

@@ -15,7 +15,7 @@ fi
 t0=$(date +%s)
 { nvidia-smi -L; python3 -c "import torch, zmq, msgspec; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.zmq_version()); from kvd.transport.nixl import import_nixl; print(import_nixl().__name__)"; } 2>&1 | tee "$OUT/env.txt"
 timeout "${KVD_GPU_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -rs --timeout 120 \
-  tests/integration/test_cuda_pool.py tests/integration/test_cuda_local_pull.py \
+  tests/pool/test_cuda_pool.py tests/daemon/pull/test_cuda_local_pull.py \
   tests/transport/test_cudacopy_cuda.py tests/pool/test_pool_cuda_share.py \
   tests/transport/test_cudacopy_plan.py 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "== tests done at +$(( $(date +%s) - t0 )) s"

@@ -112,7 +112,7 @@ class Face:
         self.sock.setsockopt(zmq.RCVHWM,
                              max(MIN_RECEIVE_HWM, receive_queue_bytes // max_message_bytes))
         # TCP listeners: libzmq sets SO_REUSEADDR itself, so a crashed daemon re-binds at
-        # once despite connections left in TIME_WAIT (tests/fault/test_rebind.py).
+        # once despite connections left in TIME_WAIT (tests/daemon/test_rebind.py).
         if curve is not None:
             curve.secure(name, self.sock)
         if address.startswith("ipc://"):

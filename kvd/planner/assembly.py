@@ -290,7 +290,7 @@ class PreparedPull:
     control-path cost). A one-block pull takes
     its rows from the ready templates (a shift per read, no planning, no lookups);
     any other pull, or one whose reads have no template, goes through
-    `assemble_pull` itself. Same descriptors either way (tests/unit/test_assembly.py)."""
+    `assemble_pull` itself. Same descriptors either way (tests/planner/test_assembly.py)."""
 
     plan: TransferPlan
     local_ranks: tuple[RankPool, ...]

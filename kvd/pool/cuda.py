@@ -4,7 +4,7 @@ The daemon owns the allocation (so NIXL may register it as VRAM); the engine
 opens the IPC handle and gets a torch tensor over the same device memory.
 Both containers must see the same GPU and share the host IPC/process
 namespace (see docs/operations.md). Tested on an H200
-(tests/integration/test_cuda_pool.py, which skips where torch.cuda is unavailable).
+(tests/pool/test_cuda_pool.py, which skips where torch.cuda is unavailable).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A tiny, deterministic, context-sensitive Llama that vLLM loads from disk
-(``kvd tiny-model DIR``: offline, seconds; the vLLM quickstart and tests/vllm use it).
+(``kvd tiny-model DIR``: offline, seconds; the vLLM quickstart and tests/integrations/vllm use it).
 
 Why not a hub model or ``load_format="dummy"``: the machines have no model hub,
 and dummy weights give outputs that ignore the prompt, so "decode after a KV

@@ -85,7 +85,7 @@ def ucx_liveness_env(timeout_s: float, env: dict[str, str] | None = None) -> dic
     the silence: idle + interval * count seconds (Linux counts whole seconds). When the
     cut catches its own GET requests unacknowledged, keepalive never probes and only
     TCP_USER_TIMEOUT ends the connection (else retransmissions go on ~15 minutes):
-    measured in tests/multinode/test_partition.py. Variables already set (an
+    measured in tests/daemon/pull/test_partition.py. Variables already set (an
     operator's tuning, e.g. for RDMA fabrics) are kept.
     """
     env = os.environ if env is None else env
@@ -102,7 +102,7 @@ def _net_devices(devices: str) -> Iterator[None]:
     """UCX_NET_DEVICES=devices while an agent is created: UCX reads its configuration
     once, when NIXL creates the backend's UCP context, so each agent keeps its own.
     (NIXL 1.5's ``ucx_devices`` backend parameter is listed but did not restrict the
-    devices, measured with two veth rails: tests/multinode/test_rails.py.) Agents are
+    devices, measured with two veth rails: tests/transport/test_rails.py.) Agents are
     created on the daemon's NIXL thread at start, before any other UCX use."""
     if not devices:
         yield

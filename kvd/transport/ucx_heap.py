@@ -20,7 +20,7 @@ the given byte (0xFF: zeros) and fills freed memory with that byte. It is proces
 and costs a ``memset`` per allocation and per free (not ``calloc``, not Python's small
 objects, not kvd's pools, which are shared memory); measured in
 docs/notes/2026-11-26-ucx-purge-crash.md.
-Measured on this bug: `tests/multinode/ucx_purge_repro.py`.
+Measured on this bug: `tests/support/multinode/ucx_purge_repro.py`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_sim import apply_descriptors, fill_pool, global_kv
+from support.planner_sim import apply_descriptors, fill_pool, global_kv
 
 from kvd.errors import LayoutError, PlanError
 from kvd.planner import (

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planner_sim import apply_descriptors, global_kv
-from planner_sim import fill_pool as fill_split_pool
+from support.planner_sim import apply_descriptors, global_kv
+from support.planner_sim import fill_pool as fill_split_pool
 from test_planner_properties import HEAD_DIM, byte_cases, ranks
 
 from kvd.daemon.engines.table import compat_hash

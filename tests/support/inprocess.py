@@ -1,6 +1,6 @@
 """Daemons in the test process: LoopbackTransport, the fake clock, asyncio clients.
 
-``daemon_pair()`` is the one pair fixture of the unit and fault suites: a prefill
+``daemon_pair()`` is the one pair fixture of the in-process tests: a prefill
 and a decode daemon sharing one FakeClock, each with an AsyncKvdClient, stopped
 at the end with the check that every pool was freed.
 """

@@ -119,7 +119,7 @@ class KvdScheduler:
         SlidingWindowManager drops blocks for a window ending at token N, then
         rewinds to recompute token N-1, whose window reaches one token further back
         (into a block it already made null: measured on vLLM 0.32,
-        tests/vllm/test_scheduler_swa.py). The prefill request is truncated to N-1
+        tests/integrations/vllm/test_scheduler_swa.py). The prefill request is truncated to N-1
         tokens; its kv_transfer_params then say N-1, and the decode side loads that
         many and computes the rest, so every window is counted from the token the
         decode computes first.

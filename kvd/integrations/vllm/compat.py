@@ -6,7 +6,7 @@ base-class members KvdConnector leaves alone on purpose (``INHERITED_HOOKS``), a
 fields kvd reads that both versions have alike (at the end: no reader per version is
 needed today). No code elsewhere branches on the vLLM version.
 Adding a vLLM version: add it to ``TESTED_VLLM`` and ``HOOKS_BY_VERSION``, run the vLLM
-suite against it (tests/vllm/test_connector_hooks.py checks every hook of its
+suite against it (tests/integrations/vllm/test_connector_hooks.py checks every hook of its
 connector base class), and record each new difference here, a field that moved
 included (as a small reader function that the callers use).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 TESTED_VLLM: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 
 # Members of KVConnectorBase_V1 that KvdConnector does not override, on purpose: the
-# base class's behaviour is the right one for kvd. tests/vllm/test_connector_hooks.py
+# base class's behaviour is the right one for kvd. tests/integrations/vllm/test_connector_hooks.py
 # fails on any other member left to the base class, so a hook a new vLLM adds is
 # looked at before that version is called tested.
 INHERITED_HOOKS: dict[str, str] = {

@@ -1,0 +1,94 @@
+"""kvd.planner.assembly.PreparedPull (issue 23.4): a pull's assembly inputs bound once per
+(engine, peer engine), one-block pulls served from ready templates. It must give exactly
+what ``assemble_pull`` gives (same groups, same order, same descriptors, same refusals),
+for any layout, parallelism, owner split and block pair, and the consumer must rebuild it
+when a pool or the handshake changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_assembly import _pools, pulls
+
+from kvd.errors import BlockIdError, LayoutError
+from kvd.planner import plan_transfer
+from kvd.planner.assembly import assemble_pull, match_tail, prepare_pull
+from kvd.pool.geometry import geometry, parallelism
+from kvd.tools.sim import EngineShape
+from kvd.wire.protocol import ModelSpec
+
+
+def _same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)  # one READ per producer, in the same order
+    for owner, g in got.items():
+        w = want[owner]
+        assert (g.owner, g.reads, g.descriptors, g.total_nbytes) == (
+            w.owner, w.reads, w.descriptors, w.total_nbytes)
+        for col in ("local_addrs", "remote_addrs", "nbytes", "local_devs", "remote_devs"):
+            assert np.array_equal(getattr(g, col), getattr(w, col)), col
+
+
+def _outcome(fn):
+    try:
+        return fn(), None
+    except LayoutError as exc:
+        return None, str(exc)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pulls(), st.integers(1, 2), st.data())
+def test_prepared_pull_assembles_what_assemble_pull_does(case, owners, data) -> None:
+    model, pshape, dshape, tokens, _, p_ids, d_ids = case
+    _, pranks = _pools(model, pshape, owners)
+    _, dranks = _pools(model, dshape)
+    plan = plan_transfer(geometry(model), parallelism(pshape.tp_size, pshape.pp_size, None),
+                         parallelism(dshape.tp_size, dshape.pp_size, None))
+    local = [pool for _, pool, _ in dranks]
+    remote = {rid: pool for rid, pool, _ in pranks}
+    names = [f"agent{i}" for i in range(owners)] + ["idle"]
+    prepared = prepare_pull(plan, local, remote, names)
+    pulls_to_try = [match_tail(d_ids, p_ids, dshape.block_size_tokens,
+                               pshape.block_size_tokens, tokens)]
+    # one-block pulls, in range or not (the fast path), drawn on both sides
+    for _ in range(3):
+        lid = data.draw(st.integers(-1, dshape.num_blocks))
+        rid = data.draw(st.integers(-1, pshape.num_blocks))
+        pulls_to_try.append((np.array([lid]), np.array([rid])))
+    for lo, ro in pulls_to_try:
+        got, got_err = _outcome(lambda lo=lo, ro=ro: prepared.assemble(lo, ro))
+        want, want_err = _outcome(
+            lambda lo=lo, ro=ro: assemble_pull(plan, local, remote, lo, ro, names))
+        assert got_err == want_err
+        if want is not None:
+            _same(got, want)
+
+
+def test_prepared_pull_takes_one_block_pulls_from_its_templates() -> None:
+    """The fast path is taken (no planning per pull) where every read has a template."""
+    model = ModelSpec(name="t", num_kv_heads=2, num_layers=2, head_dim=4, dtype="bfloat16")
+    shape = EngineShape(1, 1, 4, 8, "head_major", "HND")
+    _, pranks = _pools(model, shape)
+    _, dranks = _pools(model, shape)
+    plan = plan_transfer(geometry(model), parallelism(1, 1, None), parallelism(1, 1, None))
+    prepared = prepare_pull(plan, [p for _, p, _ in dranks], {r: p for r, p, _ in pranks},
+                            ["agent0"])
+    assert prepared.rows is not None and prepared.local_blocks == 8
+    groups = prepared.assemble(np.array([3]), np.array([5]))
+    want = assemble_pull(plan, [p for _, p, _ in dranks], {r: p for r, p, _ in pranks},
+                         np.array([3]), np.array([5]), ["agent0"])
+    _same(groups, want)
+    # the ready rows are shared between pulls: nobody may write into them
+    assert not prepared.rows[0].nbytes.flags.writeable
+    with pytest.raises(LayoutError, match="out of range"):
+        prepared.assemble(np.array([8]), np.array([0]))
+
+
+@pytest.mark.parametrize("ids", [[-2], [3, -1, 4], [1, 2, 3, 4, 5, 6, 7, 8, -9]])
+def test_small_id_lists_still_name_negative_ids(ids) -> None:
+    """The small-list check (Python's min instead of numpy's) refuses what numpy did."""
+    with pytest.raises(BlockIdError, match="negative"):
+        match_tail(ids, [0] * len(ids), 16, 16)
+    with pytest.raises(BlockIdError, match="negative"):
+        match_tail([0] * len(ids), ids, 16, 16)
