@@ -406,6 +406,7 @@ class Soak:
             "pd_requests": len(pd), "plain_requests": len(plain),
             "pd_outcomes": outcomes,
             "recomputed": outcomes.get("recomputed", 0) + outcomes.get("partly_recomputed", 0),
+            "recomputed_by_fault": recomputed_by_fault(pd, self.faults),
             "errors": outcomes.get("error", 0),
             "wrong_tokens": sum(1 for r in self.requests if r.done and r.outcome != "error"
                                 and not r.tokens_ok),
@@ -426,6 +427,19 @@ def stall(req: Request, faults: list[Fault]) -> float:
     that ended before it finished."""
     ends = [f.end for f in faults if f.end and f.end <= req.done]
     return req.done - max([req.start, *ends])
+
+
+def recomputed_by_fault(pd: list[Request], faults: list[Fault]) -> dict[str, int]:
+    """Recomputed P/D requests by the kind of the fault whose window (or the 5 s after
+    it) overlapped their lives; "none" when no fault did."""
+    got: dict[str, int] = {}
+    for r in pd:
+        if r.outcome not in ("recomputed", "partly_recomputed"):
+            continue
+        kinds = sorted({f.kind for f in faults if f.start <= r.done and r.start <= f.end + 5})
+        key = "+".join(kinds) or "none"
+        got[key] = got.get(key, 0) + 1
+    return got
 
 
 def plain_gap(plain: list[Request], fault: Fault) -> float:
