@@ -60,8 +60,7 @@ SEED = int(os.environ.get("KVD_SOAK_SEED", "0") or 0)
 
 # Startup (three engines, one of them restarted at most every fault), the soak, the
 # last fault's restart, the drain and the settling: well within SOAK_S + 20 min.
-pytestmark = [pytest.mark.vllm, pytest.mark.soak, pytest.mark.slow,
-              pytest.mark.timeout(SOAK_S + 1200)]
+pytestmark = [pytest.mark.vllm]
 
 PD_IN_FLIGHT = 3  # P/D requests in the decode engine at once, besides the plain one
 PD_MAX_TOKENS = 8
@@ -511,6 +510,32 @@ def run_soak(soak: Soak, leftover: dict[str, Any]) -> tuple[float, float]:
     return elapsed, settle_s
 
 
+def test_the_schedule_is_seeded_and_deals_every_kind_each_round() -> None:
+    assert schedule(7, 12) == schedule(7, 12) != schedule(8, 12)
+    faults = schedule(7, 10)
+    for first in (faults[:5], faults[5:]):
+        assert sorted(f.kind for f in first) == sorted(KINDS)
+    for f in faults:
+        assert GAP_S[0] <= f.gap_s <= GAP_S[1]
+        assert (FREEZE_S[0] <= f.freeze_s <= FREEZE_S[1]) == f.kind.startswith("freeze")
+
+
+def test_a_stall_counts_from_the_last_fault_end_and_a_plain_gap_from_the_edges() -> None:
+    faults = [Fault("freeze_prefill_daemon", 10, 5, start=100.0, end=105.0),
+              Fault("kill_decode_daemon", 10, start=120.0, end=121.0)]
+    assert stall(Request("a", "pd", 0, start=90.0, done=108.0), faults) == 3.0
+    assert stall(Request("b", "pd", 0, start=106.0, done=108.0), faults) == 2.0
+    # finished during a fault: from its start (that fault has not ended)
+    assert stall(Request("c", "pd", 0, start=119.0, done=120.5), faults) == 1.5
+    plain = [Request("p", "plain", 0, start=99.0, done=104.0,
+                     token_times=[99.5, 100.5, 101.0, 103.5])]
+    assert plain_gap(plain, faults[0]) == 2.5  # 101.0 -> 103.5
+    assert plain_gap(plain, faults[1]) == 1.0  # no token in it at all
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(SOAK_S + 1200)
 def test_chaos_soak(start_engine: StartEngine, tmp_path: Path) -> None:
     soak = Soak(start_engine, tmp_path)
     print(f"\nchaos soak: seed {SEED}, {SOAK_S:.0f} s, logs {tmp_path}", flush=True)
