@@ -459,8 +459,8 @@ def run_soak(soak: Soak, leftover: dict[str, Any]) -> tuple[float, float]:
     settle_s = elapsed = 0.0
     try:
         soak.start_all()
-        threads = [threading.Thread(target=soak.prefill_loop, name="soak-prefill"),
-                   threading.Thread(target=soak.decode_loop, name="soak-decode")]
+        threads = [threading.Thread(target=soak.prefill_loop, name="soak-prefill", daemon=True),
+                   threading.Thread(target=soak.decode_loop, name="soak-decode", daemon=True)]
         for t in threads:
             t.start()
         t0 = time.monotonic()
