@@ -300,6 +300,16 @@ def validate(cfg: Config) -> Config:
             f"heartbeat_interval_s ({cfg.heartbeat_interval_s}) must be shorter than "
             f"lease_s ({cfg.lease_s}) or leases expire between heartbeats"
         )
+    if cfg.lease_s <= cfg.heartbeat_interval_s + cfg.peer_liveness_timeout_s:
+        # A consumer stalled just under the liveness timeout is not noticed as stalled,
+        # and its next renewal comes up to a heartbeat later: a shorter lease can lapse
+        # first, the producer's engine reuses the blocks, and the pull reads them.
+        raise ConfigError(
+            f"lease_s ({cfg.lease_s}) must be longer than heartbeat_interval_s "
+            f"({cfg.heartbeat_interval_s}) + peer_liveness_timeout_s "
+            f"({cfg.peer_liveness_timeout_s}), or a lease can lapse under a pull whose "
+            "consumer stalled without being noticed"
+        )
     if not Path(cfg.shm_dir).is_absolute() or not Path(cfg.shm_dir).is_dir():
         raise ConfigError(f"shm_dir: {cfg.shm_dir!r} is not an existing absolute directory")
     for name, parse in (("posting_workers", parse_workers), ("rails", parse_rails)):

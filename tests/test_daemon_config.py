@@ -59,6 +59,18 @@ def test_bad_env_values_name_the_field(env, field) -> None:
         load(env=env)
 
 
+def test_a_lease_not_longer_than_a_heartbeat_and_the_liveness_timeout_is_refused() -> None:
+    """A consumer stalled just under peer_liveness_timeout_s is not noticed as stalled,
+    and renews a heartbeat later: a lease that short can lapse under its pull (the fleet
+    simulation's seed 2493 reads reused blocks then)."""
+    short = {"KVD_LEASE_S": "5", "KVD_HEARTBEAT_INTERVAL_S": "2",
+             "KVD_PEER_LIVENESS_TIMEOUT_S": "3"}
+    with pytest.raises(ConfigError, match=r"lease_s \(5.0\) must be longer than "
+                       r"heartbeat_interval_s \(2.0\) \+ peer_liveness_timeout_s \(3.0\)"):
+        load(env=short)
+    assert load(env={**short, "KVD_LEASE_S": "5.01"}).lease_s == 5.01
+
+
 def test_bad_flag_names_the_flag() -> None:
     with pytest.raises(ConfigError, match="lease_s.*flag --lease-s"):
         load(env={}, overrides={"lease_s": "x"})

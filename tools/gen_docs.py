@@ -65,7 +65,8 @@ def configuration_md() -> str:
         "- **Flags**: `--<field-with-dashes>`, e.g. `--peer-address`.\n",
         "Every value is validated before anything binds; a bad value stops the daemon with "
         "a message naming the field and the source it came from. Cross-field rules: "
-        "`heartbeat_interval_s` must be shorter than `lease_s`; addresses must be explicit "
+        "`heartbeat_interval_s` must be shorter than `lease_s`, and `lease_s` longer than "
+        "`heartbeat_interval_s` + `peer_liveness_timeout_s`; addresses must be explicit "
         "(`tcp://HOST:PORT`, never `*`); `auth_token_file` must exist when set.\n",
         "## Fields\n",
         "| Field | Default | Environment | Flag | Description |",

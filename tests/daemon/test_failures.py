@@ -375,7 +375,7 @@ def test_silent_engine_rank_is_dropped_and_its_pool_freed(tmp_path: Path) -> Non
     # pool_backing=shm: the pool is a file to watch on every host (auto takes memfd
     # huge pages where they are reserved)
     d = start_daemon(tmp_path, "live", ["--set", "engine_timeout_s=1", "--set",
-                                        "heartbeat_interval_s=0.2", "--set", "lease_s=2",
+                                        "heartbeat_interval_s=0.2", "--set", "lease_s=4",
                                         "--set", "pool_backing=shm"])
     try:
         with d.client(ping_interval_s=0) as silent, d.client(ping_interval_s=0.2) as alive:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 from fleet import Fault, Knobs, Sim, fails, fault_schedule, report, run, shrink
 
+from kvd.config import validate
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.driver import PullDriver
+from kvd.errors import ConfigError
 
 SEEDS = 3000
 
@@ -236,12 +239,12 @@ def test_wider_fleets_keep_every_invariant() -> None:
             pytest.fail(report(seed, WIDE), pytrace=False)
 
 
-# Open, a configuration bound rather than a code path: with a lease shorter than one
+# A configuration bound rather than a code path: with a lease not longer than one
 # heartbeat interval plus the liveness timeout (here 1.5 s < 0.9 s + 1 s), a consumer
 # stall just under the liveness timeout (0.87 s, so no stall is detected) lets the lease
 # lapse before its first renewal, and a read-again then reads the reused blocks (seed
-# 2493). kvd's defaults keep it far (lease 30 s, heartbeats 2 s, liveness 3 s); a
-# Publish may still ask for any lease.
+# 2493). kvd's configuration refuses such a lease (kvd.config.validate); a Publish may
+# still ask for any lease, the engine's own choice.
 SHORT_LEASE = Knobs(heartbeat_interval_s=0.9, lease_s=1.5, max_faults=8)
 STALL_UNDER_LIVENESS = [
     Fault(kind="read", at_s=2.2817, dur_s=1.1388, a=0, x="stall"),
@@ -249,7 +252,13 @@ STALL_UNDER_LIVENESS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="open: lease_s < heartbeat_interval_s + "
-                   "peer_liveness_timeout_s is not refused (docs/reliability.md)")
-def test_a_lease_shorter_than_a_heartbeat_and_a_liveness_timeout() -> None:
-    run(2493, STALL_UNDER_LIVENESS, SHORT_LEASE)
+def test_a_lease_shorter_than_a_heartbeat_and_a_liveness_timeout_is_refused() -> None:
+    with pytest.raises(ConfigError, match="lease_s .* must be longer than heartbeat_"):
+        validate(SHORT_LEASE.config())
+    # why: that run reads reused blocks ...
+    assert "wrong bytes" in (fails(2493, STALL_UNDER_LIVENESS, SHORT_LEASE) or "")
+    # ... and the shortest lease the configuration takes keeps every invariant
+    allowed = replace(SHORT_LEASE, lease_s=1.95)
+    validate(allowed.config())
+    run(2493, STALL_UNDER_LIVENESS, allowed)
+    run(2493, None, allowed)

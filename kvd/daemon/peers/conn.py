@@ -258,7 +258,8 @@ class PeerConnection:
 
         The returned future gets the reply; an Error reply as its KvdError class; after
         ``timeout_s`` on the daemon's clock PeerLostError when the connection dropped (the
-        daemon died) or KvdTimeoutError when it is connected, or never was, but silent;
+        daemon died) or KvdTimeoutError when it is connected, or never was, but silent
+        (a reply already queued on the socket then is taken first, not timed out);
         PeerLostError sooner when the connection drops (`_fail_waiting`) or is not up
         within the liveness timeout. No task runs for it: the reader fills it, timers
         fail it.
@@ -273,6 +274,13 @@ class PeerConnection:
         what = type(msg).__name__
 
         def expire() -> None:
+            if fut.done():
+                return
+            # The reply may have come while this daemon itself did not run (a stall past
+            # the deadline: its timer and the reply are due in the same loop turn, and
+            # the reader task would see the reply only a turn later): take what is
+            # queued before blaming the peer.
+            self.take_ready()
             if fut.done():
                 return
             text = f"peer {self.address} did not answer {what} within {timeout_s}s"

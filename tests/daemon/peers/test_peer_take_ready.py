@@ -132,3 +132,29 @@ def test_settle_takes_queued_replies_before_it_waits() -> None:
         assert taken == [["tcp://p:1"]]
 
     run(body())
+
+
+def test_a_reply_that_came_while_this_daemon_stalled_beats_the_request_timer() -> None:
+    """The daemon's own loop does not run past a request's deadline (a CPU-starved host;
+    the chaos soak saw a decode daemon stalled 2.2 s against a 2 s Acquire timeout) while
+    the peer's reply arrives: when the loop runs again the expiry must take the queued
+    reply, not fail the request as unanswered (it failed ``timeout`` before)."""
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        with answering_peer() as address:
+            conn = PeerConnection(ctx, address, "", "me", 1 << 20, MonotonicClock(),
+                                  lambda *_: None)
+            try:
+                # connected first, so the expiry below is the plain "did not answer" one
+                await asyncio.wait_for(conn.request(BEAT, timeout_s=5.0), 5.0)
+                for _ in range(3):
+                    fut = conn.send(BEAT, timeout_s=0.2)
+                    queued(conn)  # the reply waits on the socket; the loop is blocked
+                    time.sleep(0.3)  # ... past the request's deadline (the stall)
+                    reply = await asyncio.wait_for(fut, 5.0)
+                    assert isinstance(reply.body, P.HeartbeatAck)
+            finally:
+                conn.close()
+        ctx.term()
+
+    run(body())

@@ -179,7 +179,8 @@ def test_a_frozen_producer_never_writes_late(nodes: Cluster, rule: str, rep: int
     deadline_s = 2.0
     if rule == "deadline":
         decode.call("replace_daemon", name="kvd", args=ARGS + [
-            "--set", f"transfer_timeout_s={deadline_s}", "--set", "peer_liveness_timeout_s=30"])
+            "--set", f"transfer_timeout_s={deadline_s}", "--set", "peer_liveness_timeout_s=30",
+            "--set", "lease_s=60"])  # a lease must outlast a heartbeat and the liveness timeout
     pe, de = f"pre-frz-{rule}{rep}", f"dec-frz-{rule}{rep}"
     prefill.call("register", daemon="kvd", engine_id=pe, model=MODEL, tp_size=1,
                  num_blocks=NUM_BLOCKS)

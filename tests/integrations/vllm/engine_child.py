@@ -29,6 +29,8 @@ class _Child:
         self.sched_offset = 0
         # internal request id -> accumulated scheduler records
         self.sched: dict[str, dict[str, Any]] = {}
+        # submit/poll (requests in flight across commands): id -> its token times
+        self.inflight: dict[str, list[float]] = {}
 
     def send(self, obj: dict[str, Any]) -> None:
         self.reply.write(json.dumps(obj) + "\n")
@@ -89,6 +91,45 @@ class _Child:
         )
         return {"results": results, "elapsed_s": time.monotonic() - t0}
 
+    def op_submit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Add requests (``[{request_id, prompt, max_tokens, kv_transfer_params}]``)
+        without stepping: ``poll`` steps the engine and returns them once finished."""
+        for req in msg["requests"]:
+            rid = req["request_id"]
+            if rid in self.inflight:
+                raise ValueError(f"request id {rid} is already in flight")
+            self._add(rid, req["prompt"], req["max_tokens"], req.get("kv_transfer_params"))
+            self.inflight[rid] = []
+        return {"in_flight": len(self.inflight)}
+
+    def op_poll(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Step the engine for up to ``timeout_s`` (at least one step while anything is
+        in flight), until a submitted request finishes; the finished ones' results."""
+        engine = self.llm.llm_engine
+        deadline = time.monotonic() + float(msg.get("timeout_s", 0.5))
+        finished: dict[str, Any] = {}
+        while self.inflight and not finished:
+            outs = engine.step()
+            t1 = time.monotonic()
+            for out in outs:
+                times = self.inflight.get(out.request_id)
+                if times is None:
+                    continue
+                times.extend([t1] * (len(out.outputs[0].token_ids) - len(times)))
+                if out.finished:
+                    finished[out.request_id] = out
+            if time.monotonic() >= deadline:
+                break
+        if not finished:
+            return {"results": [], "in_flight": len(self.inflight)}
+        self._read_sched()
+        results = []
+        for rid, out in finished.items():
+            r = self._result(rid, out)
+            r["token_times"] = self.inflight.pop(rid)
+            results.append(r)
+        return {"results": results, "in_flight": len(self.inflight)}
+
     def op_reset_prefix_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"reset": bool(self.llm.reset_prefix_cache())}
 
@@ -106,8 +147,6 @@ class _Child:
         kv_params: list[dict[str, Any] | None] | None,
         request_ids: list[str] | None,
     ) -> list[dict[str, Any]]:
-        from vllm import SamplingParams
-
         engine = self.llm.llm_engine
         if request_ids is None:
             request_ids = []
@@ -118,16 +157,7 @@ class _Child:
         if len(order) != len(request_ids):
             raise ValueError(f"duplicate request ids: {request_ids}")
         for i, (rid, ids) in enumerate(zip(request_ids, prompts, strict=True)):
-            params = kv_params[i] if kv_params else None
-            sp = SamplingParams(
-                temperature=0.0,
-                max_tokens=max_tokens,
-                logprobs=1,
-                ignore_eos=True,
-                detokenize=False,
-                extra_args={"kv_transfer_params": params} if params is not None else None,
-            )
-            engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+            self._add(rid, ids, max_tokens, kv_params[i] if kv_params else None)
 
         finished: dict[str, Any] = {}
         # When each request's tokens came out (CLOCK_MONOTONIC: the test process reads
@@ -147,6 +177,20 @@ class _Child:
         for r in results:
             r["token_times"] = token_times[r["request_id"]]
         return results
+
+    def _add(self, rid: str, ids: list[int], max_tokens: int,
+             params: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            logprobs=1,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
 
     def _read_sched(self) -> None:
         """Fold the scheduler records written since the last call into ``self.sched``."""

@@ -294,6 +294,22 @@ class EngineProc:
         self.last_generate_s = float(reply["elapsed_s"])
         return list(reply["results"])
 
+    def submit(self, requests: list[dict[str, Any]], timeout_s: float = 60.0) -> int:
+        """Add requests to the engine without waiting for them: each a dict with
+        ``request_id`` (unique among those in flight), ``prompt`` (token ids),
+        ``max_tokens`` and ``kv_transfer_params`` (or ``None``), sampled as in
+        ``generate``. ``poll`` runs the engine and returns them. Returns how many
+        submitted requests are in flight."""
+        reply = self._call({"op": "submit", "requests": requests}, timeout_s)
+        return int(reply["in_flight"])
+
+    def poll(self, step_s: float = 0.5, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Step the engine for up to ``step_s`` (at least one step while a submitted
+        request is in flight) or until one finishes; the finished submitted requests,
+        each as ``generate`` returns it (``token_times`` included), in no order."""
+        reply = self._call({"op": "poll", "timeout_s": step_s}, timeout_s)
+        return list(reply["results"])
+
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
         """Drop the engine's prefix cache (vLLM's ``LLM.reset_prefix_cache``).
 
