@@ -3,6 +3,11 @@
 #   bash tools/gpu_session.sh            (results under $OUT, or /tmp/kvd-gpu-out)
 # kvd's other dependencies travel as one archive, .whl/site.tar.xz (nixl-cu13 without its
 # expert-parallel extension, pyzmq, msgspec: see docs/notes/2026-11-27-gpu-local-copy.md).
+# Build it where pip works (git-ignore .whl/; cp312 wheels for a Python 3.12 GPU image):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d /tmp/w nixl-cu13 pyzmq msgspec
+#   mkdir /tmp/s && for w in /tmp/w/*.whl; do unzip -qo $w -d /tmp/s; done
+#   rm -rf /tmp/s/nixl_ep_cu13 && tar cf - -C /tmp/s . | xz -T2 -6 > .whl/site.tar.xz
 # Order: the CUDA tests (byte-exactness first), kvd bench vram (the ratios), then the
 # copier's own figures (shapes, 1-block latency, host<->device).
 set -u
