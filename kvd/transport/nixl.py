@@ -239,7 +239,7 @@ class NixlTransport:
         with _nixl_call(f"cannot create READ to {peer}"):
             handle = agent.initialize_xfer(
                 "READ",
-                agent.get_xfer_descs(local, mem_type),
+                agent.get_xfer_descs(local, post.local_mem_type or mem_type),
                 agent.get_xfer_descs(remote, mem_type),
                 peer,
                 notif,

@@ -134,7 +134,8 @@ class _Lists:
     remote_grid: PoolGrid
 
 
-_Key = tuple[str, int, str, tuple[PoolSpan, ...], tuple[PoolSpan, ...]]
+# (peer, chunk, remote memory, local memory, local pools, remote pools)
+_Key = tuple[str, int, str, str, tuple[PoolSpan, ...], tuple[PoolSpan, ...]]
 
 
 class PreppedPoster:
@@ -182,8 +183,8 @@ class PreppedPoster:
             return lists
         if lists is not None:  # released under us: memory deregistered or peer reloaded
             self._drop(key)
-        peer, chunk, mem_type, local_pools, remote_pools = key
-        local_grid = PoolGrid(local_pools, chunk, mem_type)
+        peer, chunk, mem_type, local_mem, local_pools, remote_pools = key
+        local_grid = PoolGrid(local_pools, chunk, local_mem)
         remote_grid = PoolGrid(remote_pools, chunk, mem_type)
         local = self.transport.prepare_local(local_grid.rows())
         try:
@@ -224,7 +225,8 @@ class PreppedPoster:
         chunk = common_chunk(nbytes, local[1], remote[1])
         if int(nbytes.sum()) // chunk > self.max_expansion * len(nbytes):
             return None
-        lists = self._lists_for((post.peer, chunk, post.mem_type, local_pools, remote_pools))
+        lists = self._lists_for((post.peer, chunk, post.mem_type,
+                                 post.local_mem_type or post.mem_type, local_pools, remote_pools))
         # The chunk grids hold whole chunks only: a pool's tail may lie outside them.
         if not (lists.local_grid.fits(local[0], local[2])
                 and lists.remote_grid.fits(remote[0], remote[2])):

@@ -127,3 +127,31 @@ def test_pool_sets_and_chunks_get_their_own_lists_bounded(setup) -> None:
     assert poster.lists() == 3 and poster.prepped_posts == 6
     poster.forget_peer(peer)
     assert poster.lists() == 0 and a.counts().prepared_lists == 0
+
+
+def test_each_side_is_prepared_in_its_own_memory_type(setup) -> None:
+    """A DRAM engine of a GPU node's daemon reading a VRAM pool elsewhere: the local list
+    is DRAM, the remote one VRAM (one type for both would make NIXL refuse the READ)."""
+    a, _, peer, poster, srcs, dsts, _ = setup
+    seen: list[tuple[str, str]] = []
+    real_local, real_remote = a.prepare_local, a.prepare_remote
+
+    def local(rows):
+        seen.append(("local", rows.mem_type))
+        return real_local(rows)
+
+    def remote(p, rows):
+        seen.append(("remote", rows.mem_type))
+        return real_remote(p, rows)
+
+    a.prepare_local, a.prepare_remote = local, remote
+    post = _post(peer, dsts, srcs, 0, 0, [(0, 0, 8 * KiB)])
+    mixed = ReadPost(peer=post.peer, local_addrs=post.local_addrs,
+                     remote_addrs=post.remote_addrs, nbytes=post.nbytes, mem_type="VRAM",
+                     notif=b"", local_pools=post.local_pools, remote_pools=post.remote_pools,
+                     local_mem_type="DRAM")
+    poster.post(mixed)
+    assert seen == [("local", "DRAM"), ("remote", "VRAM")]
+    assert np.array_equal(dsts[0][:8 * KiB], srcs[0][:8 * KiB])
+    poster.post(post)  # the same pools with one memory type: lists of their own
+    assert poster.lists() == 2
