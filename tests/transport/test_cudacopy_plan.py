@@ -23,10 +23,10 @@ from kvd.transport.cudacopy import (
     HOST,
     CudaCopier,
     Lane,
-    chunk_descriptors,
     plan_device_copy,
     stage_batches,
 )
+from kvd.transport.gather import chunk_descriptors
 
 MIB = 1 << 20
 
