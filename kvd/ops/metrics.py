@@ -10,6 +10,7 @@ table in :mod:`kvd.ops.metric_docs` (``METRIC_DOCS``), which also renders
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -88,6 +89,7 @@ class Metrics:
                 self.protocol_errors.labels(face=face, reason=reason)
         self.build_info.labels(version=kvd.__version__).set(1)
         self._rails_seen: dict[tuple[int, str], tuple[int, int]] = {}
+        self._transfer_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
 
     def transfer_finished(self, role: str, outcome: str, nbytes: int, duration_s: float,
                           path: str = "remote") -> None:
@@ -99,10 +101,18 @@ class Metrics:
         registered here), "host" when copied from another daemon's pool files mapped here
         (consumer side), "remote" when they crossed to or from another daemon.
         """
-        self.transfers.labels(role=role, path=path, outcome=outcome).inc()
+        key = (role, path, outcome)
+        children = self._transfer_children.get(key)
+        if children is None:  # labels() costs a few µs a call: once per label set
+            children = self._transfer_children[key] = (
+                self.transfers.labels(role=role, path=path, outcome=outcome),
+                self.transferred_bytes.labels(role=role, path=path),
+                self.transfer_duration.labels(role=role, path=path))
+        count, moved, duration = children
+        count.inc()
         if outcome == "ok" and nbytes:
-            self.transferred_bytes.labels(role=role, path=path).inc(nbytes)
-        self.transfer_duration.labels(role=role, path=path).observe(duration_s)
+            moved.inc(nbytes)
+        duration.observe(duration_s)
 
     def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
         """Record one pull's posted READs: build time per descriptor of each, and their

@@ -57,17 +57,24 @@ class ProducerReads:
     owner: str
     reads: int = 0  # planner reads served (what the producer's notice counts)
     _parts: list[tuple[np.ndarray, ...]] = field(default_factory=list, repr=False)
+    # kept as parts are added: a one-block pull asks for both more than once
+    descriptors: int = 0
+    total_nbytes: int = 0
 
     def add(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, local_dev: int,
             remote_dev: int) -> None:
         n = len(nbytes)
-        self._parts.append((local, remote, nbytes, np.full(n, local_dev, dtype=np.int64),
-                            np.full(n, remote_dev, dtype=np.int64)))
+        self.add_rows(local, remote, nbytes, np.full(n, local_dev, dtype=np.int64),
+                      np.full(n, remote_dev, dtype=np.int64))
 
     def add_rows(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray,
-                 local_devs: np.ndarray, remote_devs: np.ndarray) -> None:
-        """`add`, with the device columns ready (read-only arrays may be shared)."""
+                 local_devs: np.ndarray, remote_devs: np.ndarray,
+                 total_nbytes: int | None = None) -> None:
+        """`add`, with the device columns ready (read-only arrays may be shared), and the
+        sum of ``nbytes`` when the caller knows it."""
         self._parts.append((local, remote, nbytes, local_devs, remote_devs))
+        self.descriptors += len(nbytes)
+        self.total_nbytes += int(nbytes.sum()) if total_nbytes is None else total_nbytes
 
     def _column(self, i: int) -> np.ndarray:
         if not self._parts:
@@ -95,14 +102,6 @@ class ProducerReads:
     @property
     def remote_devs(self) -> np.ndarray:
         return self._column(4)
-
-    @property
-    def descriptors(self) -> int:
-        return sum(len(p[2]) for p in self._parts)
-
-    @property
-    def total_nbytes(self) -> int:
-        return int(sum(int(p[2].sum()) for p in self._parts))
 
 
 def _ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
@@ -281,6 +280,7 @@ class _ReadRows:
     local_devs: np.ndarray
     remote_devs: np.ndarray
     template: _BlockTemplate
+    total_nbytes: int
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,7 @@ class PreparedPull:
                 g = groups[r.owner] = ProducerReads(r.owner)
             g.reads += 1
             g.add_rows(r.local + lid * t.local_stride, r.remote + rid * t.remote_stride,
-                       r.nbytes, r.local_devs, r.remote_devs)
+                       r.nbytes, r.local_devs, r.remote_devs, r.total_nbytes)
         return groups
 
 
@@ -347,7 +347,8 @@ def prepare_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
                     np.full(n, rr.device_id, dtype=np.int64))
             for a in cols:
                 a.setflags(write=False)
-            rows.append(_ReadRows(rr.owner, cols[0], cols[1], t.nbytes, cols[2], cols[3], t))
+            rows.append(_ReadRows(rr.owner, cols[0], cols[1], t.nbytes, cols[2], cols[3], t,
+                                  int(t.nbytes.sum())))
     if not rows:  # no read at all (nothing to shift), or one without a template
         return PreparedPull(plan, local, remote_ranks, tuple(owners), None)
     return PreparedPull(plan, local, remote_ranks, tuple(owners), tuple(rows),

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import os
+from typing import Any
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
@@ -61,6 +62,8 @@ IDLE_POLL_MAX_S = 0.05
 # different sockets, in either order). At most a quarter of handshake_timeout_s, so the
 # consumer (same setting, as a rule) hears "not found" before its Acquire times out.
 ACQUIRE_WAITS_FOR_PUBLISH_S = 1.0
+# (engine, consumer parallelism) pairs whose expected reads are kept; cleared past it
+MAX_EXPECTED_KEPT = 256
 
 
 def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
@@ -74,6 +77,7 @@ class Producer:
         self.held = HeldTable(svc.cfg.max_held_requests)
         self._pinned: dict[tuple[str, str], list] = {}
         self._reading: set[tuple[str, str]] = set()  # acquired, notices still due
+        self._expected: dict[tuple[Any, ...], tuple[Engine, int, int]] = {}
         self._plans = PlanCache()
         self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
         # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
@@ -186,9 +190,7 @@ class Producer:
         engine = self.svc.registry.engines.get(msg.producer_engine_id)
         if engine is None:
             raise NotFoundError(f"engine {msg.producer_engine_id!r} is not registered here")
-        cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
-                           msg.consumer_layer_partition)
-        check_parallelism(geometry(engine.model), cpar, "consumer")
+        expected = self._expected_reads(engine, msg)
         if any(r.gone for r in self._pinned.get((held.engine_id, held.request_id), ())):
             # Its blocks are in the pools of the registration that published it (kept while
             # pinned), not in those the engine registered since: a consumer that greeted the
@@ -197,10 +199,12 @@ class Producer:
                                 "left after publishing it; its blocks are not in the pools "
                                 "registered now")
         now = self.svc.clock.now()
-        held.acquire(msg.consumer_engine_id, msg.block_ids, now,
-                     self.expected_reads(engine, cpar), consumer_instance)
-        self._reading.add((held.engine_id, held.request_id))
-        self.wake()
+        held.acquire(msg.consumer_engine_id, msg.block_ids, now, expected, consumer_instance)
+        if consumer_instance != self.svc.instance_id:
+            # a consumer elsewhere: its READs' notifications come through NIXL (a local
+            # pull's notice comes in-process: nothing to poll for)
+            self._reading.add((held.engine_id, held.request_id))
+            self.wake()
         return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
                           hold_id=held.hold_id)
 
@@ -222,6 +226,24 @@ class Producer:
             except NotFoundError:
                 unknown.append(rid)
         return P.HeartbeatAck(unknown=unknown)
+
+    def _expected_reads(self, engine: Engine, msg: P.Acquire) -> int:
+        """`expected_reads` for an Acquire's consumer parallelism (checked), kept per
+        (engine, consumer parallelism) while the engine and its epoch stay the same:
+        every Acquire asks."""
+        key = (engine.engine_id, msg.consumer_tp_size, msg.consumer_pp_size,
+               tuple(msg.consumer_layer_partition or ()))
+        hit = self._expected.get(key)
+        if hit is not None and hit[0] is engine and hit[1] == engine.epoch:
+            return hit[2]
+        cpar = parallelism(msg.consumer_tp_size, msg.consumer_pp_size,
+                           msg.consumer_layer_partition)
+        check_parallelism(geometry(engine.model), cpar, "consumer")
+        expected = self.expected_reads(engine, cpar)
+        if len(self._expected) >= MAX_EXPECTED_KEPT:
+            self._expected.clear()
+        self._expected[key] = (engine, engine.epoch, expected)
+        return expected
 
     def expected_reads(self, engine: Engine, consumer: Parallelism) -> int:
         """Reads the planner sends to the producer ranks hosted on this daemon."""
