@@ -36,6 +36,13 @@ from kvd.planner.layout import CacheLayout
 from kvd.planner.plan import RankId, Read, TransferPlan
 
 SMALL_IDS = 8  # id lists up to this long are checked in Python, not numpy
+# A pull of at most this many descriptors per producer keeps them as tuples of ints:
+# through `kvd serve`, each numpy call of a one-block pull costs 2-5 us (a cold call
+# path, not the arithmetic), and a dozen of them were a quarter of its control work.
+SMALL_DESCRIPTORS = 8
+
+# A column of descriptors: an int64 array, or (at most SMALL_DESCRIPTORS) a tuple of ints.
+Column = np.ndarray | tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -67,96 +74,109 @@ class ProducerReads:
         self.add_rows(local, remote, nbytes, np.full(n, local_dev, dtype=np.int64),
                       np.full(n, remote_dev, dtype=np.int64))
 
-    def add_rows(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray,
-                 local_devs: np.ndarray, remote_devs: np.ndarray,
-                 total_nbytes: int | None = None) -> None:
-        """`add`, with the device columns ready (read-only arrays may be shared), and the
-        sum of ``nbytes`` when the caller knows it."""
+    def add_rows(self, local: Column, remote: Column, nbytes: Column, local_devs: Column,
+                 remote_devs: Column, total_nbytes: int | None = None) -> None:
+        """`add`, with the device columns ready (read-only arrays may be shared; or all
+        five as tuples of ints), and the sum of ``nbytes`` when the caller knows it."""
         self._parts.append((local, remote, nbytes, local_devs, remote_devs))
         self.descriptors += len(nbytes)
-        self.total_nbytes += int(nbytes.sum()) if total_nbytes is None else total_nbytes
+        if total_nbytes is None:
+            total_nbytes = (int(nbytes.sum()) if isinstance(nbytes, np.ndarray)
+                            else sum(nbytes))
+        self.total_nbytes += total_nbytes
 
-    def _column(self, i: int) -> np.ndarray:
-        if not self._parts:
+    def _column(self, i: int) -> Column:
+        """Column ``i`` of every part: tuples while they are few and all tuples (no
+        numpy on a one-block pull's path), else one int64 array."""
+        parts = self._parts
+        if not parts:
             return np.zeros(0, dtype=np.int64)
-        if len(self._parts) == 1:
-            return self._parts[0][i].astype(np.int64, copy=False)
-        return np.concatenate([p[i] for p in self._parts]).astype(np.int64, copy=False)
+        if self.descriptors <= SMALL_DESCRIPTORS and all(
+                type(p[i]) is tuple for p in parts):
+            if len(parts) == 1:
+                return parts[0][i]
+            return tuple(x for p in parts for x in p[i])
+        if len(parts) == 1:
+            return np.asarray(parts[0][i]).astype(np.int64, copy=False)
+        return np.concatenate([np.asarray(p[i], dtype=np.int64) for p in parts])
 
     @property
-    def local_addrs(self) -> np.ndarray:
+    def local_addrs(self) -> Column:
         return self._column(0)
 
     @property
-    def remote_addrs(self) -> np.ndarray:
+    def remote_addrs(self) -> Column:
         return self._column(1)
 
     @property
-    def nbytes(self) -> np.ndarray:
+    def nbytes(self) -> Column:
         return self._column(2)
 
     @property
-    def local_devs(self) -> np.ndarray:
+    def local_devs(self) -> Column:
         return self._column(3)
 
     @property
-    def remote_devs(self) -> np.ndarray:
+    def remote_devs(self) -> Column:
         return self._column(4)
 
 
-def _ids(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+def _ids(values: Sequence[int] | np.ndarray, what: str) -> list[int] | np.ndarray:
+    """Checked block ids: a small list stays a list (no numpy on a one-block pull's
+    path), anything else becomes a flat int64 array."""
+    if isinstance(values, list) and len(values) <= SMALL_IDS:
+        if values and min(values) < 0:
+            raise BlockIdError(f"{what} block ids {[v for v in values if v < 0][:8]} are "
+                               "negative")
+        return values
     arr = np.asarray(values, dtype=np.int64).reshape(-1)
-    if arr.size <= SMALL_IDS and isinstance(values, list):
-        # a small pull's ids: a Python min is several times faster than numpy's
-        negative = bool(values) and min(values) < 0
-    else:
-        negative = bool(arr.size) and arr.min() < 0
-    if negative:
+    if arr.size and arr.min() < 0:
         raise BlockIdError(f"{what} block ids {arr[arr < 0][:8].tolist()} are negative")
     return arr
 
 
 def match_tail(local_ids: Sequence[int] | np.ndarray, remote_ids: Sequence[int] | np.ndarray,
                local_block_tokens: int, remote_block_tokens: int, num_tokens: int = -1
-               ) -> tuple[np.ndarray, np.ndarray]:
+               ) -> tuple[list[int] | np.ndarray, list[int] | np.ndarray]:
     """(local ids, the remote ids that fill them): exact, or LayoutError.
 
     ``num_tokens`` (the prompt's token count, -1 unknown) is checked against the remote
     blocks when given. Without it a pull is ambiguous, and refused, only when prefill
     blocks are larger than decode blocks and the local blocks do not cover every remote
     block exactly (a prefix hit, or a partial last prefill block).
+    Lists of up to ``SMALL_IDS`` ids come back as lists, the rest as int64 arrays.
     """
     local = _ids(local_ids, "local")
     remote = _ids(remote_ids, "remote")
-    if local.size == 0:
+    if len(local) == 0:
         return local, remote[:0]  # notify only
-    if remote.size == 0:
+    if len(remote) == 0:
         raise LayoutError("pull names local blocks but no remote blocks")
     bs_l, bs_r = local_block_tokens, remote_block_tokens
     if max(bs_l, bs_r) % min(bs_l, bs_r):
         raise LayoutError(f"block sizes {bs_l} (decode) and {bs_r} (prefill) do not divide")
-    if num_tokens >= 0 and -(-num_tokens // bs_r) != remote.size:
+    if num_tokens >= 0 and -(-num_tokens // bs_r) != len(remote):
         raise LayoutError(f"num_tokens {num_tokens} fills {-(-num_tokens // bs_r)} prefill "
-                          f"blocks of {bs_r} tokens, but the pull names {remote.size}")
+                          f"blocks of {bs_r} tokens, but the pull names {len(remote)}")
     if bs_l >= bs_r:  # decode blocks hold m prefill blocks: a hit is whole prefill blocks
         m = bs_l // bs_r
-        groups = -(-remote.size // m)
-        skip = groups - local.size
+        groups = -(-len(remote) // m)
+        skip = groups - len(local)
         if skip < 0:
-            raise LayoutError(f"pull names {local.size} local blocks but the remote request only "
+            raise LayoutError(f"pull names {len(local)} local blocks but the remote request only "
                               f"fills {groups}")
         return local, remote[skip * m:]
     m = bs_r // bs_l  # prefill blocks hold m decode blocks
     if num_tokens < 0:
-        if local.size != remote.size * m:
+        if len(local) != len(remote) * m:
             raise LayoutError(
-                f"ambiguous pull: {local.size} decode blocks of {bs_l} tokens from {remote.size} "
+                f"ambiguous pull: {len(local)} decode blocks of {bs_l} tokens from {len(remote)} "
                 f"prefill blocks of {bs_r} tokens (prefix hit or partial last block?); pass "
                 "num_tokens")
         return local, remote
-    skip = -(-num_tokens // bs_l) - local.size  # decode blocks the engine already holds
+    skip = -(-num_tokens // bs_l) - len(local)  # decode blocks the engine already holds
     if skip < 0:
-        raise LayoutError(f"pull names {local.size} local blocks but {num_tokens} tokens fill "
+        raise LayoutError(f"pull names {len(local)} local blocks but {num_tokens} tokens fill "
                           f"only {-(-num_tokens // bs_l)}")
     first_token = skip * bs_l
     if first_token % bs_r:
@@ -252,6 +272,8 @@ def assemble_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
     """
     groups: dict[str, ProducerReads] = {o: ProducerReads(o) for o in owners}
     notify_only = len(local_ids) == 0
+    local_ids = np.asarray(local_ids, dtype=np.int64)
+    remote_ids = np.asarray(remote_ids, dtype=np.int64)
     for lr in local_ranks:
         for read in plan.reads_for(lr.rank):
             rr = remote_ranks.get(read.remote)
@@ -281,6 +303,9 @@ class _ReadRows:
     remote_devs: np.ndarray
     template: _BlockTemplate
     total_nbytes: int
+    # (local, remote, nbytes, local devs, remote devs) as tuples of ints when the read
+    # has at most SMALL_DESCRIPTORS descriptors (else None)
+    small: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -300,8 +325,8 @@ class PreparedPull:
     local_blocks: int = 0  # block ids every row's template covers: [0, n) on each side
     remote_blocks: int = 0
 
-    def assemble(self, local_ids: np.ndarray, remote_ids: np.ndarray
-                 ) -> dict[str, ProducerReads]:
+    def assemble(self, local_ids: Sequence[int] | np.ndarray,
+                 remote_ids: Sequence[int] | np.ndarray) -> dict[str, ProducerReads]:
         if self.rows is None or len(local_ids) != 1 or len(remote_ids) != 1:
             return assemble_pull(self.plan, self.local_ranks, self.remote_ranks, local_ids,
                                  remote_ids, self.owners)
@@ -317,8 +342,14 @@ class PreparedPull:
             if g is None:
                 g = groups[r.owner] = ProducerReads(r.owner)
             g.reads += 1
-            g.add_rows(r.local + lid * t.local_stride, r.remote + rid * t.remote_stride,
-                       r.nbytes, r.local_devs, r.remote_devs, r.total_nbytes)
+            if r.small is not None:
+                la, ra, nb, ld, rd = r.small
+                lshift, rshift = lid * t.local_stride, rid * t.remote_stride
+                g.add_rows(tuple(a + lshift for a in la), tuple(a + rshift for a in ra),
+                           nb, ld, rd, r.total_nbytes)
+            else:
+                g.add_rows(r.local + lid * t.local_stride, r.remote + rid * t.remote_stride,
+                           r.nbytes, r.local_devs, r.remote_devs, r.total_nbytes)
         return groups
 
 
@@ -347,8 +378,11 @@ def prepare_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
                     np.full(n, rr.device_id, dtype=np.int64))
             for a in cols:
                 a.setflags(write=False)
+            small = (tuple(tuple(a.tolist()) for a in (cols[0], cols[1], t.nbytes, cols[2],
+                                                       cols[3]))
+                     if n <= SMALL_DESCRIPTORS else None)
             rows.append(_ReadRows(rr.owner, cols[0], cols[1], t.nbytes, cols[2], cols[3], t,
-                                  int(t.nbytes.sum())))
+                                  int(t.nbytes.sum()), small))
     if not rows:  # no read at all (nothing to shift), or one without a template
         return PreparedPull(plan, local, remote_ranks, tuple(owners), None)
     return PreparedPull(plan, local, remote_ranks, tuple(owners), tuple(rows),

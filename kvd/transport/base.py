@@ -71,13 +71,16 @@ class ReadPost:
     """
 
     peer: str
-    local_addrs: np.ndarray
-    remote_addrs: np.ndarray
-    nbytes: np.ndarray
+    # int64 arrays; a few descriptors (kvd.planner.assembly.SMALL_DESCRIPTORS) may come as
+    # tuples of ints to a local copier (NIXL posts get arrays: kvd.daemon.pull.movers)
+    local_addrs: np.ndarray | tuple[int, ...]
+    remote_addrs: np.ndarray | tuple[int, ...]
+    nbytes: np.ndarray | tuple[int, ...]
     mem_type: str
     notif: bytes
-    local_devs: np.ndarray | None = None  # GPU index per descriptor (None: all 0, DRAM)
-    remote_devs: np.ndarray | None = None
+    # GPU index per descriptor (None: all 0, DRAM)
+    local_devs: np.ndarray | tuple[int, ...] | None = None
+    remote_devs: np.ndarray | tuple[int, ...] | None = None
     local_pools: tuple[PoolSpan, ...] = ()
     remote_pools: tuple[PoolSpan, ...] = ()
     # This side's memory when it differs from the peer's ``mem_type`` ("": the same): a

@@ -94,6 +94,15 @@ def as_descriptors(dst_addrs, src_addrs, nbytes) -> tuple[np.ndarray, np.ndarray
 SMALL_DESCRIPTORS = 8
 
 
+def _ints(values) -> list | None:
+    """``values`` as a list (a numpy integer array in one call), or None if any is not an
+    integer."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values.tolist()
+    out = list(values)
+    return out if all(isinstance(v, (int, np.integer)) for v in out) else None
+
+
 def small_copy(dst_addrs, src_addrs, nbytes) -> list[tuple[int, int, int]] | None:
     """A short copy as validated (dst, src, nbytes) tuples, the same checks as
     `as_descriptors`; None when it has more than `SMALL_DESCRIPTORS` descriptors."""
@@ -103,22 +112,21 @@ def small_copy(dst_addrs, src_addrs, nbytes) -> list[tuple[int, int, int]] | Non
     if len(dst_addrs) != n or len(src_addrs) != n:
         raise ValueError(f"copy: {len(dst_addrs)} destination addresses, {len(src_addrs)} "
                          f"source addresses and {n} sizes")
-    rows = []
-    for d, s, k in zip(dst_addrs, src_addrs, nbytes, strict=True):
-        if not all(isinstance(v, (int, np.integer)) for v in (d, s, k)):
-            raise ValueError("copy: addresses and sizes must be integers")
-        d, s, k = int(d), int(s), int(k)
-        if k <= 0:
-            raise ValueError("copy: every size must be > 0")
-        if d < 0 or s < 0:
-            raise ValueError("copy: negative address")
-        if d >= 2**63 or s >= 2**63:
-            raise ValueError("copy: address above 2**63")
-        rows.append((d, s, k))
-    spans = sorted((d, d + k) for d, _, k in rows)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
-        if end > start:
-            raise ValueError("copy: destination ranges overlap")
+    dsts, srcs, sizes = _ints(dst_addrs), _ints(src_addrs), _ints(nbytes)
+    if dsts is None or srcs is None or sizes is None:
+        raise ValueError("copy: addresses and sizes must be integers")
+    rows = list(zip(map(int, dsts), map(int, srcs), map(int, sizes), strict=True))
+    if min(sizes) <= 0:
+        raise ValueError("copy: every size must be > 0")
+    if min(dsts) < 0 or min(srcs) < 0:
+        raise ValueError("copy: negative address")
+    if max(dsts) >= 2**63 or max(srcs) >= 2**63:
+        raise ValueError("copy: address above 2**63")
+    if n > 1:
+        spans = sorted((d, d + k) for d, _, k in rows)
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            if end > start:
+                raise ValueError("copy: destination ranges overlap")
     return rows
 
 

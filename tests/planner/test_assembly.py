@@ -138,8 +138,12 @@ def test_notify_only_counts_reads_without_descriptors() -> None:
 ])
 def test_match_tail_places_the_tail(local, remote, bs_l, bs_r, tokens, want_remote) -> None:
     lo, ro = match_tail(local, remote, bs_l, bs_r, tokens)
-    assert lo.tolist() == local
-    assert ro.tolist() == want_remote
+    assert np.asarray(lo).tolist() == local
+    assert np.asarray(ro).tolist() == want_remote
+    # the same ids as an array: the same answer, as arrays
+    la, ra = match_tail(np.array(local), np.array(remote), bs_l, bs_r, tokens)
+    assert isinstance(la, np.ndarray) and isinstance(ra, np.ndarray)
+    assert la.tolist() == local and ra.tolist() == want_remote
 
 
 @pytest.mark.parametrize(("local", "remote", "bs_l", "bs_r", "tokens", "match"), [

@@ -14,7 +14,13 @@ from test_assembly import _pools, pulls
 
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import plan_transfer
-from kvd.planner.assembly import assemble_pull, match_tail, prepare_pull
+from kvd.planner.assembly import (
+    SMALL_DESCRIPTORS,
+    ProducerReads,
+    assemble_pull,
+    match_tail,
+    prepare_pull,
+)
 from kvd.pool.geometry import geometry, parallelism
 from kvd.tools.sim import EngineShape
 from kvd.wire.protocol import ModelSpec
@@ -56,6 +62,7 @@ def test_prepared_pull_assembles_what_assemble_pull_does(case, owners, data) -> 
         lid = data.draw(st.integers(-1, dshape.num_blocks))
         rid = data.draw(st.integers(-1, pshape.num_blocks))
         pulls_to_try.append((np.array([lid]), np.array([rid])))
+        pulls_to_try.append(([lid], [rid]))  # as a Pull message carries them
     for lo, ro in pulls_to_try:
         got, got_err = _outcome(lambda lo=lo, ro=ro: prepared.assemble(lo, ro))
         want, want_err = _outcome(
@@ -79,6 +86,10 @@ def test_prepared_pull_takes_one_block_pulls_from_its_templates() -> None:
     want = assemble_pull(plan, [p for _, p, _ in dranks], {r: p for r, p, _ in pranks},
                          np.array([3]), np.array([5]), ["agent0"])
     _same(groups, want)
+    # a few descriptors stay tuples of Python ints (no numpy on a one-block pull's path)
+    for col in ("local_addrs", "remote_addrs", "nbytes", "local_devs", "remote_devs"):
+        got = getattr(groups["agent0"], col)
+        assert type(got) is tuple and all(type(x) is int for x in got), col
     # the ready rows are shared between pulls: nobody may write into them
     assert not prepared.rows[0].nbytes.flags.writeable
     with pytest.raises(LayoutError, match="out of range"):
@@ -92,3 +103,21 @@ def test_small_id_lists_still_name_negative_ids(ids) -> None:
         match_tail(ids, [0] * len(ids), 16, 16)
     with pytest.raises(BlockIdError, match="negative"):
         match_tail([0] * len(ids), ids, 16, 16)
+
+
+def test_tuple_columns_become_one_array_past_a_few_descriptors() -> None:
+    """Parts given as tuples concatenate as tuples up to SMALL_DESCRIPTORS, and as one
+    int64 array past it or mixed with an array: the same values either way."""
+    small = ProducerReads("a")
+    for i in range(2):
+        small.add_rows((10 + i,), (20 + i,), (4,), (0,), (0,))
+    assert small.local_addrs == (10, 11) and small.total_nbytes == 8
+    big = ProducerReads("a")
+    for i in range(SMALL_DESCRIPTORS + 1):
+        big.add_rows((10 + i,), (20 + i,), (4,), (0,), (0,))
+    assert isinstance(big.local_addrs, np.ndarray) and big.local_addrs.dtype == np.int64
+    assert big.local_addrs.tolist() == list(range(10, 11 + SMALL_DESCRIPTORS))
+    mixed = ProducerReads("a")
+    mixed.add_rows((1,), (2,), (4,), (0,), (0,))
+    mixed.add_rows(np.array([5]), np.array([6]), np.array([8]), np.array([0]), np.array([0]))
+    assert mixed.nbytes.tolist() == [4, 8] and mixed.total_nbytes == 12

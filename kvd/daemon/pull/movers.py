@@ -8,9 +8,12 @@ reports each transfer's end. `NixlMover` posts NIXL READs from another daemon's 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Protocol
+
+import numpy as np
 
 from kvd.daemon.datapath import DataPath, PostResult, XferStatus
 from kvd.daemon.engines.table import Engine
@@ -90,6 +93,18 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
     return posts, notices, nbytes, descriptors
 
 
+def _arrays(posts: list[ReadPost]) -> list[ReadPost]:
+    """The posts with every column an int64 array: NIXL's descriptor lists are built from
+    arrays, and a small pull's assembly hands over tuples (kvd.planner.assembly)."""
+    if all(type(p.nbytes) is np.ndarray for p in posts):
+        return posts
+    return [dataclasses.replace(
+        p, **{name: np.asarray(col, dtype=np.int64)
+              for name in ("local_addrs", "remote_addrs", "nbytes", "local_devs", "remote_devs")
+              if (col := getattr(p, name)) is not None and type(col) is not np.ndarray})
+        for p in posts]
+
+
 def _host_port(address: str) -> tuple[str, int]:
     """("host", port) of a "tcp://host:port" endpoint (port 0 when there is none)."""
     rest = address.split("://", 1)[-1]
@@ -111,13 +126,13 @@ class NixlMover:
         self.own_ports = own_ports  # this daemon's listeners: never severed
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
-        return self.datapath.can_post_now(posts)
+        return self.datapath.can_post_now(_arrays(posts))
 
     def post_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
-        return self.datapath.post_reads_now(posts)
+        return self.datapath.post_reads_now(_arrays(posts))
 
     async def post(self, posts: list[ReadPost]) -> list[PostResult]:
-        return await self.datapath.post_reads(posts)
+        return await self.datapath.post_reads(_arrays(posts))
 
     async def poll(self, handles: list[int]) -> dict[int, XferStatus]:
         return await self.datapath.poll_many(handles)
