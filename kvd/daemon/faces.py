@@ -92,8 +92,9 @@ def is_loopback(endpoint: str) -> bool:
 
 class Inbox:
     """Receives from a plain ZMQ socket on the event loop, without pyzmq's asyncio adapter
-    (a future, a flag-enum dance and a loop callback per message: ~40 us of a ~150 us round
-    trip on a 2-core host, `kvd.tools.bench` 1-block figures in docs/notes).
+    (a future, a flag-enum dance and a loop callback per message: a bare ping-pong took
+    157 us with it and 115 us without on a 2-core host;
+    docs/notes/2026-11-27-one-block-latency.md).
 
     ZMQ's descriptor is edge-like: it signals that the socket's events may have changed,
     and any send, receive or EVENTS read on the socket may consume that signal. So a
@@ -129,8 +130,9 @@ class Inbox:
                 self._waiter = None
 
     def kick(self) -> None:
-        """Wake a waiting `recv` if a message is there. Reading EVENTS also consumes the
-        descriptor's signal, so a descriptor left readable never spins the loop."""
+        """Wake a waiting `recv` if a message is there (the loop's reader on the
+        descriptor, and every send). Reading EVENTS also consumes the descriptor's signal,
+        as pyzmq's own reader does."""
         try:
             readable = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
         except zmq.ZMQError:  # closed meanwhile
@@ -159,9 +161,10 @@ class Face:
         self.token = "" if curve is not None else token
         self.instance_id = instance_id
         self.metrics = metrics
-        # A plain socket, received from through `Inbox` (its context is the asyncio one:
-        # the monitor socket it makes is awaited as usual).
-        self.sock = zmq.Socket(ctx, zmq.ROUTER)
+        # A plain socket, received from through `Inbox`; made by the (asyncio) context, so
+        # that its destroy() closes it too, and the monitor socket it makes is awaited as
+        # usual.
+        self.sock = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # Bounded in bytes: at most receive_queue_bytes of messages of the largest allowed
