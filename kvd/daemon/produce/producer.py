@@ -201,8 +201,9 @@ class Producer:
         now = self.svc.clock.now()
         held.acquire(msg.consumer_engine_id, msg.block_ids, now, expected, consumer_instance)
         if consumer_instance != self.svc.instance_id:
-            # a consumer elsewhere: its READs' notifications come through NIXL (a local
-            # pull's notice comes in-process: nothing to poll for)
+            # a consumer elsewhere: its READs need this side's NIXL progress (and an
+            # older peer notifies through NIXL). A local pull's copy needs neither and its
+            # notice comes in-process: nothing to poll for.
             self._reading.add((held.engine_id, held.request_id))
             self.wake()
         return P.Acquired(epoch=engine.epoch, held_s=max(0.0, now - held.published_s),
