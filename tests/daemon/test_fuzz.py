@@ -14,6 +14,7 @@ import random
 import msgspec
 import pytest
 import zmq
+from support.raw_zmq import dealer
 
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
@@ -157,14 +158,10 @@ def test_fuzz_both_faces_then_transfer_is_exact(tmp_path):
         assert errors >= 0.5 * TOTAL_MESSAGES, errors
 
         # Oversized frame: refused by the socket (MAXMSGSIZE) before any decoding.
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(prefill.engine_address)
-        s.send_multipart([ENC.encode(P.Header(v=V, kind="Publish", id=1)), b"\x00" * 200_000])
-        assert not s.poll(500), "an oversized frame must not be answered"
-        s.close(0)
-        ctx.term()
+        with dealer(prefill.engine_address) as s:
+            s.send_multipart([ENC.encode(P.Header(v=V, kind="Publish", id=1)),
+                              b"\x00" * 200_000])
+            assert not s.poll(500), "an oversized frame must not be answered"
         assert prefill.proc.poll() is None
 
         _transfer(prefill, decode, "after")

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import zmq
 from support.cluster import metric, unique, wait_until
+from support.raw_zmq import dealer
 
 from kvd.errors import BlockIdError, TooLargeError
 from kvd.pool.shm import kvd_segments
@@ -215,32 +216,29 @@ def test_unauthenticated_flood_is_cheap_bounded_and_good_clients_are_served(tmp_
     assert 12 * 2**20 < len(body) < 16 * 2**20
     try:
         rss0, peak = _rss_kib(d.proc.pid), 0
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(d.engine_address)
-        t0 = time.monotonic()
+        with dealer(d.engine_address) as s:
+            t0 = time.monotonic()
 
-        def flood() -> None:
-            for i in range(messages):
-                s.send_multipart([header("Publish", i + 1, token="wrong"), body], copy=False)
+            def flood() -> None:
+                for i in range(messages):
+                    s.send_multipart([header("Publish", i + 1, token="wrong"), body], copy=False)
 
-        sender = threading.Thread(target=flood)
-        sender.start()
-        slowest = 0.0
-        with d.client(ping_interval_s=0) as good:
-            while len(replies) < messages and time.monotonic() - t0 < 60:
-                t = time.monotonic()
-                assert good.status().daemon_id
-                slowest = max(slowest, time.monotonic() - t)
-                peak = max(peak, _rss_kib(d.proc.pid))
-                while s.poll(0):
-                    replies.append(P.decode(s.recv_multipart(), P.REPLIES))
-                time.sleep(0.02)
-        sender.join()
-        elapsed = time.monotonic() - t0
-        s.close(0)
-        ctx.term()
+            sender = threading.Thread(target=flood)
+            sender.start()
+            slowest = 0.0
+            try:
+                with d.client(ping_interval_s=0) as good:
+                    while len(replies) < messages and time.monotonic() - t0 < 60:
+                        t = time.monotonic()
+                        assert good.status().daemon_id
+                        slowest = max(slowest, time.monotonic() - t)
+                        peak = max(peak, _rss_kib(d.proc.pid))
+                        while s.poll(0):
+                            replies.append(P.decode(s.recv_multipart(), P.REPLIES))
+                        time.sleep(0.02)
+            finally:
+                sender.join()  # before the socket it sends on is closed
+            elapsed = time.monotonic() - t0
         assert len(replies) == messages
         assert all(isinstance(b, P.Error) and b.code == "unauthorized" for _, b in replies)
         assert d.metric("kvd_auth_failures_total", face="engine") == messages
