@@ -35,6 +35,7 @@ from kvd.client.core import (  # noqa: F401 - re-exported by kvd.client
     default_curve,
     default_token,
 )
+from kvd.client.sockets import OwnedSockets
 from kvd.errors import KvdError, KvdTimeoutError
 from kvd.wire import curve as C
 from kvd.wire import protocol as P
@@ -90,9 +91,9 @@ class KvdClient(_ClientSettings):
                  token: str | None = None, ping_interval_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
-        self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, self.address, self.curve)
-        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._zmq = OwnedSockets(self, zmq.Context())
+        self._sock = self._zmq.add(_socket(self._zmq.ctx, self.address, self.curve))
+        self._mon = self._zmq.add(self._sock.get_monitor_socket(HANDSHAKE_FAILED))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pinger: threading.Thread | None = None
@@ -147,10 +148,10 @@ class KvdClient(_ClientSettings):
 
     def _renew_socket(self) -> None:
         self._sock.disable_monitor()
-        self._mon.close(0)
-        self._sock.close(0)
-        self._sock = _socket(self._ctx, self.address, self.curve)
-        self._mon = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
+        self._zmq.close(self._mon)
+        self._zmq.close(self._sock)
+        self._sock = self._zmq.add(_socket(self._zmq.ctx, self.address, self.curve))
+        self._mon = self._zmq.add(self._sock.get_monitor_socket(HANDSHAKE_FAILED))
 
     def register(self, engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int = 0,
                  tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
@@ -272,9 +273,7 @@ class KvdClient(_ClientSettings):
             self._pinger.join(timeout=2)
         with self._lock:  # let an in-flight call finish before the socket goes
             self._sock.disable_monitor()
-            self._mon.close(0)
-            self._sock.close(0)
-        self._ctx.term()
+            self._zmq.shut()
 
     def __enter__(self) -> KvdClient:
         return self
@@ -290,8 +289,8 @@ class AsyncKvdClient(_ClientSettings):
                  token: str | None = None, ping_interval_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None) -> None:
         super().__init__(address, timeout_s, token, ping_interval_s, on_lost)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, self.address, self.curve)
+        self._zmq = OwnedSockets(self, zmq.asyncio.Context())
+        self._sock = self._zmq.add(_socket(self._zmq.ctx, self.address, self.curve))
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._pinger: asyncio.Task | None = None
@@ -431,8 +430,7 @@ class AsyncKvdClient(_ClientSettings):
         self._ranks.clear()
         if self._reader is not None:
             self._reader.cancel()
-        self._sock.close(0)
-        self._ctx.term()
+        self._zmq.shut()
 
     async def __aenter__(self) -> AsyncKvdClient:
         return self

@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from kvd.client.core import default_address, default_token
+from kvd.client.sockets import OwnedSockets
 from kvd.errors import KvdError
 from kvd.wire import protocol as P
 
@@ -39,8 +40,8 @@ class NoWaitClient:
         self.address = address or default_address()
         self.token = default_token() if token is None else token
         self._ids = itertools.count(1)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._zmq = OwnedSockets(self, zmq.Context())
+        self._sock = self._zmq.add(self._zmq.ctx.socket(zmq.DEALER))
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
         self._sock.connect(self.address)
@@ -93,5 +94,4 @@ class NoWaitClient:
         return [self._in_flight.pop(i)[1] for i in old]
 
     def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+        self._zmq.shut()
