@@ -169,8 +169,8 @@ def test_plaintext_daemon_to_curve_daemon_is_a_clear_error_not_a_hang(fleet: dic
     assert took < 5, f"refusal took {took:.1f}s (handshake_timeout_s is 10): a hang"
     # Not asserted: that `a` counted the plaintext daemon. Whichever side reads the
     # other's greeting first ends the connection, so `a` may never see a full plaintext
-    # greeting (it failed 2 of 3 runs on a busy host); a plaintext client that waits is
-    # counted, test_plaintext_engine_client_to_curve_engine_face_is_refused.
+    # greeting (it failed 2 of 3 runs on a busy host); fresh plaintext clients until one
+    # is counted: test_plaintext_engine_client_to_curve_engine_face_is_refused.
     # The other way round: a CURVE daemon refuses to talk to a plaintext one.
     b = start("b", tmp, curve_args(k["b"][1], allow(tmp, "b-allow", k["a"][0])))
     fleet["started"].append(b)
