@@ -100,6 +100,48 @@ def owner_alive(directory: str | Path, prefix: str, owner_id: str) -> bool:
     return False
 
 
+_POOL_STEM_RE = re.compile(rf"^(.+-{_OWNER_RE})-[0-9a-f]{{12}}$")
+
+
+def owner_lock_name(pool_name: str) -> str | None:
+    """The owner lock file's name for a pool file ``<prefix>-<owner_id>-<token>`` (None:
+    not a name an owned pool has), without knowing the prefix: a peer's pool names it."""
+    m = _POOL_STEM_RE.match(pool_name)
+    return f"{m.group(1)}.lock" if m else None
+
+
+class OwnerWatch:
+    """Whether the daemon incarnation that owns a pool file is still the one alive.
+
+    Holds a descriptor of the owner's lock file (opened while its owner was alive) and
+    probes it with a shared, non-blocking flock: refused while the owner holds its
+    exclusive lock, granted (and dropped at once) once it died or stopped. A new
+    incarnation can only exist, adopt the pool and let its engine reuse published blocks
+    after the old one died, so "alive after the copy ended" proves the copy read bytes no
+    restart could have handed back. The probe never blocks a successor: ``owner_alive``
+    and adoption take the same shared lock, and the reaper's exclusive try only skips a
+    round."""
+
+    def __init__(self, lock_path: str | Path) -> None:
+        self.path = str(lock_path)
+        self.fd: int | None = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    def alive(self) -> bool:
+        if self.fd is None:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _unlink_unless_mapped(path: Path) -> bool | None:
     """Remove a pool file unless an engine holds its shared flock (still maps it).
     True: removed; False: kept (in use); None: already gone."""

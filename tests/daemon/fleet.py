@@ -1199,12 +1199,12 @@ class SimDriver:
 
         def step(i: int) -> None:
             if i == len(addrs):
-                self.resume(pull.on_probed(act.error, answers), rest)
+                self.resume(pull.on_probed(act.error, answers, self.now()), rest)
                 return
             addr = addrs[i]
             if addr in unreachable:
                 answers[addr] = None
-                self.resume(pull.on_probed(act.error, answers), rest)
+                self.resume(pull.on_probed(act.error, answers, self.now()), rest)
                 return
 
             def got(r: Reply | KvdError) -> None:
@@ -1212,12 +1212,12 @@ class SimDriver:
                     return
                 if isinstance(r, KvdError):
                     answers[addr] = None
-                    self.resume(pull.on_probed(act.error, answers), rest)
+                    self.resume(pull.on_probed(act.error, answers, self.now()), rest)
                     return
                 answers[addr] = r
                 assert pull.remote is not None
                 if r.instance != pull.remote.daemons[addr].instance:
-                    self.resume(pull.on_probed(act.error, answers), rest)
+                    self.resume(pull.on_probed(act.error, answers, self.now()), rest)
                     return
                 step(i + 1)
 

@@ -74,6 +74,13 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Confirm:
+    """Every copy of a host-path pull ended: is the daemon incarnation owning the pool
+    files it read still alive (`Pull.confirmed`)? A successor could have adopted them and
+    its engine reused the blocks under the copy, which never fails by itself."""
+
+
+@dataclass(frozen=True)
 class Discard:
     """Let every transfer posted end (failed or not), release them, unpin
     (`Pull.discarded`): their bytes are not trusted."""
@@ -117,5 +124,5 @@ class Report:
 
 
 Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
-          | PollAfter | Probe | Discard | Sever | Quarantine | Warn | Release | Report)
+          | PollAfter | Probe | Confirm | Discard | Sever | Quarantine | Warn | Release | Report)
 

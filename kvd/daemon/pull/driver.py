@@ -30,6 +30,7 @@ from kvd.daemon.pull.actions import (
     Action,
     Assemble,
     AwaitReplies,
+    Confirm,
     Discard,
     ForgetHandshake,
     Greet,
@@ -186,6 +187,10 @@ class PullDriver:
             msg = self.pull.msg
             self.peers.forget(msg.engine_id, msg.remote_engine_id)
             return []
+        if isinstance(act, Confirm):
+            gone = (self._maps.owner_gone() if self._maps is not None
+                    else "no mapping of the producer's pools to confirm the copy by")
+            return self.pull.confirmed(gone, self.svc.clock.now())
         return None
 
     # ------------------------------------------------------------ the task
@@ -294,7 +299,8 @@ class PullDriver:
             return pull.on_poll(await self.mover.poll(sorted(pull.live)), clock.now(),
                                 self._unreachable())
         if isinstance(act, Probe):
-            return pull.on_probed(act.error, await self._probe(act))
+            answers = await self._probe(act)
+            return pull.on_probed(act.error, answers, clock.now())
         if isinstance(act, Discard):
             self._renew()
             follow: list[Action] = [PollAfter(0.0)] if pull.live else []

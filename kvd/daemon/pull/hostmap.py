@@ -29,6 +29,7 @@ import numpy as np
 
 from kvd.daemon.peers.table import RemoteEngine
 from kvd.planner import RankId
+from kvd.pool.owner import OwnerWatch, owner_lock_name
 from kvd.transport.samehost import HostFacts, Reach, dram_reachable, parse_host_token, stat_dir
 
 log = logging.getLogger("kvd.consumer")
@@ -93,6 +94,7 @@ class HostMaps:
 
     bases: dict[RankId, int]
     files: list[_Mapped] = field(default_factory=list)
+    owners: list[OwnerWatch] = field(default_factory=list)  # the pools' owner incarnations
     refs: int = 0
     retired: bool = False
     closed: bool = False
@@ -101,9 +103,12 @@ class HostMaps:
     def open(cls, remote: RemoteEngine) -> HostMaps:
         """Map every rank's pool file; OSError (with the reason) when one cannot be: not
         there, another file at that path, smaller than the pool, or not readable. Nothing
-        stays mapped on failure."""
+        stays mapped on failure. Also the owner lock of every pool file: a copy is
+        trusted only while the incarnation that owns its source is alive (`owner_gone`);
+        a pool whose owner cannot be watched is not mapped."""
         maps = cls(bases={})
         try:
+            maps._watch_owners(remote)
             for rid, rr in sorted(remote.ranks.items()):
                 f = rr.pool_file
                 fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -127,6 +132,48 @@ class HostMaps:
             maps._unmap()
             raise
         return maps
+
+    def _watch_owners(self, remote: RemoteEngine) -> None:
+        dirs = []
+        for d in remote.daemons.values():
+            try:
+                dirs.append(parse_host_token(d.host_token).pool_dir)
+            except ValueError:
+                continue
+        seen: set[str] = set()
+        for rid, rr in sorted(remote.ranks.items()):
+            path = rr.pool_file.path
+            name = owner_lock_name(os.path.basename(path))
+            if name is None:
+                raise OSError(f"{path}: not named after a kvd incarnation (an older kvd?): "
+                              "a copy from it could not be confirmed")
+            for d in (os.path.dirname(path), *dirs):
+                lock = os.path.join(d, name)
+                if lock in seen:
+                    break
+                try:
+                    watch = OwnerWatch(lock)
+                except FileNotFoundError:
+                    continue
+                self.owners.append(watch)
+                seen.add(lock)
+                if not watch.alive():
+                    raise OSError(f"{lock}: the daemon incarnation that owns rank "
+                                  f"{rid.key}'s pool is not alive")
+                break
+            else:
+                raise OSError(f"{path}: its owner's lock file {name} is not in the "
+                              "producer's pool directory")
+
+    def owner_gone(self) -> str:
+        """Why a copy from these files cannot be trusted now ("" when it can): the daemon
+        incarnation owning one of them died or stopped since they were mapped, so a
+        successor may have adopted the pool and its engine reused the blocks."""
+        for watch in self.owners:
+            if not watch.alive():
+                return (f"the producer daemon that owns {os.path.basename(watch.path)[:-5]}'s "
+                        "pools died or restarted during the copy")
+        return ""
 
     def pin(self) -> None:
         assert not self.closed
@@ -160,6 +207,9 @@ class HostMaps:
             return
         self.closed = True
         self.bases = {}
+        for watch in self.owners:
+            watch.close()
+        self.owners = []
         for f in self.files:
             f.view = np.empty(0, np.uint8)  # drop the buffer export before closing
             try:

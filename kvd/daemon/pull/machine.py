@@ -19,6 +19,10 @@ The rules it keeps:
   with transfers still running is QUARANTINED, and the producers they read from are
   severed at once past the deadline or when their control connection is lost, else
   after ``peer_liveness_timeout_s``;
+* a host-path pull (a copy from another daemon's mapped pool files, which never fails
+  by itself) is ok only if, once every copy ended, the daemon incarnation owning those
+  files is still alive (`Confirm`): else a successor may have adopted them and its
+  engine reused the blocks under the copy;
 * a failed pull reports every local block invalid, never ok with wrong bytes; its
   producers are told to stop holding (abandon), an ok pull's producers get their READ
   notices, both only after the engine has its answer.
@@ -39,6 +43,7 @@ from kvd.daemon.pull.actions import (  # the steps' return values; re-exported h
     Action,
     Assemble,
     AwaitReplies,
+    Confirm,
     Discard,
     ForgetHandshake,
     Greet,
@@ -211,6 +216,15 @@ class Pull:
     def _poll_or_finish(self) -> list[Action]:
         if self.reading_from:
             return [PollAfter(self._next_poll_s())]
+        if self.path == "host":
+            return [Confirm()]
+        return self._end("ok", "")
+
+    def confirmed(self, gone: str, now_s: float) -> list[Action]:
+        """The answer to `Confirm`: "" when the producer's incarnation outlived every copy,
+        else why not (the pull fails: its bytes may be another request's)."""
+        if gone:
+            return self.fail(f"{PeerLostError.code}: {gone}", now_s)
         return self._end("ok", "")
 
     def _next_poll_s(self) -> float:
@@ -253,8 +267,8 @@ class Pull:
                 return self.fail(f"{exc.code}: {exc}", now_s)
         return self._poll_or_finish()
 
-    def on_probed(self, error: TransferError, answers: Mapping[str, Reply | None]
-                  ) -> list[Action]:
+    def on_probed(self, error: TransferError, answers: Mapping[str, Reply | None],
+                  now_s: float) -> list[Action]:
         """What each producer daemon said after a failed transfer (None: unreachable, by
         liveness or by the probe), in order; the first that is lost or restarted names the
         failure, else the transfer error itself."""
@@ -269,7 +283,7 @@ class Pull:
                 exc = PeerLostError(f"producer daemon {addr} restarted during the pull "
                                     f"({error})")
                 break
-        return self.fail(f"{exc.code}: {exc}", None)
+        return self.fail(f"{exc.code}: {exc}", now_s)
 
     # ------------------------------------------------------------ the Acquire
 
@@ -382,7 +396,7 @@ class Pull:
             return [Release()]
         return self._end("cancelled", f"{reason.code}: {reason}")
 
-    def fail(self, error: str, now_s: float | None) -> list[Action]:
+    def fail(self, error: str, now_s: float) -> list[Action]:
         """Fail the pull: at once when no transfer of it can land any more, else through
         QUARANTINED until the transport ended each (`on_poll`)."""
         if self.ending:
@@ -393,11 +407,14 @@ class Pull:
         self.outcome, self.error = outcome, error
         self._then = ""
         if outcome != "cancelled" and self.live:
+            # Only a failure quarantines, and every failure passes the clock's time: the
+            # wait before severing counts from now, never from the clock's zero.
+            assert now_s is not None, "a pull quarantined without the time"
             self._to(On.QUARANTINE)
-            self._quarantined_s = self._next_warn_s = now_s or 0.0
+            self._quarantined_s = self._next_warn_s = now_s
             self._next_warn_s += QUARANTINE_LOG_S
             self._poll_s = FIRST_POLL_S
-            return [Quarantine(True, self.nbytes), *self._quarantine_step(now_s or 0.0,
+            return [Quarantine(True, self.nbytes), *self._quarantine_step(now_s,
                                                                           frozenset())]
         return [Release()]
 

@@ -12,6 +12,7 @@ import pytest
 from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.pull.hostmap import HostMapper, HostMaps, host_bases, host_reach
 from kvd.planner import RankId
+from kvd.pool.owner import PoolOwner
 from kvd.transport.samehost import HostFacts, same_host_token
 from kvd.wire import protocol as P
 
@@ -40,8 +41,21 @@ def _engine(files: list[P.PoolFile], token: str, mem_type: str = "DRAM") -> Remo
     return remote
 
 
+_OWNERS: dict[Path, PoolOwner] = {}
+
+
+def _owner(tmp: Path) -> PoolOwner:
+    """The live producer incarnation whose pool files ``tmp`` holds (its lock held by
+    this process until the test's directory goes)."""
+    if tmp not in _OWNERS:
+        _OWNERS[tmp] = PoolOwner.acquire(tmp, "kvdt")
+    return _OWNERS[tmp]
+
+
 def _file(tmp: Path, name: str, fill: int) -> P.PoolFile:
-    path = tmp / name
+    """A pool file named as its owner incarnation names them (``name`` only tells the
+    files of a test apart)."""
+    path = tmp / _owner(tmp).pool_name()
     path.write_bytes(bytes([fill]) * NBYTES)
     st = os.stat(path)
     return P.PoolFile(path=str(path), dev=st.st_dev, ino=st.st_ino)
@@ -115,7 +129,7 @@ def test_a_file_that_is_not_the_producers_falls_back_with_the_reason(tmp_path) -
     mapper = HostMapper(_facts(), dir_here=lambda _: (5, 6))
     route = mapper.choose(_engine([wrong], same_host_token(peer)))
     assert route is not None and route.path == "remote" and "another file here" in route.why
-    gone = P.PoolFile(path=str(tmp_path / "nope"), dev=1, ino=2)
+    gone = P.PoolFile(path=str(tmp_path / _owner(tmp_path).pool_name()), dev=1, ino=2)
     route = mapper.choose(_engine([gone], same_host_token(peer)))
     assert route is not None and route.path == "remote" and "cannot be mapped" in route.why
     off = HostMapper(_facts(), enabled=False, dir_here=lambda _: (5, 6))
@@ -154,3 +168,23 @@ def test_a_freed_producer_pool_is_unmapped_and_its_handshake_reported(tmp_path) 
     fd_dir = Path("/proc/self/fd")
     assert not any(os.readlink(fd_dir / x).startswith(f.path) for x in os.listdir(fd_dir)
                    if (fd_dir / x).is_symlink() and os.path.exists(fd_dir / x))
+
+
+def test_a_copy_is_trusted_only_while_the_files_owner_lives(tmp_path) -> None:
+    f = _file(tmp_path, "p0", 5)
+    maps = HostMaps.open(_engine([f], ""))
+    assert maps.owner_gone() == ""
+    owner = _OWNERS.pop(tmp_path)
+    os.close(owner.fd)  # the producer daemon dies (its flock goes; its files stay)
+    assert "died or restarted" in maps.owner_gone()
+    maps.retire()
+    with pytest.raises(OSError, match="not alive"):  # a dead owner's files are not mapped
+        HostMaps.open(_engine([f], ""))
+
+
+def test_a_file_not_named_after_an_incarnation_is_not_mapped(tmp_path) -> None:
+    path = tmp_path / "p0"
+    path.write_bytes(b"\0" * NBYTES)
+    st = os.stat(path)
+    with pytest.raises(OSError, match="not named after a kvd incarnation"):
+        HostMaps.open(_engine([P.PoolFile(path=str(path), dev=st.st_dev, ino=st.st_ino)], ""))

@@ -161,7 +161,7 @@ def test_a_read_failing_under_a_restarted_producer_is_peer_lost() -> None:
     err = TransferError("nixlRemoteDisconnectError")
     acts = pull.on_poll({11: XferStatus(XferState.FAILED, err)}, 1.1)
     assert acts == [M.Probe((ADDR,), err)]
-    acts = pull.on_probed(err, {ADDR: _ack(instance="inst-b")})
+    acts = pull.on_probed(err, {ADDR: _ack(instance="inst-b")}, 1.15)
     assert pull.error.startswith("peer_lost") and "restarted" in pull.error
     report = _end(pull, acts, 1.2)  # the failed READ ended: nothing to quarantine
     assert not report.event.ok and report.event.invalid_block_ids == [5, 6]
@@ -173,12 +173,12 @@ def test_a_probe_that_gets_no_answer_is_peer_lost_and_one_that_does_keeps_the_er
     pull, _ = _pull()
     _posted_running(pull)
     pull.on_replies([ADDR], [_reply()], 1.0)
-    pull.on_probed(err, {ADDR: None})
+    pull.on_probed(err, {ADDR: None}, 1.1)
     assert pull.error.startswith("peer_lost") and "unreachable" in pull.error
     pull, _ = _pull()
     _posted_running(pull)
     pull.on_replies([ADDR], [_reply()], 1.0)
-    pull.on_probed(err, {ADDR: _ack()})
+    pull.on_probed(err, {ADDR: _ack()}, 1.1)
     assert pull.error == f"transfer_failed: {err}"
 
 
