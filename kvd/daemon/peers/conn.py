@@ -281,6 +281,13 @@ class PeerConnection:
             # the reader task would see the reply only a turn later): take what is
             # queued before blaming the peer.
             self.take_ready()
+            if not fut.done():
+                # pyzmq may have received it already, into the reader's pending recv, in
+                # this same loop turn (its I/O callback ran before this timer): the reader
+                # hands it over at its wake-up, queued ahead of this.
+                asyncio.get_running_loop().call_soon(unanswered)
+
+        def unanswered() -> None:
             if fut.done():
                 return
             text = f"peer {self.address} did not answer {what} within {timeout_s}s"
