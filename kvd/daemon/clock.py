@@ -19,6 +19,27 @@ from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 
+# Housekeeping looks every 50 ms: a gap longer than this between two of its looks means
+# the daemon itself could not run (SIGSTOP, a starved or stuck loop, a VM pause).
+STALL_S = 1.0
+
+
+class StallGap:
+    """How long a periodic check of the daemon's own could not run.
+
+    ``step(now_s)`` returns the time since its previous call when that is longer than
+    STALL_S (the daemon stalled), else 0.0. Whatever the daemon could not hear meanwhile
+    (a consumer's heartbeats, an engine's pings: still queued in its sockets) must not
+    count against their senders: leases and engine silence are moved on by the gap."""
+
+    def __init__(self, now_s: float) -> None:
+        self._last_s = now_s
+
+    def step(self, now_s: float) -> float:
+        last, self._last_s = self._last_s, now_s
+        gap_s = now_s - last
+        return gap_s if gap_s > STALL_S else 0.0
+
 
 class Clock(Protocol):
     def now(self) -> float:

@@ -142,6 +142,25 @@ class OwnerWatch:
             self.fd = None
 
 
+def mapped_by_another(path: str | Path) -> bool:
+    """Whether some process maps this pool file: an engine holds a shared flock on every
+    pool file it maps (kvd.pool.mapping.map_pool), so an exclusive try is refused. False
+    when the file is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a filesystem without flock: nobody can be seen mapping it
+    finally:
+        os.close(fd)  # (drops the lock, if taken)
+    return False
+
+
 def _unlink_unless_mapped(path: Path) -> bool | None:
     """Remove a pool file unless an engine holds its shared flock (still maps it).
     True: removed; False: kept (in use); None: already gone."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kvd.config import Config
-from kvd.daemon.clock import Clock
+from kvd.daemon.clock import Clock, StallGap
 from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines.table import (
     Engine,
@@ -40,7 +40,7 @@ from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.pool.adopt import adopt_file, adopt_memfd, file_id, is_memfd_handle
 from kvd.pool.base import Pool
-from kvd.pool.owner import PoolOwner, reap_dead_pools
+from kvd.pool.owner import PoolOwner, mapped_by_another, reap_dead_pools
 from kvd.pool.shm import ShmPool
 from kvd.wire import protocol as P
 
@@ -66,6 +66,7 @@ class EngineRegistry:
         self._undoing: set[asyncio.Task[None]] = set()  # see _off_loop
         self.pool_owner: PoolOwner | None = None
         self._page_counts: Counter[int] = Counter()  # DRAM pools allocated, by page size
+        self._stall = StallGap(clock.now())  # housekeeping's looks at the engines' silence
 
     def open(self) -> None:
         """At start: remove the pool files that dead incarnations with this shm_dir and
@@ -135,8 +136,34 @@ class EngineRegistry:
             self._check_memory(msg, self.table.check_joinable(msg, par))
             if self.rank_count() >= self.cfg.max_engines:
                 raise BusyError(f"{self.rank_count()} engine ranks registered (max_engines)")
+            back = self._taken_back(msg, nbytes)
+            if back is not None:
+                return self._registered(msg, par, cache, first, back.pool, "DRAM",
+                                        back.device_id, back.reg_id)
             pool, mem_type, device_id, reg_id = await self._allocate_registered(msg, nbytes)
             return self._registered(msg, par, cache, first, pool, mem_type, device_id, reg_id)
+
+    def _taken_back(self, msg: P.RegisterEngine, nbytes: int) -> EngineRank | None:
+        """A rank this daemon retired while its engine lived on (DORMANT: silent past
+        engine_timeout_s while frozen, or its connection closed), asking for its own pool
+        back (``adopt_pool`` naming it): the pool and its NIXL registration carry on
+        under the new registration, the bytes never moved. None: not such a request."""
+        old = msg.adopt_pool
+        if old is None:
+            return None
+        back = self.table.dormant(msg.engine_id, RankId(msg.tp_rank, msg.pp_rank), old.name)
+        if back is None:
+            return None
+        if back.pool.nbytes != nbytes:
+            raise InvalidRequestError(f"cannot take back pool {old.name!r}: it holds "
+                                      f"{back.pool.nbytes} bytes; this geometry needs {nbytes}")
+        self.table.freed(back)  # off the retired list: the new rank owns its pool now
+        self.metrics.pool_bytes.dec(back.pool.nbytes)  # counted again by _registered
+        self._pages_changed(back.pool, -1)
+        log.warning("engine %s rank %s registered again after it was retired; it takes its "
+                    "pool %s back (the KV memory stayed in place)", msg.engine_id,
+                    back.rank.key, old.name, extra={"engine_id": msg.engine_id})
+        return back
 
     def _registered(self, msg: P.RegisterEngine, par: Any, cache: Any, first: int, pool: Pool,
                     mem_type: str, device_id: int, reg_id: int) -> P.Registered:
@@ -298,10 +325,15 @@ class EngineRegistry:
                                 "again")
         rank.last_seen_s = self.clock.now()
 
-    def mark_gone(self, engine_id: str, rank: RankId, why: str) -> None:
-        """Retire a rank now (its pool is freed after the last unpin)."""
-        if self.table.mark_gone(engine_id, rank) is None:
+    def mark_gone(self, engine_id: str, rank: RankId, why: str, revivable: bool = False
+                  ) -> None:
+        """Retire a rank now (its pool is freed after the last unpin). ``revivable``: the
+        engine did not say it left (silent, its connection closed); while it still maps
+        the pool, the pool is kept for it to take back (`_taken_back`)."""
+        gone = self.table.mark_gone(engine_id, rank)
+        if gone is None:
             raise NotFoundError(f"engine {engine_id!r} rank {rank.key} is not registered")
+        gone.revivable = revivable
         log.info("engine %s rank %s %s", engine_id, rank.key, why,
                  extra={"engine_id": engine_id})
         engine = self.table.engines.get(engine_id)
@@ -314,18 +346,31 @@ class EngineRegistry:
         """Retire every live rank of an engine now (its connections closed)."""
         engine = self.table.engines.get(engine_id)
         for rank in list(engine.live_ranks()) if engine else []:
-            self.mark_gone(engine_id, rank.rank, why)
+            self.mark_gone(engine_id, rank.rank, why, revivable=True)
 
     # ------------------------------------------------------------ housekeeping
 
     def expire(self, now_s: float) -> None:
-        """Retire ranks silent (no ping) for engine_timeout_s."""
+        """Retire ranks silent (no ping) for engine_timeout_s, not counting time this
+        daemon itself could not run: the pings sent meanwhile still wait in its socket,
+        and retiring now would take P/D away from a live engine for a stall of ours (a
+        starved host, a VM pause). Their silence is moved on by the gap instead, as the
+        producer's leases are."""
         timeout_s = self.cfg.engine_timeout_s
+        stalled_s = self._stall.step(now_s)
+        if stalled_s:
+            for engine in self.table.engines.values():
+                for rank in engine.live_ranks():
+                    rank.last_seen_s += stalled_s
+            log.warning("daemon was stalled %.1fs: engines' silence not counted for as long",
+                        stalled_s)
         for engine in list(self.table.engines.values()):
             for rank in engine.live_ranks():
                 if now_s - rank.last_seen_s > timeout_s:
                     self.mark_gone(engine.engine_id, rank.rank,
-                                   f"silent for {timeout_s}s: treated as gone")
+                                   f"silent for {timeout_s}s: treated as gone (its pool is "
+                                   "kept while it maps it: registering again takes it back)",
+                                   revivable=True)
 
     async def collect(self) -> None:
         """Free retired, unpinned pools, shielded from cancellation.
@@ -338,7 +383,7 @@ class EngineRegistry:
 
     async def _collect_locked(self) -> None:
         async with self._collect_lock:
-            for rank in self.table.collectable():
+            for rank in self.table.collectable(keep=self._still_mapped):
                 try:
                     await self.datapath.deregister(rank.reg_id)
                 finally:
@@ -349,6 +394,14 @@ class EngineRegistry:
                     self.metrics.pool_bytes.dec(rank.pool.nbytes)
                     self._pages_changed(rank.pool, -1)
 
+    def _still_mapped(self, rank: EngineRank) -> bool:
+        """Whether the engine of a revivable retired rank still maps its pool (a file pool:
+        the engine's shared flock on it); memfd and VRAM pools are not kept."""
+        pool = rank.pool
+        if not isinstance(pool, ShmPool) or pool.fd is not None:
+            return False
+        return mapped_by_another(pool.directory / pool.name)
+
     async def release_all(self) -> None:
         """At stop, after every transfer task was cancelled and released: free every pool."""
         for engine in list(self.table.engines.values()):
@@ -356,6 +409,7 @@ class EngineRegistry:
                 self.mark_gone(engine.engine_id, rank_id, "released at stop")
         for rank in self.table.retired:
             rank.pins = 0  # nothing can touch them any more
+            rank.revivable = False  # nor be taken back
         await self.collect()
         while self._undoing:  # registrations cancelled midway: deregistered, freed
             await asyncio.gather(*self._undoing, return_exceptions=True)

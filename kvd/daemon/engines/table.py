@@ -17,7 +17,7 @@ import enum
 import functools
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -161,6 +161,9 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> None:
 class RankState(enum.Enum):
     LIVE = "live"
     RETIRED = "retired"  # gone: serves nothing new; its pool waits for the last unpin
+    # retired while its engine lived on (silent, its connection closed) and still maps
+    # the pool: kept, for that engine to take back when it registers again (adopt_pool)
+    DORMANT = "dormant"
     FREEING = "freeing"  # unpinned: being deregistered from NIXL and unlinked
     FREED = "freed"
 
@@ -178,6 +181,7 @@ class EngineRank:
     pins: int = 0
     state: RankState = RankState.LIVE
     device_id: int = 0  # GPU index for VRAM pools
+    revivable: bool = False  # retired without the engine saying so: it may come back
 
     @property
     def gone(self) -> bool:
@@ -327,13 +331,30 @@ class EngineTable:
         live = set(engine.ranks) if engine else set()
         return live | {r.rank for r in self.retired if r.engine_id == engine_id}
 
-    def collectable(self) -> list[EngineRank]:
+    def collectable(self, keep: Callable[[EngineRank], bool] = lambda _: False
+                    ) -> list[EngineRank]:
         """Retired, unpinned ranks, now FREEING: their pools may be freed. They stay on the
-        retired list until ``freed()``, so an interrupted collection loses nothing."""
-        out = [r for r in self.retired if r.state is RankState.RETIRED and r.pins == 0]
-        for r in out:
+        retired list until ``freed()``, so an interrupted collection loses nothing. A
+        revivable one that ``keep`` says its engine still maps is DORMANT instead (asked
+        again at every collection)."""
+        out = []
+        for r in self.retired:
+            if r.pins or r.state not in (RankState.RETIRED, RankState.DORMANT):
+                continue
+            if r.revivable and keep(r):
+                r.state = RankState.DORMANT
+                continue
             r.state = RankState.FREEING
+            out.append(r)
         return out
+
+    def dormant(self, engine_id: str, rank: RankId, pool_name: str) -> EngineRank | None:
+        """The DORMANT rank whose pool an engine asks to take back, if it is one."""
+        for r in self.retired:
+            if (r.state is RankState.DORMANT and r.engine_id == engine_id and r.rank == rank
+                    and r.pool.name == pool_name):
+                return r
+        return None
 
     def freed(self, rank: EngineRank) -> None:
         rank.state = RankState.FREED

@@ -58,6 +58,11 @@ class HeldRequest:
     abandoned: set[str] = field(default_factory=set)
     nbytes: int = 0  # read out of our pools, as reported by the consumers' notices
     hold_id: int = 0  # unique in this daemon incarnation: the publish receipt names it
+    # Once a consumer reads, its renewals are never shorter than this (the daemon's
+    # lease_s): an engine's shorter lease (Publish.lease_s) bounds the wait for a consumer
+    # that never comes, not a READ under way, which heartbeats renew only every
+    # heartbeat_interval_s and a consumer stalled under its liveness timeout not at all.
+    reading_lease_s: float = 0.0
 
     @property
     def terminal(self) -> bool:
@@ -81,7 +86,10 @@ class HeldRequest:
 
     def renew(self, now_s: float) -> None:
         if not self.terminal:
-            self.deadline_s = max(self.deadline_s, now_s + self.lease_s)
+            lease_s = self.lease_s
+            if self.state is HeldState.READING:
+                lease_s = max(lease_s, self.reading_lease_s)
+            self.deadline_s = max(self.deadline_s, now_s + lease_s)
 
     def notice(self, consumer_engine: str, reads: int, nbytes: int = 0) -> bool:
         """Count a consumer's finished reads; True once every expected consumer is done.
@@ -143,8 +151,10 @@ class HeldTable:
         return len(self.items)
 
     def publish(self, engine_id: str, request_id: str, block_ids: list[int], lease_s: float,
-                consumers: int, now_s: float, hold_id: int = 0) -> HeldRequest:
-        """``hold_id`` 0: the next counted id; else the engine's own (P.Publish.hold_id)."""
+                consumers: int, now_s: float, hold_id: int = 0,
+                reading_lease_s: float = 0.0) -> HeldRequest:
+        """``hold_id`` 0: the next counted id; else the engine's own (P.Publish.hold_id).
+        ``reading_lease_s``: the shortest lease renewed once a consumer reads."""
         key = (engine_id, request_id)
         if key in self.items:
             raise KvdError(f"request {request_id!r} is already published by engine {engine_id!r}")
@@ -153,7 +163,8 @@ class HeldTable:
         held = HeldRequest(engine_id=engine_id, request_id=request_id,
                            block_ids=frozenset(block_ids), lease_s=lease_s,
                            deadline_s=now_s + lease_s, consumers=consumers, published_s=now_s,
-                           hold_id=hold_id or self._last_hold_id + 1)
+                           hold_id=hold_id or self._last_hold_id + 1,
+                           reading_lease_s=reading_lease_s)
         if not hold_id:
             self._last_hold_id += 1
         self.items[key] = held

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from kvd.daemon import hybrid
+from kvd.daemon.clock import StallGap
 from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
 from kvd.daemon.produce.held import HeldRequest, HeldState, HeldTable
 from kvd.daemon.services import Services
@@ -36,9 +37,6 @@ from kvd.transport.samehost import host_facts, same_host_token
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")
-
-# Housekeeping runs every 50 ms: a gap longer than this means the daemon was frozen.
-STALL_S = 1.0
 
 _END_REASONS = {
     "ok": "",
@@ -82,7 +80,7 @@ class Producer:
         self._waker: asyncio.Future[bool] | None = None  # the progress loop's pause
         # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
         self._unpublished: dict[tuple[str, str], list[tuple[str, asyncio.Future[bool]]]] = {}
-        self._last_expire_s = svc.clock.now()  # housekeeping's last look at the leases
+        self._stall = StallGap(svc.clock.now())  # housekeeping's looks at the leases
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -110,7 +108,8 @@ class Producer:
                            "engine's own hold ids must not collide with the daemon's")
         lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
-                                 msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id)
+                                 msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id,
+                                 reading_lease_s=cfg.lease_s)
         ranks = engine.live_ranks()
         for r in ranks:
             r.pins += 1
@@ -348,10 +347,10 @@ class Producer:
         against these blocks. Expiring now would hand them back to the engine under
         that READ (a write after hand-back); the leases are moved on by the gap instead.
         """
-        last, self._last_expire_s = self._last_expire_s, now_s
-        if now_s - last > STALL_S:
-            self.held.postpone(now_s - last)
-            log.warning("daemon was stalled %.1fs: leases extended by as much", now_s - last)
+        stalled_s = self._stall.step(now_s)
+        if stalled_s:
+            self.held.postpone(stalled_s)
+            log.warning("daemon was stalled %.1fs: leases extended by as much", stalled_s)
         for held in self.held.expired(now_s):
             self.finish(held, "expired")
 

@@ -63,6 +63,22 @@ def test_renew_never_shortens_a_lease() -> None:
     assert h.deadline_s == 13.0
 
 
+def test_an_engines_short_lease_bounds_the_wait_not_a_read_under_way() -> None:
+    """An engine may publish with a lease shorter than the daemon's (Publish.lease_s). Once
+    a consumer acquired, renewals (the Acquire, heartbeats every heartbeat_interval_s)
+    never give less than the daemon's lease_s: a 0.5 s lease used to lapse between two
+    heartbeats under a READ still running, and the engine reused the blocks under it."""
+    h = table().publish("p", "r", [1], 0.5, 1, 0.0, reading_lease_s=30.0)
+    assert h.deadline_s == 0.5  # nobody came yet: the engine's own lease
+    h.acquire("c", [1], now_s=0.2)
+    assert h.deadline_s == 30.2 and not h.expired(2.2)  # a heartbeat later: still held
+    h.renew(now_s=2.0)
+    assert h.deadline_s == 32.0
+    unread = table().publish("p", "q", [1], 0.5, 1, 0.0, reading_lease_s=30.0)
+    unread.renew(now_s=0.3)
+    assert unread.deadline_s == 0.8 and unread.expired(0.8)
+
+
 def test_expiry_exactly_at_the_deadline() -> None:
     t = table()
     h = t.publish("p", "r", [1], 2.0, 1, 10.0)

@@ -65,7 +65,8 @@ def test_a_host_pull_under_a_restart_and_reuse_is_never_ok_with_reused_bytes(
             warm = dc.wait("dec", "warm", "done_recving", timeout_s=20)
             assert warm.ok, warm.error
             assert check_shard(dec.kv, g, MODEL, SHAPE, 0, 0, DST) == 0
-            assert [p.path for p in dc.status().finished_pulls if p.request_id == "warm"] == ["host"]
+            paths = [p.path for p in dc.status().finished_pulls if p.request_id == "warm"]
+            assert paths == ["host"]
             dec.kv[:] = 0
 
             # The next incarnation, ready before V dies (a restart without its start-up
