@@ -17,21 +17,26 @@ the oracle. Prefix caching is off on both engines, so every P/D request moves it
 through kvd (or recomputes it).
 
 Faults, one at a time, each 10-30 s after the previous one ended, the kind drawn from
-a seeded shuffled deck (every kind once per round of five): freeze (SIGSTOP the process
+a seeded shuffled deck (every kind once per round of six): freeze (SIGSTOP the process
 group) the prefill or the decode daemon for 1-15 s; kill -9 the prefill or the decode
 daemon and start it again at once on the same addresses (it adopts the engines' shm
 pools; the engines register again by themselves); kill -9 the prefill engine (its
 process group: child, EngineCore, worker) and start a new one with the same
-configuration and engine id.
+configuration and engine id; pause the whole host: freeze both daemons and both
+engines together for longer than ``engine_timeout_s`` (31-36 s; a VM pause, a cgroup
+throttle), after which no engine may have lost P/D.
 
 Judged: every P/D and plain request returns the oracle's tokens, loaded or recomputed,
 or (only a prefill that was in the prefill engine when it was killed) a clean error; no
 request finishes more than ``STALL_LIMIT_S`` after the later of its start and the end
 of the last fault before its finish; the decode engine's plain tokens never stop for
-more than ``PLAIN_GAP_LIMIT_S`` during a fault; at the end (engines still up) neither
-daemon holds, pulls or pins anything and no registration of a dead engine is left; the
-daemons then exit 0 on SIGTERM and /dev/shm holds nothing of kvd's. vLLM's own
-shared-memory queues (``psm_*``) that the killed engines left are counted and removed.
+more than ``PLAIN_GAP_LIMIT_S`` during a fault (but a host pause, which freezes it); a
+P/D request started after a host pause, away from other faults, loads its KV (a pause
+that retired an engine for good would make every later one recompute); at the end
+(engines still up) neither daemon holds, pulls or pins anything and no registration
+of a dead engine is left; the daemons then exit 0 on SIGTERM and /dev/shm holds
+nothing of kvd's. vLLM's own shared-memory queues (``psm_*``) that the killed engines
+left are counted and removed.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ PD_MAX_TOKENS = 8
 PLAIN_MAX_TOKENS = 16
 GAP_S = (10.0, 30.0)  # between the end of one fault and the start of the next
 FREEZE_S = (1.0, 15.0)
+ENGINE_TIMEOUT_S = 30.0  # the daemons' default engine_timeout_s
+PAUSE_S = (ENGINE_TIMEOUT_S + 1.0, ENGINE_TIMEOUT_S + 6.0)  # a whole-host pause
 STALL_LIMIT_S = 60.0
 PLAIN_GAP_LIMIT_S = 5.0
 DRAIN_S = 120.0  # after the soak: in-flight requests must be done by then
@@ -76,7 +83,7 @@ SETTLE_S = 60.0  # after the drain: the daemons must hold nothing by then
 DAEMON_ARGS = ["--set", "handshake_timeout_s=2", "--set", "pool_backing=shm"]
 
 KINDS = ("freeze_prefill_daemon", "freeze_decode_daemon", "kill_prefill_daemon",
-         "kill_decode_daemon", "kill_prefill_engine")
+         "kill_decode_daemon", "kill_prefill_engine", "pause_host")
 
 
 @dataclass
@@ -112,7 +119,8 @@ def schedule(seed: int, n: int) -> list[Fault]:
             deck = list(KINDS)
             rng.shuffle(deck)
         kind = deck.pop()
-        freeze = round(rng.uniform(*FREEZE_S), 2) if kind.startswith("freeze") else 0.0
+        freeze = (round(rng.uniform(*FREEZE_S), 2) if kind.startswith("freeze")
+                  else round(rng.uniform(*PAUSE_S), 2) if kind == "pause_host" else 0.0)
         faults.append(Fault(kind, round(rng.uniform(*GAP_S), 2), freeze))
     return faults
 
@@ -311,7 +319,21 @@ class Soak:
         fault.start = time.monotonic()
         self.current = fault
         role = "prefill" if "prefill" in fault.kind else "decode"
-        if fault.kind.startswith("freeze"):
+        if fault.kind == "pause_host":
+            groups = [d.proc.pid for d in self.daemons.values()]
+            with self.prefill_up:
+                groups += [e.proc.pid for e in (self.prefill, self.decode) if e is not None]
+                for pid in groups:
+                    os.killpg(pid, signal.SIGSTOP)
+                try:
+                    self.stop.wait(fault.freeze_s)
+                finally:
+                    for pid in groups:
+                        try:
+                            os.killpg(pid, signal.SIGCONT)
+                        except ProcessLookupError:
+                            pass
+        elif fault.kind.startswith("freeze"):
             d = self.daemons[role]
             os.killpg(d.proc.pid, signal.SIGSTOP)
             try:
@@ -398,7 +420,7 @@ class Soak:
             outcomes[r.outcome or "unfinished"] = outcomes.get(r.outcome or "unfinished", 0) + 1
         by_kind = {k: sum(f.kind == k for f in self.faults) for k in KINDS}
         stalls = [stall(r, self.faults) for r in self.requests if r.done and r.outcome != "error"]
-        gaps = [plain_gap(plain, f) for f in self.faults]
+        gaps = [plain_gap(plain, f) for f in self.faults if f.kind != "pause_host"]
         return {
             "seed": SEED, "soak_s": SOAK_S, "elapsed_s": round(elapsed_s, 1),
             "requests": len([r for r in self.requests if r.done]),
@@ -415,6 +437,7 @@ class Soak:
             "kvd_pulls_failed": self.kvd_pulls_failed, "scrape_errors": self.scrape_errors,
             "longest_stall_s": round(max(stalls, default=0.0), 2),
             "longest_plain_token_gap_in_a_fault_s": round(max(gaps, default=0.0), 2),
+            "after_pause": after_pause(pd, self.faults),
             "settle_s": round(settle_s, 2),
             **leftover,
             "failures": self.failures,
@@ -438,6 +461,21 @@ def recomputed_by_fault(pd: list[Request], faults: list[Fault]) -> dict[str, int
         kinds = sorted({f.kind for f in faults if f.start <= r.done and r.start <= f.end + 5})
         key = "+".join(kinds) or "none"
         got[key] = got.get(key, 0) + 1
+    return got
+
+
+def after_pause(pd: list[Request], faults: list[Fault]) -> dict[str, int]:
+    """Outcomes of the P/D requests that started after a host pause ended and overlapped
+    no fault (nor the 5 s after one): P/D must have come back, loaded, not recomputed."""
+    got: dict[str, int] = {}
+    for f in faults:
+        if f.kind != "pause_host" or not f.end:
+            continue
+        for r in pd:
+            if r.start < f.end or not r.done or any(
+                    g.start <= r.done and r.start <= g.end + 5 for g in faults):
+                continue
+            got[r.outcome] = got.get(r.outcome, 0) + 1
     return got
 
 
@@ -512,12 +550,14 @@ def run_soak(soak: Soak, leftover: dict[str, Any]) -> tuple[float, float]:
 
 def test_the_schedule_is_seeded_and_deals_every_kind_each_round() -> None:
     assert schedule(7, 12) == schedule(7, 12) != schedule(8, 12)
-    faults = schedule(7, 10)
-    for first in (faults[:5], faults[5:]):
+    faults = schedule(7, 12)
+    for first in (faults[:6], faults[6:]):
         assert sorted(f.kind for f in first) == sorted(KINDS)
     for f in faults:
         assert GAP_S[0] <= f.gap_s <= GAP_S[1]
         assert (FREEZE_S[0] <= f.freeze_s <= FREEZE_S[1]) == f.kind.startswith("freeze")
+        assert (PAUSE_S[0] <= f.freeze_s <= PAUSE_S[1]) == (f.kind == "pause_host")
+        assert f.kind != "pause_host" or f.freeze_s > ENGINE_TIMEOUT_S
 
 
 def test_a_stall_counts_from_the_last_fault_end_and_a_plain_gap_from_the_edges() -> None:
@@ -568,6 +608,10 @@ def test_chaos_soak(start_engine: StartEngine, tmp_path: Path) -> None:
     assert report["longest_plain_token_gap_in_a_fault_s"] <= PLAIN_GAP_LIMIT_S, \
         [(f.kind, round(plain_gap([r for r in soak.requests if r.kind == "plain"], f), 2))
          for f in soak.faults]
+    after = report["after_pause"]
+    if any(f.kind == "pause_host" for f in soak.faults) and sum(after.values()) >= 3:
+        assert after.get("loaded", 0) >= sum(after.values()) // 2, \
+            f"P/D did not come back after the host pause: {after}"
     assert not leftover["kvd_shm_left"], leftover["kvd_shm_left"]
     assert not leftover["shm_new_after"], leftover["shm_new_after"]
     assert SOAK_S < 60 or set(report["faults_by_kind"].values()) != {0}
