@@ -100,6 +100,9 @@ class Knobs:
     max_inflight_pulls: int = 6
     max_held: int = 12
     max_quarantined_pulls: int = 3
+    # Daemons that share one host: pulls between two of them take the host path (the
+    # producer's pool files mapped, a copy that never fails when its owner dies).
+    host_daemons: tuple[int, ...] = ()
 
     @property
     def end_s(self) -> float:
@@ -162,6 +165,9 @@ def fault_schedule(seed: int, knobs: Knobs) -> list[Fault]:
             if x == "stall" and more.random() < 0.4:  # READs that never end unless severed
                 x = "hang"
             out.append(Fault(kind, at, dur, a, x=x))
+        elif kind == "busy":  # the loop busy under the liveness timeout; copies go on
+            out.append(Fault(kind, at, round(rng.uniform(0.05, knobs.liveness_s * 0.95), 4),
+                             a))
         else:
             out.append(Fault(kind, at, round(rng.uniform(0.1, 2.0), 4), a, rng.randrange(2)))
     return sorted(out, key=lambda f: f.at_s)
@@ -318,7 +324,8 @@ class Xfer:
     """One READ: descriptors copied one by one from a producer pool into a consumer pool."""
 
     def __init__(self, xid: int, consumer: Daemon, agent: str, src: Reg | None, dst: Reg,
-                 pairs: list[tuple[int, int]], pull: PullRec, mode: str) -> None:
+                 pairs: list[tuple[int, int]], pull: PullRec, mode: str,
+                 host: bool = False) -> None:
         self.id = xid
         self.consumer = consumer
         self.consumer_inc = consumer.inc
@@ -333,6 +340,7 @@ class Xfer:
         self.released = False
         self.next = 0
         self.hold_key = pull.hold_key
+        self.host = host  # a copy from mapped pool files: no agent, no failure of its own
 
 
 class Transport:
@@ -342,21 +350,22 @@ class Transport:
         self.ids = itertools.count(1)
         self.writes: list[tuple[float, str, str, int, str]] = []  # t, daemon, engine, block, pull
 
-    def post(self, d: Daemon, posts: list[ReadPost], rec: PullRec, dst: Reg) -> list[PostResult]:
+    def post(self, d: Daemon, posts: list[ReadPost], rec: PullRec, dst: Reg,
+             host: bool = False) -> list[PostResult]:
         sim = self.sim
         out = []
         for post in posts:
             owner = sim.agents.get(post.peer)
             # the remote addresses name the pool (its registration) and the block in it
             src = sim.regs.get(int(post.remote_addrs[0]) // POOL_SPAN)
-            if owner is None or not owner.up or owner.agent != post.peer:
+            if owner is None or (not host and (not owner.up or owner.agent != post.peer)):
                 out.append(PostResult(None, False, TransferError(
                     f"nixl: unknown or dead remote agent {post.peer}")))
                 continue
             mode = sim.read_mode(d)
             pairs = [(int(r) % POOL_SPAN, int(loc))
                      for r, loc in zip(post.remote_addrs, post.local_addrs, strict=True)]
-            x = Xfer(next(self.ids), d, post.peer, src, dst, pairs, rec, mode)
+            x = Xfer(next(self.ids), d, post.peer, src, dst, pairs, rec, mode, host)
             x.hold_key = (owner.instance, rec.producer_engine, rec.remote_rid)
             self.xfers[x.id] = x
             d.xfers.add(x.id)
@@ -375,6 +384,9 @@ class Transport:
         d = x.consumer
         if d.inc != x.consumer_inc or not d.up:  # its process died: nothing moves any more
             x.state = XferState.FAILED
+            return
+        if x.host:
+            self._copy_step(x)
             return
         owner = sim.agents.get(x.agent)
         if owner is None or not owner.up or owner.agent != x.agent:
@@ -403,6 +415,29 @@ class Transport:
         if x.mode == "late" and x.next == len(x.pairs) - 1:
             delay += sim.net_rng.uniform(0.3, 2.5)
         sim.after(delay, self._step, x)
+
+    def _copy_step(self, x: Xfer) -> None:
+        """A host-path copy: the consumer's copy threads read the producer's pool file,
+        mapped here. Its owner dying, freezing or being cut off changes nothing (the pages
+        stay, and an engine that reused its blocks after a restart is read as it is); only
+        the consumer's own process stopping stops it (its loop being busy does not)."""
+        sim, d = self.sim, x.consumer
+        if x.mode == "fail":
+            self._fail(x, "injected copy failure")
+            return
+        if d.frozen or (x.mode in ("stall", "hang") and sim.read_fault_active(d, "stall")):
+            sim.after(0.02, self._step, x)
+            return
+        src_b, dst_b = x.pairs[x.next]
+        assert x.src is not None
+        self.write(x, dst_b, x.src.pool[src_b])
+        x.next += 1
+        if x.next == len(x.pairs):
+            x.state = XferState.DONE
+            return
+        # A big one stands for ~a million small descriptors: seconds of copying.
+        sim.after(sim.net_rng.uniform(0.02, 0.2) if x.pull.big
+                  else sim.net_rng.uniform(0.0001, 0.002), self._step, x)
 
     def write(self, x: Xfer, block: int, data: np.ndarray) -> None:
         sim, dst = self.sim, x.dst
@@ -594,6 +629,7 @@ class Daemon:
         self.inc = 0
         self.up = False
         self.frozen = False
+        self.busy = False  # its loop runs something else: callbacks wait, copies go on
         self.deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self.engines: list[SimEngine] = []
         self.start()
@@ -633,7 +669,7 @@ class Daemon:
     def _run(self, inc: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         if inc != self.inc or not self.up:
             return
-        if self.frozen:
+        if self.frozen or self.busy:
             self.deferred.append((fn, args))
             return
         fn(*args)
@@ -792,7 +828,10 @@ class Daemon:
             rec.consumer.give_back(rec, scribble=False)
             return
         rec.accepted = True
-        pull = M.Pull(msg=msg, started_s=sim.now,
+        producer = sim.by_addr.get(msg.remote_address)
+        host = (producer is not None and producer is not self
+                and {self.index, producer.index} <= set(sim.knobs.host_daemons))
+        pull = M.Pull(msg=msg, started_s=sim.now, path="host" if host else "remote",
                       liveness_timeout_s=sim.cfg.peer_liveness_timeout_s,
                       transfer_timeout_s=sim.cfg.transfer_timeout_s)
         drv = SimDriver(self, pull, rec, reg)
@@ -1011,7 +1050,8 @@ class SimDriver:
             if not act.again and (d.q_pulls >= sim.cfg.max_quarantined_pulls):  # check_room
                 raise BusyError("pulls are quarantined (max_quarantined_pulls)")
             self.pin()
-            results = sim.transport.post(d, list(act.posts), self.rec, self.reg)
+            results = sim.transport.post(d, list(act.posts), self.rec, self.reg,
+                                         host=pull.path == "host")
             return pull.posted(results, sim.now, 0.0)
         if isinstance(act, M.AwaitReplies):
             got = self.replies()
@@ -1058,7 +1098,17 @@ class SimDriver:
         if isinstance(act, M.ForgetHandshake):
             d.remotes.pop((pull.msg.engine_id, pull.msg.remote_engine_id), None)
             return []
+        if isinstance(act, M.Confirm):  # as HostMaps.owner_gone: the owner still alive?
+            return pull.confirmed(self.owner_gone(), sim.now)
         raise AssertionError(act)
+
+    def owner_gone(self) -> str:
+        for h in self.pull.handles:
+            x = self.sim.transport.xfers[h]
+            owner = self.sim.agents.get(x.agent)
+            if owner is None or not owner.up or owner.agent != x.agent:
+                return f"the producer daemon {x.agent} died or restarted during the copy"
+        return ""
 
     def _polled(self, rest: list[M.Action]) -> None:
         pull, sim = self.pull, self.sim
@@ -1199,12 +1249,12 @@ class SimDriver:
 
         def step(i: int) -> None:
             if i == len(addrs):
-                self.resume(pull.on_probed(act.error, answers, self.now()), rest)
+                self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
                 return
             addr = addrs[i]
             if addr in unreachable:
                 answers[addr] = None
-                self.resume(pull.on_probed(act.error, answers, self.now()), rest)
+                self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
                 return
 
             def got(r: Reply | KvdError) -> None:
@@ -1212,12 +1262,12 @@ class SimDriver:
                     return
                 if isinstance(r, KvdError):
                     answers[addr] = None
-                    self.resume(pull.on_probed(act.error, answers, self.now()), rest)
+                    self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
                     return
                 answers[addr] = r
                 assert pull.remote is not None
                 if r.instance != pull.remote.daemons[addr].instance:
-                    self.resume(pull.on_probed(act.error, answers, self.now()), rest)
+                    self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
                     return
                 step(i + 1)
 
@@ -1617,6 +1667,11 @@ class Sim:
             if not d.up:
                 return
             self._crash(d, f)
+        elif f.kind == "busy":
+            if not d.up or d.busy:
+                return
+            d.busy = True
+            self.after(f.dur_s, self._unbusy, d, d.inc, self.now)
         elif f.kind == "partition":
             self._reachability_changed()
             self.after(f.dur_s, self._reachability_changed)
@@ -1627,6 +1682,14 @@ class Sim:
             e.leave()
             self.after(f.dur_s, e.come_back)
         # msg and read windows are looked up when a message or READ goes
+
+    def _unbusy(self, d: Daemon, inc: int, since: float) -> None:
+        if not d.busy or d.inc != inc:
+            return
+        d.busy = False
+        self.frozen_spans.setdefault(d.index, []).append((since, self.now))
+        if not d.frozen:
+            d.resume()
 
     def _thaw(self, d: Daemon, inc: int) -> None:
         if not d.frozen or d.inc != inc:
@@ -1641,6 +1704,7 @@ class Sim:
             self.frozen_spans.setdefault(d.index, []).append((self.frozen_at[d.index], self.now))
         d.up = False
         d.frozen = False
+        d.busy = False
         d.deferred = []
         for reg in d.regs:
             reg.state = "dead"
