@@ -1,6 +1,7 @@
 """Registering a rank again after its daemon restarted, off vLLM's step.
 
-When ``kvd serve`` restarts (crash, OOM kill, upgrade) the engine keeps running and
+When ``kvd serve`` restarts (crash, OOM kill, upgrade), or retired the engine while it
+lived on (it was frozen past engine_timeout_s), the engine keeps running and
 keeps its KV memory: a pool file stays (the engine's shared flock keeps the new
 daemon's crash-leftover reaping off it), a memfd pool lives on in the worker's own fd
 of it (handed back as ``/proc/<worker pid>/fd/<n>``), and the new daemon adopts it
@@ -98,9 +99,13 @@ class Rejoin:
                 return  # the client was closed under us (shutdown)
             self._set(new)
             self.rejoined += 1
-            log.warning("%s: registered again with kvd instance %s after %s; its pool "
-                        "%s was adopted (the KV memory stayed in place)", self._what,
-                        new.instance_id, why, new.pool.handle.name)
+            if new.instance_id == old.instance_id:  # retired by a live daemon, taken back
+                log.warning("%s: kvd had retired this engine (%s) and gave its pool %s "
+                            "back; P/D resumes", self._what, why, new.pool.handle.name)
+            else:
+                log.warning("%s: registered again with kvd instance %s after %s; its pool "
+                            "%s was adopted (the KV memory stayed in place)", self._what,
+                            new.instance_id, why, new.pool.handle.name)
             return
 
     def close(self) -> None:
