@@ -168,6 +168,39 @@ class RankState(enum.Enum):
     FREED = "freed"
 
 
+class RankOn(enum.Enum):
+    """What happened to an engine rank."""
+
+    GONE = "gone"  # deregistered, silent past engine_timeout_s, connections closed
+    KEPT = "kept"  # unpinned, revivable, and its engine still maps the pool
+    COLLECT = "collect"  # unpinned: its pool may be freed now
+    TAKEN_BACK = "taken_back"  # its engine registered again naming the pool: a new rank owns it
+    FREED = "freed"  # deregistered from NIXL, unmapped, unlinked
+
+
+_R = RankState
+RANK_TRANSITIONS: dict[RankState, dict[RankOn, RankState]] = {
+    _R.LIVE: {RankOn.GONE: _R.RETIRED},
+    _R.RETIRED: {RankOn.KEPT: _R.DORMANT, RankOn.COLLECT: _R.FREEING},
+    _R.DORMANT: {RankOn.KEPT: _R.DORMANT, RankOn.COLLECT: _R.FREEING,
+                 RankOn.TAKEN_BACK: _R.FREED},
+    _R.FREEING: {RankOn.FREED: _R.FREED},
+    _R.FREED: {},
+}
+
+
+class BadRankTransition(RuntimeError):
+    """A move the table does not allow: a bug in the registry, never an input."""
+
+
+def next_rank_state(state: RankState, event: RankOn) -> RankState:
+    try:
+        return RANK_TRANSITIONS[state][event]
+    except KeyError:
+        raise BadRankTransition(f"a rank in state {state.value} cannot {event.value}"
+                                ) from None
+
+
 @dataclass
 class EngineRank:
     engine_id: str
@@ -186,6 +219,10 @@ class EngineRank:
     @property
     def gone(self) -> bool:
         return self.state is not RankState.LIVE
+
+    def to(self, event: RankOn) -> None:
+        """The one place a rank's state changes: a row of RANK_TRANSITIONS."""
+        self.state = next_rank_state(self.state, event)
 
 
 @dataclass
@@ -320,7 +357,7 @@ class EngineTable:
         if engine is None or rank not in engine.ranks:
             return None
         gone = engine.ranks.pop(rank)
-        gone.state = RankState.RETIRED
+        gone.to(RankOn.GONE)
         self.retired.append(gone)
         engine.epoch = next(_epochs)
         return gone
@@ -342,9 +379,9 @@ class EngineTable:
             if r.pins or r.state not in (RankState.RETIRED, RankState.DORMANT):
                 continue
             if r.revivable and keep(r):
-                r.state = RankState.DORMANT
+                r.to(RankOn.KEPT)
                 continue
-            r.state = RankState.FREEING
+            r.to(RankOn.COLLECT)
             out.append(r)
         return out
 
@@ -357,7 +394,8 @@ class EngineTable:
         return None
 
     def freed(self, rank: EngineRank) -> None:
-        rank.state = RankState.FREED
+        """Its pool freed (FREEING), or taken back by a new registration (DORMANT)."""
+        rank.to(RankOn.FREED if rank.state is RankState.FREEING else RankOn.TAKEN_BACK)
         self.retired = [r for r in self.retired if r is not rank]
         busy = {r.engine_id for r in self.retired}
         engine = self.engines.get(rank.engine_id)

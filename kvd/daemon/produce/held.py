@@ -5,7 +5,9 @@
       +---lease ends-----+--> EXPIRED
       +---engine gone / abandoned / stopped-----------> RELEASED
 
-Every state change goes through a HeldRequest method. Pure: every method takes
+Every state change is a row of ``TRANSITIONS`` (looked up by `HeldRequest._to`, the
+one place that assigns a hold's state; `BadHeldTransition` for a move the table does
+not list), made by a HeldRequest method. Pure: every method takes
 ``now_s`` from the daemon's injected clock; a peer's timestamps are never used,
 so clock skew between nodes cannot shorten or stretch a lease.
 
@@ -32,6 +34,39 @@ class HeldState(enum.Enum):
 
 
 TERMINAL = {HeldState.DONE, HeldState.EXPIRED, HeldState.RELEASED}
+
+
+class HeldOn(enum.Enum):
+    """What happened to a hold."""
+
+    ACQUIRE = "acquire"  # a consumer's Acquire (another consumer's: READING again)
+    ALL_READ = "all_read"  # every expected consumer's notices are in
+    LEASE_ENDS = "lease_ends"
+    RELEASE = "release"  # its engine left, every consumer abandoned it, the daemon stops
+
+
+_H = HeldState
+TRANSITIONS: dict[HeldState, dict[HeldOn, HeldState]] = {
+    _H.HELD: {HeldOn.ACQUIRE: _H.READING, HeldOn.LEASE_ENDS: _H.EXPIRED,
+              HeldOn.RELEASE: _H.RELEASED},
+    _H.READING: {HeldOn.ACQUIRE: _H.READING, HeldOn.ALL_READ: _H.DONE,
+                 HeldOn.LEASE_ENDS: _H.EXPIRED, HeldOn.RELEASE: _H.RELEASED},
+    _H.DONE: {},
+    _H.EXPIRED: {},
+    _H.RELEASED: {},
+}
+
+
+class BadHeldTransition(RuntimeError):
+    """A move the table does not allow: a bug in the producer, never an input."""
+
+
+def next_held_state(state: HeldState, event: HeldOn) -> HeldState:
+    try:
+        return TRANSITIONS[state][event]
+    except KeyError:
+        raise BadHeldTransition(f"a hold in state {state.value} cannot {event.value}"
+                                ) from None
 
 
 @dataclass
@@ -68,6 +103,9 @@ class HeldRequest:
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
+    def _to(self, event: HeldOn) -> None:
+        self.state = next_held_state(self.state, event)
+
     def acquire(self, consumer_engine: str, block_ids: list[int], now_s: float,
                 expected_reads: int = 1, instance: str = "") -> None:
         if self.terminal:
@@ -81,7 +119,7 @@ class HeldRequest:
         if reader is None or reader.instance != instance:
             self.readers[consumer_engine] = Reader(expected_reads, instance)
             self.consumers_done.discard(consumer_engine)
-        self.state = HeldState.READING
+        self._to(HeldOn.ACQUIRE)
         self.renew(now_s)
 
     def renew(self, now_s: float) -> None:
@@ -104,7 +142,7 @@ class HeldRequest:
         if reader.reads >= reader.expected_reads:
             self.consumers_done.add(consumer_engine)
         if len(self.consumers_done) >= self.consumers:
-            self.state = HeldState.DONE
+            self._to(HeldOn.ALL_READ)
             return True
         return False
 
@@ -124,7 +162,7 @@ class HeldRequest:
         self.abandoned.add(consumer_engine)
         self.consumers_done.add(consumer_engine)
         if len(self.consumers_done) >= self.consumers:
-            self.state = HeldState.RELEASED
+            self._to(HeldOn.RELEASE)
             return True
         return False
 
@@ -132,11 +170,12 @@ class HeldRequest:
         return not self.terminal and now_s >= self.deadline_s
 
     def end(self, outcome: str) -> None:
-        """Leave the state machine for good: ok (DONE), expired or released."""
+        """Leave the state machine for good: ok (DONE: every read is in, `notice` made it
+        so already), expired or released."""
         if self.terminal:
             return
-        self.state = {"ok": HeldState.DONE, "expired": HeldState.EXPIRED}.get(
-            outcome, HeldState.RELEASED)
+        self._to({"ok": HeldOn.ALL_READ, "expired": HeldOn.LEASE_ENDS}.get(
+            outcome, HeldOn.RELEASE))
 
 
 class HeldTable:

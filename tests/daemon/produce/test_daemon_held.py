@@ -143,6 +143,9 @@ def test_terminal_states_refuse_acquire_and_do_not_expire() -> None:
     t = table()
     for state in TERMINAL:
         h = t.publish("p", f"r-{state.value}", [1], 1.0, 1, 0.0)
+        if state is HeldState.DONE:  # read by its consumer: the only way to DONE
+            h.acquire("c", [1], 0.0)
+            assert h.notice("c", 1)
         h.end({HeldState.DONE: "ok", HeldState.EXPIRED: "expired"}.get(state, "cancelled"))
         assert h.state is state
         with pytest.raises(NotFoundError, match="no longer held"):
@@ -187,3 +190,22 @@ def test_an_abandon_from_an_earlier_consumer_incarnation_is_stale() -> None:
     h.acquire("c", [1], 2.0, instance="c.2")  # restarted: its count starts over
     assert not h.abandon("c", "c.1") and h.state is HeldState.READING
     assert h.abandon("c", "c.2") and h.state is HeldState.RELEASED
+
+
+def test_a_holds_lifecycle_is_one_table() -> None:
+    """Every state has a row, the terminal ones are final, and only `_to` assigns."""
+    import inspect
+
+    from kvd.daemon.produce import held as H
+
+    assert set(H.TRANSITIONS) == set(H.HeldState)
+    for state in H.TERMINAL:
+        assert H.TRANSITIONS[state] == {}
+    assert H.TRANSITIONS[H.HeldState.HELD][H.HeldOn.ACQUIRE] is H.HeldState.READING
+    assert H.HeldOn.ALL_READ not in H.TRANSITIONS[H.HeldState.HELD]  # reads need a reader
+    src = inspect.getsource(H)
+    assert src.count("self.state = ") == 1 and "self.state = next_held_state(" in src
+    h = table().publish("p", "r", [1], 10.0, 1, 0.0)
+    h.end("expired")
+    with pytest.raises(H.BadHeldTransition):
+        h._to(H.HeldOn.ACQUIRE)
