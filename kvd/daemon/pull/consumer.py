@@ -106,9 +106,10 @@ class Consumer:
         self._names_me: dict[str, bool] = {}
 
     def route_for(self, msg: P.Pull) -> Route:
-        """The one place a pull's mover (and the peers it talks to) is chosen: a producer
-        daemon address that names this very daemon, however it is spelled (loopback or
-        advertised, a wildcard bind), is a local pull; any other goes over the network."""
+        """A pull's route, the first of the two steps that choose its mover (the second is
+        `pick`): a producer daemon address that names this very daemon, however it is
+        spelled (loopback or advertised, a wildcard bind), is a local pull, with this
+        daemon's own producer side as its peers; any other goes over the network."""
         if self._local is None:
             return self._remote
         me = self._names_me.get(msg.remote_address)
@@ -121,7 +122,7 @@ class Consumer:
         return self._local if me else self._remote
 
     def pick(self, remote: RemoteEngine) -> tuple[Mover, HostMaps | None] | None:
-        """The one place a network pull's mover is chosen, once its handshake is known
+        """The second step, for a network pull: its mover, once its handshake is known
         (cached at the pull's start, or fresh after its greeting): the host path when
         the producer daemon is on this host and its pool files map here (decided once
         per handshake, `HostMapper.choose`), else NIXL READs. Also the mappings the

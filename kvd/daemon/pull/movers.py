@@ -2,8 +2,9 @@
 
 A pull (kvd.daemon.pull.machine) decides what to move and when; a `Mover` moves it and
 reports each transfer's end. `NixlMover` posts NIXL READs from another daemon's agent
-(kvd.daemon.datapath). The consumer picks the mover for a pull in one place
-(`Consumer.mover_for`).
+(kvd.daemon.datapath). The consumer chooses a pull's mover: its route first
+(`Consumer.route_for`: local or network), then, for a network pull once its handshake
+is known, host copy or NIXL READs (`Consumer.pick`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Nothing else moves a pull: `Pull._to` (kvd.daemon.pull.machine) looks each move up in
 ``TRANSITIONS`` and raises `BadTransition` for one that is not listed. Tests read the
-table, and the diagram in kvd.daemon.pull's docstring is drawn from it (`diagram`;
+table, and the diagram in kvd.daemon.pull.consumer's docstring is drawn from it (`diagram`;
 tests/daemon/pull/test_pull_machine.py checks that the two agree).
 
 A pull is reported (its done_recving event) only on entering DONE or FAILED, and only
