@@ -342,3 +342,21 @@ def test_third_party_finder_sees_local_dynamic_and_from_imports(tmp_path):
     found = third_party_imports(src)
     assert ("typer", 1, True) in found and ("vllm", 2, True) in found
     assert ("torch", 4, False) in found and ("aiohttp", 5, False) in found
+
+
+def test_the_pull_machine_and_its_rules_load_no_io() -> None:
+    """The sans-IO pull (and its table, actions and Acquire rules) imports nothing that
+    does I/O: a simulator, a unit test or another driver can run it without a loop, a
+    socket, metrics or a transport (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvd.daemon.pull.machine, kvd.daemon.pull.state, kvd.daemon.pull.actions\n"
+            "import kvd.daemon.pull.acquire\n"
+            "bad = [m for m in ('asyncio', 'zmq', 'prometheus_client', 'nixl', 'nixl_cu12',\n"
+            "       'uvloop', 'torch') if m in sys.modules]\n"
+            "print(','.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "", f"the pull's machine loads {out.stdout.strip()}"

@@ -17,17 +17,22 @@ typed results (``PostResult``, ``XferStatus``) or raised, never as strings.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.errors import TransferError
-from kvd.transport.base import PostTiming, ReadPost, Transport, TransportCounts
+from kvd.transport.base import (
+    PostResult,
+    ReadPost,
+    Transport,
+    TransportCounts,
+    XferState,
+    XferStatus,
+)
 from kvd.transport.workers import poster_for
 
 T = TypeVar("T")
@@ -45,29 +50,6 @@ PEER_DRAIN_LOG_S = 10.0
 # stalls for at most ~0.3 ms, less than a hop to the NIXL thread costs on a busy host.
 INLINE_POST_MAX_BYTES = 4 << 20
 INLINE_POST_MAX_DESCRIPTORS = 1024
-
-
-class XferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class XferStatus:
-    state: XferState
-    error: TransferError | None = None
-
-
-@dataclass(frozen=True)
-class PostResult:
-    """One posted READ: a handle while it runs; done at once (its handle already
-    released, so None); or the error (no handle)."""
-
-    xfer_id: int | None
-    done: bool
-    error: TransferError | None = None
-    timing: PostTiming | None = None  # where the post's time went (transport.last_post)
 
 
 def new_nixl_executor() -> ThreadPoolExecutor:

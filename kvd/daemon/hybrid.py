@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvd.daemon.engines.table import Engine
-from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner.assembly import ProducerReads
 from kvd.planner.hybrid.assembly import HybridRankPool, assemble_hybrid_pull

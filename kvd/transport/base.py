@@ -21,10 +21,13 @@ Two ways to post a READ:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from kvd.errors import TransferError
 
 
 @dataclass
@@ -280,3 +283,29 @@ class Transport(Protocol):
     def counts(self) -> TransportCounts: ...
 
     def close(self) -> None: ...
+
+
+# A posted READ's outcome, as the pull's machine reads it (values: no I/O).
+
+
+class XferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class XferStatus:
+    state: XferState
+    error: TransferError | None = None
+
+
+@dataclass(frozen=True)
+class PostResult:
+    """One posted READ: a handle while it runs; done at once (its handle already
+    released, so None); or the error (no handle)."""
+
+    xfer_id: int | None
+    done: bool
+    error: TransferError | None = None
+    timing: PostTiming | None = None  # where the post's time went (transport.last_post)

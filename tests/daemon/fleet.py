@@ -40,9 +40,8 @@ from typing import Any
 import numpy as np
 
 from kvd.config import Config
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.produce.held import HeldState
 from kvd.daemon.produce.producer import ACQUIRE_WAITS_FOR_PUBLISH_S, Producer
 from kvd.daemon.pull import machine as M
@@ -58,7 +57,7 @@ from kvd.errors import (
 )
 from kvd.planner import RankId
 from kvd.pool.geometry import parallelism
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
 POOL_SPAN = 1 << 20  # a READ's remote address: registration uid * POOL_SPAN + block

@@ -218,7 +218,7 @@ def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
     """A READ posted before the Acquire's reply, whose hold then looks younger than the
     READ, is read again once the first one ends; heartbeats must cover that wait (a big
     READ can outlast a lease; it expired here before the fix)."""
-    from kvd.daemon.pull import acquire, machine
+    from kvd.daemon.pull import acquiring, machine
 
     rereads: list[str] = []
 
@@ -228,7 +228,7 @@ def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
         return len(rereads) == 1  # the first READ only
 
     # the READ goes out before the reply, and its hold looks too young once
-    monkeypatch.setattr(acquire.Acquiring, "answered", property(lambda self: False))
+    monkeypatch.setattr(acquiring.Acquiring, "answered", property(lambda self: False))
     monkeypatch.setattr(machine, "may_predate_publish", predate)
 
     async def body() -> None:

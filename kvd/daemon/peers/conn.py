@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -21,6 +20,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvd.daemon.clock import Clock
+from kvd.daemon.peers.reply import Reply
 from kvd.errors import (
     AuthError,
     KvdError,
@@ -43,13 +43,6 @@ def liveness_ms(liveness_timeout_s: float) -> tuple[int, int]:
     interval + (timeout - interval) = the liveness timeout."""
     timeout_ms = max(2, int(liveness_timeout_s * 1000))
     return timeout_ms, max(1, timeout_ms // HEARTBEATS_PER_TIMEOUT)
-
-
-@dataclass(frozen=True)
-class Reply:
-    body: Any
-    instance: str  # the answering daemon's incarnation ("" from a daemon too old to say)
-    received_s: float = 0.0  # when it arrived, on the daemon's clock
 
 
 class PeerConnection:

@@ -25,12 +25,9 @@ so a restarted daemon is loaded afresh rather than through stale sections.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -39,8 +36,9 @@ from kvd.config import Config
 from kvd.daemon.clock import Clock
 from kvd.daemon.curve_auth import CurveGuard
 from kvd.daemon.datapath import DataPath
-from kvd.daemon.engines.table import Engine, compat_hash
+from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.conn import PeerConnection, Reply
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.errors import (
     AuthError,
     IncompatibleError,
@@ -59,39 +57,6 @@ _REFUSED = ("incompatible", "not_found", "unauthorized")
 # How long a handshake to a daemon known unreachable waits for ZMQ's redial (every
 # RECONNECT_INTERVAL_MS) before it fails peer_lost, instead of handshake_timeout_s.
 KNOWN_DEAD_WAIT_S = 0.3
-
-
-@dataclass(frozen=True)
-class RemoteDaemon:
-    address: str
-    agent: str  # NIXL agent name
-    instance: str  # incarnation that answered the handshake
-    epoch: int  # the engine's epoch on that daemon at handshake time
-    host_token: str = ""  # its host (kvd.transport.samehost), "" from an older daemon
-
-
-@dataclass
-class RemoteRank:
-    rank: RankId
-    daemon: str  # peer address
-    agent: str
-    desc: P.RankDesc
-    pool_file: P.PoolFile = P.PoolFile()  # its pool's file on its host ("" path: none)
-
-
-@dataclass
-class RemoteEngine:
-    """A remote engine as learned by handshakes with every daemon hosting its ranks."""
-
-    desc: P.EngineDesc  # geometry (ranks field: as reported by the first daemon)
-    ranks: dict[RankId, RemoteRank] = field(default_factory=dict)
-    daemons: dict[str, RemoteDaemon] = field(default_factory=dict)  # by peer address
-    pools: Any = None  # (parallelism, rank pools) for the assembly, built at first use
-    route: Any = None  # the consumer's choice of path for this handshake (host or remote)
-
-    @functools.cached_property
-    def compat(self) -> str:
-        return compat_hash(self.desc.model, self.desc.layout)
 
 
 class PeerTable:

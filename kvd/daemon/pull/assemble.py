@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, PlanCache
-from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.pull.hostmap import host_bases
 from kvd.daemon.pull.machine import Pull
 from kvd.errors import IncompatibleError, KvdError

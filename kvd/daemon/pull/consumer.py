@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from kvd.daemon import hybrid
 from kvd.daemon.engines.table import Engine, check_block_ids
-from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.pull.assemble import PullAssembler
 from kvd.daemon.pull.driver import Peers, PullDriver
 from kvd.daemon.pull.hostmap import HostMapper, HostMaps

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from kvd.daemon.engines.table import Engine
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteEngine
-from kvd.daemon.pull.acquire import Acquiring
+from kvd.daemon.peers.remote import RemoteEngine
+from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.acquiring import Acquiring
 from kvd.daemon.pull.actions import (
     Action,
     Assemble,

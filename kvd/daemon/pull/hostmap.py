@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
 from kvd.planner import RankId
 from kvd.pool.owner import OwnerWatch, owner_lock_name
 from kvd.transport.samehost import HostFacts, Reach, dram_reachable, parse_host_token, stat_dir

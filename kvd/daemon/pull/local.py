@@ -19,14 +19,13 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
 from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.engines.table import Engine
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine, RemoteRank
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
+from kvd.daemon.peers.reply import Reply
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.transport.cudacopy import HOST as HOST_DEVICE
 from kvd.transport.localcopy import LocalCopier
 

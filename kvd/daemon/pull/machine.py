@@ -34,10 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
 from kvd.daemon.engines.table import EngineRank
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull.acquire import Replies, may_predate_publish, receipted
 from kvd.daemon.pull.actions import (  # the steps' return values; re-exported here
     Action,
@@ -61,7 +60,7 @@ from kvd.daemon.pull.actions import (  # the steps' return values; re-exported h
 )
 from kvd.daemon.pull.state import On, PullState, next_state
 from kvd.errors import KvdError, PeerLostError, TransferError
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
 # READ completion polling: SPIN_POLLS polls a loop turn apart, then from FIRST_POLL_S

@@ -16,13 +16,14 @@ from typing import Protocol
 
 import numpy as np
 
-from kvd.daemon.datapath import DataPath, PostResult, XferStatus
+from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines.table import Engine
-from kvd.daemon.peers.table import PeerTable, RemoteEngine
+from kvd.daemon.peers.remote import RemoteEngine
+from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.pull.actions import Notice
 from kvd.daemon.pull.hostmap import host_bases
 from kvd.planner.assembly import ProducerReads
-from kvd.transport.base import PoolSpan, ReadPost
+from kvd.transport.base import PoolSpan, PostResult, ReadPost, XferStatus
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")

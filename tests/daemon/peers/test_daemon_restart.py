@@ -15,7 +15,7 @@ import time
 from support.inprocess import daemon_pair, run, sample, start_daemon, wait_event
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon.peers.table import RemoteDaemon
+from kvd.daemon.peers.remote import RemoteDaemon
 from kvd.tools.localcluster import free_port
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.wire import protocol as P

@@ -20,9 +20,11 @@ import zmq.asyncio
 from support.inprocess import run
 
 from kvd.daemon.clock import MonotonicClock
-from kvd.daemon.peers.conn import PeerConnection, Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
-from kvd.daemon.pull.acquire import Acquiring, Replies
+from kvd.daemon.peers.conn import PeerConnection
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.acquire import Replies
+from kvd.daemon.pull.acquiring import Acquiring
 from kvd.tools.localcluster import free_port
 from kvd.wire import protocol as P
 

@@ -14,10 +14,11 @@ import pytest
 from support.inprocess import daemon_pair, run, wait_event
 
 from kvd.client import AsyncKvdClient
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon
+from kvd.daemon.peers.remote import RemoteDaemon
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull import machine
-from kvd.daemon.pull.acquire import Acquiring, Replies, may_predate_publish, receipted
+from kvd.daemon.pull.acquire import Replies, may_predate_publish, receipted
+from kvd.daemon.pull.acquiring import Acquiring
 from kvd.errors import BlockIdError
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
 from kvd.wire import protocol as P

@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.state import PullState
 from kvd.errors import TransferError
 from kvd.pool.owner import OwnerWatch, PoolOwner, owner_lock_name
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
 A, B = "tcp://p:1", "tcp://p:2"

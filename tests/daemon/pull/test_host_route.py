@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine, RemoteRank
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.pull.hostmap import HostMapper, HostMaps, host_bases, host_reach
 from kvd.planner import RankId
 from kvd.pool.owner import PoolOwner

@@ -11,10 +11,9 @@ import time
 
 import numpy as np
 
-from kvd.daemon.datapath import XferState
 from kvd.daemon.pull import local as localmod
 from kvd.daemon.pull.local import LocalMover
-from kvd.transport.base import ReadPost
+from kvd.transport.base import ReadPost, XferState
 from kvd.transport.localcopy import LocalCopier, memmove_copy
 
 

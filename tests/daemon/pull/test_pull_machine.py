@@ -16,9 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull import consumer as consumer_mod
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.state import (
@@ -32,7 +31,7 @@ from kvd.daemon.pull.state import (
     next_state,
 )
 from kvd.errors import BlockIdError, DrainingError, TransferError
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
 ADDR = "tcp://p:1"

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvd.daemon.datapath import PostResult, XferState, XferStatus
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.state import PullState
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
 ADDR, AGENT, LIVENESS_S = "tcp://p:1", "agent-p", 3.0

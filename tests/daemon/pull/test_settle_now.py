@@ -11,14 +11,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvd.daemon.datapath import PostResult
-from kvd.daemon.peers.conn import Reply
-from kvd.daemon.peers.table import RemoteDaemon, RemoteEngine
-from kvd.daemon.pull.acquire import Acquiring
+from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
+from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.acquiring import Acquiring
 from kvd.daemon.pull.machine import ForgetHandshake, Pull, Release, Report, WaitRanks
 from kvd.daemon.pull.state import PullState
 from kvd.errors import BlockIdError
-from kvd.transport.base import ReadPost
+from kvd.transport.base import PostResult, ReadPost
 from kvd.wire import protocol as P
 
 ADDRS = ("tcp://p:1", "tcp://p:2")
