@@ -5,8 +5,10 @@ without waiting, in the engine's request itself: with the handshake cached, a sm
 pull's Acquire leaves, its READ is posted and, when that READ is done and the Acquire's
 replies are already here, it is reported in that same step. Whatever needs waiting (a
 poll, a reply, a handshake, a large post) is left to `PullDriver.run`, the pull's task,
-which goes on with the same object from the action it stopped at. There is one
-implementation of each action; only waiting differs.
+which goes on with the same object from the action it stopped at. One interpreter
+carries the actions out: the task's `_do` is `_now` (every step that needs no wait, the
+same code the inline path runs) followed, only when that cannot finish it, by `_wait`
+(the awaiting part alone).
 
 The task also keeps the producers' leases alive while transfers run (heartbeats), and
 owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
@@ -261,6 +263,16 @@ class PullDriver:
             self._ended()
 
     async def _do(self, act: Action) -> list[Action]:
+        """``act`` carried out, waiting if it must: first as `_now` would (the synchronous
+        prefix, the one implementation of every step that needs no wait), then, when it
+        cannot be done now, its wait (`_wait`)."""
+        more = self._now(act)
+        if more is not None:
+            return more
+        return await self._wait(act)
+
+    async def _wait(self, act: Action) -> list[Action]:
+        """The part of ``act`` that waits, for the actions `_now` could not carry out."""
         pull, svc, clock = self.pull, self.svc, self.svc.clock
         if isinstance(act, WaitRanks):
             engine = await svc.registry.complete(pull.msg.engine_id,
@@ -285,10 +297,10 @@ class PullDriver:
                     raise KvdError(f"engine {msg.remote_engine_id!r}: its pools keep "
                                    "being freed")
             return pull.greeted(remote)
-        if isinstance(act, SendAcquire):
+        if isinstance(act, SendAcquire):  # it failed now: again, raising what fails it
             self._send_acquire()
             return []
-        if isinstance(act, Post):
+        if isinstance(act, Post):  # a large post, or one that must fail: see `_post`
             return await self._post(act)
         if isinstance(act, AwaitReplies):
             assert self.acquiring is not None
@@ -314,14 +326,10 @@ class PullDriver:
         if isinstance(act, Sever):
             await self.mover.sever(act.producers)
             return []
-        if isinstance(act, Release):
+        if isinstance(act, Release):  # transfer handles to release first
             await self._release()
             return pull.released(clock.now())
-        if isinstance(act, Assemble):
-            return self._assembled()
-        done = self._simple(act)
-        assert done is not None, act
-        return done
+        raise AssertionError(f"{act} can always be carried out at once")
 
     # ------------------------------------------------------------ the parts
 
@@ -387,22 +395,22 @@ class PullDriver:
         return self.pull.on_replies(addrs, got, self.svc.clock.now())
 
     async def _post(self, act: Post) -> list[Action]:
-        """Pin the local pools and post, noting the handles even when cancelled meanwhile:
-        the transfers exist either way, and must end before the pools are unpinned."""
+        """A post `_now` could not make: raise what refuses it (the quarantine caps, the
+        engine gone), else post off the loop (a large one), noting the handles even when
+        cancelled meanwhile: the transfers exist either way, and must end before the pools
+        are unpinned."""
         pull, svc = self.pull, self.svc
         posts = list(act.posts)
         if not act.again:
             self.quarantine.check_room(pull.nbytes)
         posted_s, t0 = svc.clock.now(), time.perf_counter()
         self._pin()
-        results = self.mover.post_now(posts)  # a small post: no task, no loop turn
-        if results is None:
-            post = asyncio.ensure_future(self.mover.post(posts))
-            try:
-                results = await asyncio.shield(post)
-            except asyncio.CancelledError:
-                pull.posted(await post, posted_s, time.perf_counter() - t0)
-                raise
+        post = asyncio.ensure_future(self.mover.post(posts))
+        try:
+            results = await asyncio.shield(post)
+        except asyncio.CancelledError:
+            pull.posted(await post, posted_s, time.perf_counter() - t0)
+            raise
         return pull.posted(results, posted_s, time.perf_counter() - t0)
 
     async def _release(self) -> None:
