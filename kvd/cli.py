@@ -130,20 +130,20 @@ def _escape(text: str) -> str:
 
 
 def _serve_parameters() -> list[inspect.Parameter]:
-    """One option per Config field, generated from the schema (kvd.config), so every
-    documented field is a flag; None means "not given" (env, file or default apply)."""
-    from kvd.config import FIELD_HELP, Config, field_types
+    """One option per knob of the schema (kvd.config.knobs): its flag, its type, and as
+    help what the knob declares (help, choices or bounds, default). None means "not
+    given" (env, file or default apply); the value is validated by kvd.config.load, so
+    a flag, the environment and a file refuse a bad value with the same message."""
+    from kvd.config import knobs
 
-    defaults = Config()
     params = [inspect.Parameter(
         "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],  # noqa: UP045
         default=typer.Option(None, "--config", help=_escape("TOML config file ([kvd] table).")))]
-    for name, typ in field_types().items():
-        flag = "--" + name.replace("_", "-")
-        help_text = _escape(f"{FIELD_HELP[name]} [default: {getattr(defaults, name)!r}]")
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=Optional[typ],  # noqa: UP045
-                                        default=typer.Option(None, flag, help=help_text)))
+    for knob in knobs().values():
+        help_text = _escape(f"{knob.describe()} [default: {knob.default!r}]")
+        params.append(inspect.Parameter(knob.name, inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=Optional[knob.type],  # noqa: UP045
+                                        default=typer.Option(None, knob.flag, help=help_text)))
     params.append(inspect.Parameter(
         "set_", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
         default=typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable).")))
