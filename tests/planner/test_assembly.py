@@ -168,7 +168,7 @@ def test_match_tail_names_negative_ids() -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pulls(), st.data())
 def test_one_block_template_gives_the_builders_descriptors(case, data) -> None:
-    """A one-block pull's descriptors come from a cached template (issue 12.4): exactly
+    """A one-block pull's descriptors come from a cached template: exactly
     what build_read_descriptors gives, for any layout, parallelism and block pair."""
     model, pshape, dshape, *_ = case
     _, pranks = _pools(model, pshape)

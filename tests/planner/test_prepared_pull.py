@@ -1,4 +1,4 @@
-"""kvd.planner.assembly.PreparedPull (issue 23.4): a pull's assembly inputs bound once per
+"""kvd.planner.assembly.PreparedPull: a pull's assembly inputs bound once per
 (engine, peer engine), one-block pulls served from ready templates. It must give exactly
 what ``assemble_pull`` gives (same groups, same order, same descriptors, same refusals),
 for any layout, parallelism, owner split and block pair, and the consumer must rebuild it

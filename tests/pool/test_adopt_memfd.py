@@ -1,4 +1,4 @@
-"""A daemon restart does not cost an engine its memfd pool (issue 20 point 6).
+"""A daemon restart does not cost an engine its memfd pool.
 
 A memfd pool has no file a new daemon could open by name. The engine keeps its own fd
 of it (opened through ``/proc/<kvd pid>/fd/<n>``) and hands it back the same way: its

@@ -1,4 +1,4 @@
-"""A daemon restart does not cost an engine its KV memory (issue 20 point 6).
+"""A daemon restart does not cost an engine its KV memory.
 
 Real processes and NIXL: a decode daemon is killed (-9) under an engine that keeps its
 pool mapped; the restarted daemon's crash-leftover reaping keeps the file (the engine

@@ -124,7 +124,7 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             again = _start(tmp_path, "rkp", like=prefill)
             started.append(again)
             assert set(leftovers) <= set(kvd_segments(f"kvd-{prefill.name}")), \
-                "the restarted daemon reaped a pool the engine still maps (issue 20)"
+                "the restarted daemon reaped a pool the engine still maps"
             assert lost.wait(10), "the engine never noticed its daemon restarted"
             pre2 = pc.register("pre", MODEL, layout_spec(BIG))
             assert pre2.instance_id and pre2.instance_id != pre.instance_id

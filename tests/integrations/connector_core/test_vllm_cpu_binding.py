@@ -1,5 +1,5 @@
 """The connector's warning for CPU engines whose workers vLLM pinned to the same cores
-(issue 25; kvd.integrations.connector_core.cpu_binding).
+(kvd.integrations.connector_core.cpu_binding).
 
 The real-process cases build what vLLM builds: an "engine core" process whose child
 carries vLLM's worker title and pins itself, one such pair per engine, and read them
