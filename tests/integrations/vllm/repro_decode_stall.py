@@ -12,7 +12,7 @@ process of both engines (child, EngineCore, worker): ``py-spy dump`` of each, an
 thread its name, state, CPU affinity (``sched_getaffinity``) and run-queue wait
 (``/proc/<pid>/task/<tid>/schedstat``, 2nd field), twice, 2 s apart.
 
-    PYTHONPATH=<code root> .venv-vllm/bin/python tests/integrations/vllm/repro_issue25.py \
+    PYTHONPATH=<code root> .venv-vllm/bin/python tests/integrations/vllm/repro_decode_stall.py \
         --out DIR --model-dir DIR --runs 3 [--bind auto|nobind|split] [--overlap 6]
 
 ``--overlap N`` then pipelines N more batches as a router with steady traffic does (P
