@@ -15,24 +15,25 @@ import uuid
 
 import pytest
 from support.clock import FakeClock
-from support.inprocess import config, daemon_pair, run, sample, wait_event
+from support.inprocess import (
+    MODEL,
+    SHAPE,
+    config,
+    daemon_pair,
+    register,
+    run,
+    sample,
+    wait_event,
+)
 
 from kvd.client import AsyncKvdClient
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.server import Daemon
 from kvd.planner import RankId
 from kvd.pool.shm import kvd_segments
-from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.tools.sim import EngineShape, check_shard, global_kv, write_shard
 from kvd.transport.loopback import LoopbackTransport
 from kvd.wire import protocol as P
-
-MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)
-SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)
-
-
-async def register(client: AsyncKvdClient, engine_id: str, shape: EngineShape = SHAPE,
-                   tp_rank: int = 0):
-    return await client.register(engine_id, MODEL, layout_spec(shape), tp_rank, shape.tp_size)
 
 
 def test_lease_expires_on_the_injected_clock() -> None:
