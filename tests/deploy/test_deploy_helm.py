@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kvd_pod_checks import (
+from support.kvd_pod_checks import (
     DEPLOY,
     Doc,
     check_dashboard,

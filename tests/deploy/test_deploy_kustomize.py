@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvd_pod_checks import (
+from support.kvd_pod_checks import (
     DEPLOY,
     Doc,
     check_dashboard,

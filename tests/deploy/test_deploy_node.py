@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvd_pod_checks import (
+from support.kvd_pod_checks import (
     DEPLOY,
     check_kvd_pod,
     check_node_daemon,
