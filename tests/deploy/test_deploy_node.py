@@ -16,8 +16,7 @@ from support.kvd_pod_checks import (
     check_service,
     load_docs,
 )
-from test_deploy_helm import by_kind, needs_renderer, render
-from test_deploy_kustomize import K8S, render_kustomization
+from support.render_manifests import K8S, by_kind, needs_renderer, render, render_kustomization
 
 from kvd.config import load
 
