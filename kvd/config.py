@@ -234,6 +234,7 @@ class Knob:
     choices: tuple[str, ...] = ()
     gt: float | None = None
     ge: float | None = None
+    lt: float | None = None
     le: float | None = None
     check: str = ""  # a key of _CHECKS
 
@@ -246,15 +247,16 @@ class Knob:
         return "--" + self.name.replace("_", "-")
 
     def bounds(self) -> str:
-        """"> 0", "1..16" or "" (no bound)."""
-        if self.ge is not None and self.le is not None:
+        """"> 0", "1..16" (both ends included), ">= 1 and < 8", or "" (no bound)."""
+        if self.ge is not None and self.le is not None and self.gt is self.lt is None:
             return f"{self.ge}..{self.le}"
-        if self.gt is not None:
-            return f"> {self.gt}"
-        return ""
+        return " and ".join(f"{op} {v}" for op, v in ((">", self.gt), (">=", self.ge),
+                                                      ("<", self.lt), ("<=", self.le))
+                            if v is not None)
 
     def rule(self, quote: Callable[[str], str] = str) -> str:
-        """What a value must be, as a sentence for --help and the reference ("" if any)."""
+        """What a value must be, as a sentence for --help and the reference ("" if any
+        value of its type will do)."""
         if self.choices:
             return "One of: " + ", ".join(quote(c) for c in self.choices) + "."
         return f"Must be {self.bounds()}." if self.bounds() else ""
@@ -269,6 +271,7 @@ class Knob:
             return f"{self.name}: {value!r} is not one of {self.choices}"
         if ((self.gt is not None and not value > self.gt)
                 or (self.ge is not None and not value >= self.ge)
+                or (self.lt is not None and not value < self.lt)
                 or (self.le is not None and not value <= self.le)):
             return f"{self.name}: must be {self.bounds()}, got {value!r}"
         return None
@@ -287,7 +290,8 @@ def _knob(field: msgspec.inspect.Field, declared: Any) -> Knob:
     return Knob(name=field.name, type=_BASE_TYPES[type(kind)], default=field.default,
                 help=info.extra_json_schema["description"], choices=choices,
                 gt=getattr(kind, "gt", None), ge=getattr(kind, "ge", None),
-                le=getattr(kind, "le", None), check=(info.extra or {}).get("check", ""))
+                lt=getattr(kind, "lt", None), le=getattr(kind, "le", None),
+                check=(info.extra or {}).get("check", ""))
 
 
 def knobs() -> dict[str, Knob]:

@@ -155,6 +155,14 @@ def test_every_knob_is_declared_once_with_help_and_its_rule_reaches_help() -> No
     assert knobs()["lease_s"].bounds() == "> 0" and knobs()["drain_timeout_s"].bounds() == ""
 
 
+def test_a_bound_of_any_kind_is_said_and_enforced() -> None:
+    from kvd.config import Knob
+
+    knob = Knob("x_s", float, 1.0, "X.", ge=1, lt=8)
+    assert knob.rule() == "Must be >= 1 and < 8."
+    assert knob.refusal(8.0) == "x_s: must be >= 1 and < 8, got 8.0" and knob.refusal(7.5) is None
+
+
 def test_the_schema_bounds_accept_their_edges() -> None:
     assert load(env={"KVD_COPY_THREADS": "16", "KVD_METRICS_PORT": "0"}).copy_threads == 16
     assert load(env={"KVD_COPY_THREADS": "1", "KVD_METRICS_PORT": "65535"}).metrics_port == 65535
