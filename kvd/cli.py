@@ -29,10 +29,10 @@ app = typer.Typer(
 def _flags_take_no_value() -> None:
     """typer (0.2x) shows each option's type, ``--json <bool>`` too, as if a flag took a
     value: a flag's type column stays empty here, for every command."""
-    option = typer.core.TyperOption
-    shown = option.display_type_rich
-    if getattr(shown, "kvd_flags", False):
-        return
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "kvd_flags", False):
+        return  # a typer that shows no type column (before 0.2x), or patched already
 
     def display_type_rich(self: typer.core.TyperOption, ctx: object) -> str | None:
         return None if self.is_flag else shown(self, ctx)
