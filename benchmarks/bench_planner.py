@@ -1,6 +1,6 @@
 """Planner speed: plan time per engine pair and descriptor build time per request.
 
-Targets (issues 2 and 12): a 16x16-rank plan in <= 1 ms uncached, and the descriptors of
+Targets: a 16x16-rank plan in <= 1 ms uncached, and the descriptors of
 80 layers x 4096 blocks in <= 20 ms in every layout, block-size ratios included.
 Run: .venv/bin/python benchmarks/bench_planner.py [--json] [-k NAME] [--no-plans]
 """
@@ -103,7 +103,7 @@ def _read(local_heads: tuple[int, int], remote_heads: tuple[int, int]) -> Read:
 
 
 def build_cases() -> list[BuildCase]:
-    """The issue-12 matrix: every kv_layout (NHD too where it exists), each with whole heads,
+    """The target matrix: every kv_layout (NHD too where it exists), each with whole heads,
     a 4-of-8 head slice (decode TP2 <- prefill TP1) and block-size ratios both ways, all on
     shuffled block ids; plus the earlier special cases (consecutive ids, MLA, 1-head ratio)."""
     rng = np.random.default_rng(0)

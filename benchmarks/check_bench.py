@@ -17,7 +17,7 @@ computes ratios from its own clocks. This script shares none of that code path:
 
 Run: .venv/bin/python benchmarks/check_bench.py [--nbytes-mib 512] [--repeats 5]
      [--latency-pulls 200] [--json]
-Prints one line per figure next to the issue-12 target; compare with `kvd bench`.
+Prints one line per figure next to its target; compare with `kvd bench`.
 """
 
 from __future__ import annotations

@@ -12,16 +12,51 @@ from collections.abc import Callable
 from typing import Optional
 
 import typer
+import typer.core
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="kvd: KV-cache transfer daemon for disaggregated LLM serving.",
+    # Help as Markdown, for every command and subcommand (bench's too: a group takes the
+    # top level's mode). Rich markup, typer's default, ate brackets (pip install
+    # 'kvd[plot]', the [kvd] table) and kept a docstring's line breaks inside a
+    # paragraph, so that the panel wrapped each line again and broke it mid-phrase.
+    rich_markup_mode="markdown",
 )
 
 
+def _flags_take_no_value() -> None:
+    """typer (0.2x) shows each option's type, ``--json <bool>`` too, as if a flag took a
+    value: a flag's type column stays empty here, for every command."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "kvd_flags", False):
+        return  # a typer that shows no type column (before 0.2x), or patched already
+
+    def display_type_rich(self: typer.core.TyperOption, ctx: object) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.kvd_flags = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        from kvd import __version__
+
+        typer.echo(f"kvd {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print kvd's version and exit."),
+) -> None:
     """kvd: KV-cache transfer daemon for disaggregated LLM serving."""
 
 
@@ -124,26 +159,30 @@ def plan(
         _fail(str(exc))
 
 
-def _escape(text: str) -> str:
-    """Typer renders help as rich markup: keep literal brackets such as ``[kvd]``."""
-    return text.replace("[", "\\[")
+def _literal(text: str) -> str:
+    """``text`` as Markdown that renders it unchanged (help is Markdown; see ``app``):
+    "UCX_TCP_KEEPIDLE, _KEEPINTVL, _KEEPCNT" must not turn italic."""
+    return "".join("\\" + c if c in "\\`*_[]<>#" else c for c in text)
 
 
 def _serve_parameters() -> list[inspect.Parameter]:
-    """One option per Config field, generated from the schema (kvd.config), so every
-    documented field is a flag; None means "not given" (env, file or default apply)."""
-    from kvd.config import FIELD_HELP, Config, field_types
+    """One option per knob of the schema (kvd.config.knobs): its flag, its type, and as
+    help what the knob declares (help, choices or bounds, default). None means "not
+    given" (env, file or default apply); the value is validated by kvd.config.load, so
+    a flag, the environment and a file refuse a bad value with the same message."""
+    from kvd.config import knobs
 
-    defaults = Config()
     params = [inspect.Parameter(
         "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],  # noqa: UP045
-        default=typer.Option(None, "--config", help=_escape("TOML config file ([kvd] table).")))]
-    for name, typ in field_types().items():
-        flag = "--" + name.replace("_", "-")
-        help_text = _escape(f"{FIELD_HELP[name]} [default: {getattr(defaults, name)!r}]")
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=Optional[typ],  # noqa: UP045
-                                        default=typer.Option(None, flag, help=help_text)))
+        default=typer.Option(None, "--config", help="TOML config file ([kvd] table)."))]
+    for knob in knobs().values():
+        help_text = knob.describe()
+        if knob.type is bool and knob.default:  # the flag can only turn it on
+            help_text += f" Off: --set {knob.name}=false."
+        help_text = _literal(f"{help_text} [default: {knob.default!r}]")
+        params.append(inspect.Parameter(knob.name, inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=Optional[knob.type],  # noqa: UP045
+                                        default=typer.Option(None, knob.flag, help=help_text)))
     params.append(inspect.Parameter(
         "set_", inspect.Parameter.KEYWORD_ONLY, annotation=list[str],
         default=typer.Option([], "--set", help="Any config field: KEY=VALUE (repeatable).")))

@@ -4,7 +4,8 @@
     python tools/gen_docs.py --check  # exit 1 and name the stale files (CI)
 
 Generated:
-- docs/configuration.md from kvd.config (Config defaults, FIELD_HELP, env names);
+- docs/configuration.md from kvd.config.knobs() (the schema: each knob's type, default,
+  help, choices or bounds, and its environment and flag names);
 - docs/metrics.md from kvd.ops.metric_docs.METRIC_DOCS;
 - the vLLM metrics section of docs/vllm.md from the names kvd/integrations/vllm/stats.py
   registers (read with ast: generating docs must not need vLLM);
@@ -23,7 +24,6 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,6 @@ def _md_cell(text: str) -> str:
 
 def configuration_md() -> str:
     """The configuration reference: every field, its default and its three spellings."""
-    defaults = kvd_config.Config()
     out = [
         HEADER.format(src="kvd/config.py"),
         "# Configuration reference\n",
@@ -72,26 +71,19 @@ def configuration_md() -> str:
         "| Field | Default | Environment | Flag | Description |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for f in fields(kvd_config.Config):
-        default = getattr(defaults, f.name)
-        shown = f"`{_toml_value(default)}`" if default != "" else '`""`'
-        env = f"`{kvd_config.ENV_PREFIX}{f.name.upper()}`"
-        flag = f"`--{f.name.replace('_', '-')}`"
-        help_text = kvd_config.FIELD_HELP.get(f.name, "")
-        choices = getattr(kvd_config, "_CHOICES", {}).get(f.name)
-        if choices:
-            help_text += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
-        if f.name in getattr(kvd_config, "_POSITIVE", ()):
-            help_text += " Must be > 0."
-        out.append(f"| `{f.name}` | {shown} | {env} | {flag} | {_md_cell(help_text)} |")
+    for knob in kvd_config.knobs().values():
+        shown = f"`{_toml_value(knob.default)}`" if knob.default != "" else '`""`'
+        help_text = knob.describe(quote=lambda c: f"`{c}`")
+        out.append(f"| `{knob.name}` | {shown} | `{knob.env}` | `{knob.flag}` "
+                   f"| {_md_cell(help_text)} |")
     out += [
         "",
         "## Example file with every default\n",
         "```toml",
         "[kvd]",
     ]
-    for f in fields(kvd_config.Config):
-        out.append(f"{f.name} = {_toml_value(getattr(defaults, f.name))}")
+    for knob in kvd_config.knobs().values():
+        out.append(f"{knob.name} = {_toml_value(knob.default)}")
     out += ["```", ""]
     return "\n".join(out)
 

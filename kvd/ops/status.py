@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import msgspec
 
 from kvd.client import KvdClient
 from kvd.config import client_engine_address
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, KvdTimeoutError
 from kvd.pool.shm import HUGE_PAGE_NBYTES
 from kvd.wire.protocol import RankStatus, Status
 
@@ -24,9 +25,33 @@ def render_status(address: str | None, as_json: bool, timeout_s: float) -> str:
         token = Path(token_file).read_text().strip() if token_file else ""
     except OSError as exc:
         raise ConfigError(f"KVD_AUTH_TOKEN_FILE={token_file!r}: {exc.strerror}") from exc
-    with KvdClient(endpoint, timeout_s=timeout_s, token=token, ping_interval_s=0) as client:
-        st = client.status()
+    try:
+        with KvdClient(endpoint, timeout_s=timeout_s, token=token, ping_interval_s=0) as client:
+            st = client.status()
+    except KvdTimeoutError as exc:
+        raise KvdTimeoutError(f"{exc}: {unanswered_hint(endpoint)}") from exc
     return format_status(st, as_json)
+
+
+def unanswered_hint(endpoint: str) -> str:
+    """What to try when ``endpoint`` gave no answer: ZMQ dials a closed port quietly, so
+    look whether anything listens there at all."""
+    where = ("--address HOST:PORT or KVD_ENGINE_ADDRESS (the daemon's engine_address; "
+             "docs/operations.md, \"kvd status\")")
+    if endpoint.startswith("ipc://"):
+        listening = Path(endpoint[len("ipc://"):]).exists()
+    else:
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            listening = True
+        except OSError:
+            listening = False
+    if not listening:
+        return f"nothing listens there: start the daemon (kvd serve), or give its address " \
+               f"with {where}"
+    return ("something listens there but did not answer: a daemon stopped or busy "
+            f"(try a longer --timeout-s), or not a kvd engine face: give it with {where}")
 
 
 def format_status(st: Status, as_json: bool = False) -> str:

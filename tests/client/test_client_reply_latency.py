@@ -1,4 +1,4 @@
-"""A reply that has arrived is seen within 1 ms by whoever waits for it (issue 25).
+"""A reply that has arrived is seen within 1 ms by whoever waits for it.
 
 Each client (sync ``KvdClient``, ``AsyncKvdClient`` on asyncio and on uvloop,
 ``NoWaitClient``) talks to tests/support/reply_server.py, a separate process that

@@ -15,24 +15,25 @@ import uuid
 
 import pytest
 from support.clock import FakeClock
-from support.inprocess import config, daemon_pair, run, sample, wait_event
+from support.inprocess import (
+    MODEL,
+    SHAPE,
+    config,
+    daemon_pair,
+    register,
+    run,
+    sample,
+    wait_event,
+)
 
 from kvd.client import AsyncKvdClient
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.server import Daemon
 from kvd.planner import RankId
 from kvd.pool.shm import kvd_segments
-from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.tools.sim import EngineShape, check_shard, global_kv, write_shard
 from kvd.transport.loopback import LoopbackTransport
 from kvd.wire import protocol as P
-
-MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)
-SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)
-
-
-async def register(client: AsyncKvdClient, engine_id: str, shape: EngineShape = SHAPE,
-                   tp_rank: int = 0):
-    return await client.register(engine_id, MODEL, layout_spec(shape), tp_rank, shape.tp_size)
 
 
 def test_lease_expires_on_the_injected_clock() -> None:
@@ -383,7 +384,7 @@ def test_a_producer_that_lost_the_hold_mid_read_fails_the_pull() -> None:
             await _until_state(p.dc, p.clock, "pulls", "reading")
             held = p.prefill.producer.held.get("pre", "r1")
             p.prefill.producer.finish(held, "expired")  # as if the lease had run out
-            # The pull fails, but its READ still runs: nothing is handed back (issue 21)
+            # The pull fails, but its READ still runs: nothing is handed back under it
             # until the transport ends it; meanwhile it is quarantined, and visible.
             await _until_state(p.dc, p.clock, "pulls", "quarantined")
             await p.clock.run(2.0)
@@ -403,7 +404,7 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer daemon frozen longer than the lease (SIGSTOP, a stalled host) could not
     hear the consumer's heartbeats meanwhile: waking up, it moves its leases on by the
-    time it was frozen instead of handing the blocks back under the READ (issue 20/21).
+    time it was frozen instead of handing the blocks back under the READ.
 
     Both daemons share the fake clock, so the jump is a stall of the consumer too; its
     liveness timeout is set past it, as it would have to be for a real producer frozen
@@ -435,7 +436,7 @@ def test_a_frozen_producer_does_not_expire_a_lease_under_a_running_read(
 
 
 def test_one_block_pulls_follow_a_rank_that_registers_again() -> None:
-    """The consumer keeps a pull's assembly ready per (engine, peer engine) (issue 23.4):
+    """The consumer keeps a pull's assembly ready per (engine, peer engine):
     a decode rank that registers again (a new pool) or a producer that does (a new
     handshake) must be read into / from where they are now, byte for byte."""
     async def body() -> None:

@@ -148,7 +148,7 @@ def test_a_daemon_restart_starts_the_count_again_and_late_replies_of_the_old_one
 
 
 def test_ten_thousand_random_faults_lose_and_duplicate_nothing() -> None:
-    """The figure for issue 20's note: lost and duplicated events under fault injection."""
+    """The figure for the reliability docs: lost and duplicated events under fault injection."""
     rng = random.Random(20)
     w = World()
     for _ in range(10_000):

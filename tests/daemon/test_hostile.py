@@ -1,4 +1,4 @@
-"""Hostile and edge input against real daemons (issue 10, items 4-11).
+"""Hostile and edge input against real daemons.
 
 Each test names the defect it guards against; each was reproduced before its fix.
 """

@@ -1,4 +1,4 @@
-"""The daemon's loop is never held by a registration, and its lag is measured (issue 20.4).
+"""The daemon's loop is never held by a registration, and its lag is measured.
 
 Fast, in-process checks of the logic behind tests/daemon/test_engine_face_heavy.py (which
 measures real ``kvd serve`` processes): the loop-lag watcher records how late the loop

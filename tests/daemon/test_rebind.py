@@ -1,4 +1,4 @@
-"""A crashed daemon comes back at once on the same addresses (issue 21).
+"""A crashed daemon comes back at once on the same addresses.
 
 A kubelet probes ``/livez`` every few seconds and Prometheus scrapes ``/metrics``:
 the connection of the last probe sits in TIME_WAIT on the metrics port when the daemon

@@ -1,6 +1,6 @@
 """CURVE in the deploy manifests: Helm (curve.enabled) and the kvd-curve kustomize
 component give kvd its keypair and allowlist from Secrets, and kvd's own start-up
-checks accept the result (tests/deploy/kvd_pod_checks.check_curve)."""
+checks accept the result (tests/support/kvd_pod_checks.check_curve)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvd_pod_checks import DEPLOY, check_curve, check_kvd_pod, load_docs
-from test_deploy_helm import by_kind, needs_renderer, render
-from test_deploy_kustomize import render_kustomization
+from support.kvd_pod_checks import check_curve, check_kvd_pod, load_docs
+from support.render_manifests import K8S, by_kind, needs_renderer, render, render_kustomization
 
-K8S = DEPLOY / "k8s"
 CURVE_VALUES = {"curve": {"enabled": True, "keypairSecret": "kvd-prefill-keypair",
                           "allowlistSecret": "kvd-fleet-allowlist"}}
 

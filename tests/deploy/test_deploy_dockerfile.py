@@ -11,7 +11,7 @@ import sys
 import tomllib
 
 import pytest
-from kvd_pod_checks import DEPLOY, ROOT, port_of
+from support.kvd_pod_checks import DEPLOY, ROOT, port_of
 
 from kvd.config import Config
 from kvd.ops.httpserver import start_http_server

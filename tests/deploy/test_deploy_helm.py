@@ -9,60 +9,19 @@ below still run.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kvd_pod_checks import (
+from support.kvd_pod_checks import (
     DEPLOY,
-    Doc,
     check_dashboard,
     check_kvd_pod,
     check_podmonitor,
     check_service,
-    load_docs_text,
 )
-
-CHART = DEPLOY / "helm/kvd"
-
-try:
-    import helm_python
-except ImportError:  # pragma: no cover - depends on the environment
-    helm_python = None
-
-HELM_BIN = shutil.which("helm")
-NO_RENDERER = "no Helm renderer: install helm-python-sdk (pip) or put a helm binary on PATH"
-
-
-def render(values: dict[str, Any]) -> list[Doc]:
-    if helm_python is not None:
-        with helm_python.Chart.load(str(CHART)) as chart:
-            out = chart.render(values, name="demo", namespace="serving")
-        text = "\n---\n".join(v for k, v in sorted(out.items()) if k.endswith(".yaml"))
-    elif HELM_BIN:
-        args = [HELM_BIN, "template", "demo", str(CHART), "--namespace", "serving"]
-        with tempfile.TemporaryDirectory() as tmp:
-            values_file = Path(tmp) / "values.yaml"
-            values_file.write_text(yaml.safe_dump(values))
-            args += ["-f", str(values_file)]
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr)
-        text = proc.stdout
-    else:  # pragma: no cover
-        pytest.skip(NO_RENDERER)
-    return load_docs_text(text)
-
-
-needs_renderer = pytest.mark.skipif(helm_python is None and not HELM_BIN, reason=NO_RENDERER)
-
-
-def by_kind(docs: list[Doc], kind: str) -> list[Doc]:
-    return [d for d in docs if d["kind"] == kind]
+from support.render_manifests import CHART, by_kind, helm_python, needs_renderer, render
 
 
 @needs_renderer

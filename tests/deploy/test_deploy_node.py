@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvd_pod_checks import (
+from support.kvd_pod_checks import (
     DEPLOY,
     check_kvd_pod,
     check_node_daemon,
@@ -16,8 +16,7 @@ from kvd_pod_checks import (
     check_service,
     load_docs,
 )
-from test_deploy_helm import by_kind, needs_renderer, render
-from test_deploy_kustomize import K8S, render_kustomization
+from support.render_manifests import K8S, by_kind, needs_renderer, render, render_kustomization
 
 from kvd.config import load
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -99,4 +100,15 @@ def test_status_of_nothing_listening_fails_fast_with_one_line() -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvd: error:") and address in lines[0]
+    assert "nothing listens there: start the daemon (kvd serve)" in lines[0]  # and how
+    assert "--address HOST:PORT or KVD_ENGINE_ADDRESS" in lines[0]
     assert elapsed < 1 + 10, f"took {elapsed:.1f}s with --timeout-s 1"  # 1 s + interpreter start
+
+
+def test_status_of_a_port_that_is_not_kvd_says_something_listens(tmp_path: Path) -> None:
+    from kvd.ops.status import unanswered_hint
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        assert unanswered_hint(f"tcp://127.0.0.1:{port}").startswith("something listens there")
+    assert unanswered_hint(f"ipc://{tmp_path}/none.sock").startswith("nothing listens there")

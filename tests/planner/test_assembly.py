@@ -13,69 +13,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from support.planner_cases import pulls, rank_pools
 
 from kvd.errors import BlockIdError, LayoutError
-from kvd.planner import RankId, plan_transfer
-from kvd.planner.assembly import RankPool, assemble_pull, match_tail, read_descriptors
+from kvd.planner import plan_transfer
+from kvd.planner.assembly import assemble_pull, match_tail, read_descriptors
 from kvd.planner.descriptors import build_read_descriptors
-from kvd.planner.layout import HEAD_LAYOUTS, KV_LAYOUTS
-from kvd.pool.geometry import geometry, parallelism, rank_layout
-from kvd.tools.sim import EngineShape, global_kv, layout_spec, write_shard
+from kvd.pool.geometry import geometry, parallelism
+from kvd.tools.sim import EngineShape, global_kv, write_shard
 from kvd.wire.protocol import ModelSpec
-
-try:
-    from kvd.planner.layout import ALL_KV_LAYOUTS
-except ImportError:  # before the vLLM layouts land
-    ALL_KV_LAYOUTS = KV_LAYOUTS
-
-
-def _pools(model: ModelSpec, shape: EngineShape, owners: int = 1
-           ) -> tuple[np.ndarray, list[tuple[RankId, RankPool, np.ndarray]]]:
-    """One flat buffer holding every rank's pool end to end; base address = offset."""
-    par = parallelism(shape.tp_size, shape.pp_size, None)
-    spec = layout_spec(shape)
-    ranks, base = [], 0
-    for p in range(shape.pp_size):
-        for t in range(shape.tp_size):
-            cache, first = rank_layout(model, spec, par, p)
-            rid = RankId(t, p)
-            ranks.append((rid, RankPool(rid, cache, first, base, owner=f"agent{t % owners}"),
-                          cache))
-            base += cache.total_nbytes
-    flat = np.zeros(base, dtype=np.uint8)
-    out = []
-    for rid, pool, cache in ranks:
-        view = flat[pool.base_addr:pool.base_addr + cache.total_nbytes]
-        out.append((rid, pool, view.view(np.uint16).reshape(cache.shape)))
-    return flat, out
-
-
-@st.composite
-def pulls(draw):
-    mla = draw(st.booleans())
-    heads = 1 if mla else draw(st.sampled_from([1, 2, 4]))
-    layers = draw(st.integers(1, 3))
-    tps = [t for t in (1, 2, 4) if mla or heads % t == 0 or t % heads == 0]
-    ptp, dtp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
-    ppp, dpp = draw(st.integers(1, min(2, layers))), draw(st.integers(1, min(2, layers)))
-    bsd = draw(st.sampled_from([2, 4, 8]))
-    bsp = draw(st.sampled_from([bsd // 2, bsd, bsd * 2] if bsd > 2 else [bsd, bsd * 2]))
-    kv_layout = draw(st.sampled_from(ALL_KV_LAYOUTS))
-    head_layout = "HND" if kv_layout == "head_major" else draw(st.sampled_from(HEAD_LAYOUTS))
-    tokens = draw(st.integers(1, 24))
-    total_local = -(-tokens // bsd)
-    # A prefix hit the engine could have: whole decode blocks ending on a prefill block.
-    hits = [k for k in range(total_local) if (k * bsd) % bsp == 0]
-    skip = draw(st.sampled_from(hits))
-    n_remote, n_local = -(-tokens // bsp), total_local - skip
-    p_blocks, d_blocks = n_remote + draw(st.integers(0, 3)), n_local + draw(st.integers(0, 3))
-    p_ids = draw(st.permutations(range(p_blocks)))[:n_remote]
-    d_ids = draw(st.permutations(range(d_blocks)))[:n_local]
-    model = ModelSpec(name="prop", num_kv_heads=heads, num_layers=layers, head_dim=4,
-                      dtype="bfloat16", mla=mla)
-    pshape = EngineShape(ptp, ppp, bsp, p_blocks, kv_layout, head_layout)
-    dshape = EngineShape(dtp, dpp, bsd, d_blocks, kv_layout, head_layout)
-    return model, pshape, dshape, tokens, skip * bsd, list(p_ids), list(d_ids)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,8 +29,8 @@ def pulls(draw):
 def test_assembled_descriptors_place_exactly_the_tail(case, owners) -> None:
     model, pshape, dshape, tokens, hit_tokens, p_ids, d_ids = case
     g = global_kv(model, tokens, seed=tokens)
-    pflat, pranks = _pools(model, pshape, owners)
-    dflat, dranks = _pools(model, dshape)
+    pflat, pranks = rank_pools(model, pshape, owners)
+    dflat, dranks = rank_pools(model, dshape)
     for rid, _, view in pranks:
         write_shard(view, g, model, pshape, rid.tp_rank, rid.pp_rank, p_ids)
     plan = plan_transfer(geometry(model), parallelism(pshape.tp_size, pshape.pp_size, None),
@@ -109,7 +55,7 @@ def test_assembled_descriptors_place_exactly_the_tail(case, owners) -> None:
     assert (lo[order][1:] >= (lo + nb)[order][:-1]).all(), "two descriptors write one byte"
     for src, dst, n in zip(ro.tolist(), lo.tolist(), nb.tolist(), strict=True):
         dflat[dst:dst + n] = pflat[src:src + n]
-    want_flat, want = _pools(model, dshape)
+    want_flat, want = rank_pools(model, dshape)
     for rid, _, view in want:
         write_shard(view, g, model, dshape, rid.tp_rank, rid.pp_rank, d_ids,
                     first_token=hit_tokens)
@@ -119,8 +65,8 @@ def test_assembled_descriptors_place_exactly_the_tail(case, owners) -> None:
 def test_notify_only_counts_reads_without_descriptors() -> None:
     model = ModelSpec(name="n", num_kv_heads=4, num_layers=2, head_dim=4)
     shape = EngineShape(2, 1, 4, 8)
-    _, pranks = _pools(model, shape, owners=2)
-    _, dranks = _pools(model, EngineShape(1, 1, 4, 8))
+    _, pranks = rank_pools(model, shape, owners=2)
+    _, dranks = rank_pools(model, EngineShape(1, 1, 4, 8))
     plan = plan_transfer(geometry(model), parallelism(2, 1, None), parallelism(1, 1, None))
     local, remote = match_tail([], [1, 2], 4, 4)
     groups = assemble_pull(plan, [p for _, p, _ in dranks], {r: p for r, p, _ in pranks},
@@ -168,11 +114,11 @@ def test_match_tail_names_negative_ids() -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pulls(), st.data())
 def test_one_block_template_gives_the_builders_descriptors(case, data) -> None:
-    """A one-block pull's descriptors come from a cached template (issue 12.4): exactly
+    """A one-block pull's descriptors come from a cached template: exactly
     what build_read_descriptors gives, for any layout, parallelism and block pair."""
     model, pshape, dshape, *_ = case
-    _, pranks = _pools(model, pshape)
-    _, dranks = _pools(model, dshape)
+    _, pranks = rank_pools(model, pshape)
+    _, dranks = rank_pools(model, dshape)
     remote = {rid: pool for rid, pool, _ in pranks}
     plan = plan_transfer(geometry(model), parallelism(pshape.tp_size, pshape.pp_size, None),
                          parallelism(dshape.tp_size, dshape.pp_size, None))
@@ -197,7 +143,7 @@ def test_one_block_template_gives_the_builders_descriptors(case, data) -> None:
 def test_one_block_template_checks_block_ids() -> None:
     model = ModelSpec(name="t", num_kv_heads=2, num_layers=2, head_dim=4, dtype="bfloat16")
     shape = EngineShape(1, 1, 4, 3, "cross_layer", "HND")
-    _, [(rid, pool, _)] = _pools(model, shape)
+    _, [(rid, pool, _)] = rank_pools(model, shape)
     [read] = plan_transfer(geometry(model), parallelism(1, 1, None),
                            parallelism(1, 1, None)).reads_for(rid)
     args = (read, pool.cache, 0, pool.cache, 0)

@@ -1,4 +1,4 @@
-"""A coarse guard on descriptor build time at the issue-12 size (80 layers x 4096 blocks).
+"""A coarse guard on descriptor build time at the target size (80 layers x 4096 blocks).
 
 The target is 20 ms (benchmarks/bench_planner.py measures it); this only catches a fall
 back to per-chunk work or to copying the grid through numpy's ufunc buffers, which cost

@@ -1,4 +1,4 @@
-"""Issue 12.3: kvd's own engines and the bench get the layout with the fewest descriptors."""
+"""kvd's own engines and the bench get the layout with the fewest descriptors."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """build_read_descriptors against the plain grid-and-merge it replaced, array for array.
 
-The fast build decides merges per axis instead of per chunk (issue 12: 80 layers x 4096
-blocks in <= 20 ms). Its contract is the simple one kept here as `reference`: every
+The fast build decides merges per axis instead of per chunk (the target: 80 layers x
+4096 blocks in <= 20 ms). Its contract is the simple one kept here as `reference`: every
 chunk's offsets in local memory order, padding dropped, runs contiguous on both sides
 merged. Offsets, sizes and their order must come out identical, on every layout pair,
 head slice, block-size ratio (partial last blocks included), layer range and id pattern.

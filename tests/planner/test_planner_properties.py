@@ -9,6 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.planner_cases import (
+    HEAD_DIM,
+    byte_cases,
+    pairs,
+    ranks,
+)
 from support.planner_sim import apply_descriptors, fill_pool, global_kv
 
 from kvd.errors import LayoutError, PlanError
@@ -25,38 +31,6 @@ from kvd.planner import (
     rank_heads,
     stage_layers,
 )
-
-HEAD_DIM = 2
-KV_LAYOUTS = ("kv_split", "blocks_first", "cross_layer", "head_major")
-
-
-def valid_tps(model: ModelGeometry) -> list[int]:
-    k = model.num_kv_heads
-    return [t for t in range(1, 17) if model.mla or k % t == 0 or t % k == 0]
-
-
-@st.composite
-def parallelism(draw, model: ModelGeometry) -> Parallelism:
-    tp = draw(st.sampled_from(valid_tps(model)))
-    pp = draw(st.integers(1, min(4, model.num_layers)))
-    part = None
-    if pp > 1 and draw(st.booleans()):
-        cuts = sorted(draw(st.sets(st.integers(1, model.num_layers - 1),
-                                   min_size=pp - 1, max_size=pp - 1)))
-        bounds = [0, *cuts, model.num_layers]
-        part = tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-    return Parallelism(tp, pp, part)
-
-
-@st.composite
-def pairs(draw, max_layers: int = 12):
-    mla = draw(st.booleans())
-    model = ModelGeometry(draw(st.integers(1, 64)), draw(st.integers(1, max_layers)), mla)
-    return model, draw(parallelism(model)), draw(parallelism(model))
-
-
-def ranks(par: Parallelism) -> list[RankId]:
-    return [RankId(tp, pp) for pp in range(par.pp_size) for tp in range(par.tp_size)]
 
 
 @settings(max_examples=1000, deadline=None)
@@ -119,19 +93,6 @@ def test_replicas_share_the_load(pair):
         if prefill.pp_size == 1 and decode.pp_size == 1:
             counts = [plan.consumers[m] for m in members]
             assert max(counts) - min(counts) <= 1
-
-
-@st.composite
-def byte_cases(draw):
-    model, prefill, decode = draw(pairs(max_layers=5))
-    bs_p = draw(st.sampled_from([1, 2, 4]))
-    bs_d = draw(st.sampled_from([bs_p, bs_p, bs_p * 2, bs_p * 4, max(1, bs_p // 2),
-                                 max(1, bs_p // 4)]))
-    num_tokens = draw(st.integers(1, 13))
-    kv_layouts = draw(st.tuples(st.sampled_from(KV_LAYOUTS), st.sampled_from(KV_LAYOUTS)))
-    nhd = draw(st.booleans())
-    seed = draw(st.integers(0, 2**32 - 1))
-    return model, prefill, decode, bs_p, bs_d, num_tokens, kv_layouts, nhd, seed
 
 
 def _layout(model, par, pp_rank, bs, num_blocks, kv_layout, head_layout) -> CacheLayout:

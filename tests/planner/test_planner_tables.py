@@ -1,4 +1,4 @@
-"""The named configurations of issue 2, with every read written out by hand."""
+"""The named TP/PP configurations of the planner, with every read written out by hand."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.planner_cases import HEAD_DIM, byte_cases, ranks
 from support.planner_sim import apply_descriptors, global_kv
 from support.planner_sim import fill_pool as fill_split_pool
-from test_planner_properties import HEAD_DIM, byte_cases, ranks
 
 from kvd.daemon.engines.table import compat_hash
 from kvd.errors import LayoutError

@@ -1,4 +1,4 @@
-"""kvd.planner.assembly.PreparedPull (issue 23.4): a pull's assembly inputs bound once per
+"""kvd.planner.assembly.PreparedPull: a pull's assembly inputs bound once per
 (engine, peer engine), one-block pulls served from ready templates. It must give exactly
 what ``assemble_pull`` gives (same groups, same order, same descriptors, same refusals),
 for any layout, parallelism, owner split and block pair, and the consumer must rebuild it
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_assembly import _pools, pulls
+from support.planner_cases import pulls, rank_pools
 
 from kvd.errors import BlockIdError, LayoutError
 from kvd.planner import plan_transfer
@@ -47,8 +47,8 @@ def _outcome(fn):
 @given(pulls(), st.integers(1, 2), st.data())
 def test_prepared_pull_assembles_what_assemble_pull_does(case, owners, data) -> None:
     model, pshape, dshape, tokens, _, p_ids, d_ids = case
-    _, pranks = _pools(model, pshape, owners)
-    _, dranks = _pools(model, dshape)
+    _, pranks = rank_pools(model, pshape, owners)
+    _, dranks = rank_pools(model, dshape)
     plan = plan_transfer(geometry(model), parallelism(pshape.tp_size, pshape.pp_size, None),
                          parallelism(dshape.tp_size, dshape.pp_size, None))
     local = [pool for _, pool, _ in dranks]
@@ -76,8 +76,8 @@ def test_prepared_pull_takes_one_block_pulls_from_its_templates() -> None:
     """The fast path is taken (no planning per pull) where every read has a template."""
     model = ModelSpec(name="t", num_kv_heads=2, num_layers=2, head_dim=4, dtype="bfloat16")
     shape = EngineShape(1, 1, 4, 8, "head_major", "HND")
-    _, pranks = _pools(model, shape)
-    _, dranks = _pools(model, shape)
+    _, pranks = rank_pools(model, shape)
+    _, dranks = rank_pools(model, shape)
     plan = plan_transfer(geometry(model), parallelism(1, 1, None), parallelism(1, 1, None))
     prepared = prepare_pull(plan, [p for _, p, _ in dranks], {r: p for r, p, _ in pranks},
                             ["agent0"])

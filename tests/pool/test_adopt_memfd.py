@@ -1,4 +1,4 @@
-"""A daemon restart does not cost an engine its memfd pool (issue 20 point 6).
+"""A daemon restart does not cost an engine its memfd pool.
 
 A memfd pool has no file a new daemon could open by name. The engine keeps its own fd
 of it (opened through ``/proc/<kvd pid>/fd/<n>``) and hands it back the same way: its
@@ -19,11 +19,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from support.restart import BIG, MODEL, SMALL_IDS, cleanup, kill9, pull_small
 
 from kvd.errors import InvalidRequestError, KvdError
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import check_shard, global_kv, layout_spec, write_shard
-from tests.daemon.peers.test_restart import BIG, MODEL, SMALL_IDS, _cleanup, _kill, _pull_small
 
 pytestmark = pytest.mark.nixl
 
@@ -55,7 +55,7 @@ def test_decode_daemon_restarted_twice_adopts_the_engines_memfd(tmp_path: Path) 
             assert dec.pool.handle.directory == f"/proc/{decode.proc.pid}/fd", \
                 "not a memfd pool"
             write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-            recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+            recv, _ = pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
             assert recv.ok, recv.error
             kept = global_kv(MODEL, len(KEPT_IDS) * 16, seed=7)
             write_shard(dec.kv, kept, MODEL, BIG, 0, 0, KEPT_IDS)
@@ -64,7 +64,7 @@ def test_decode_daemon_restarted_twice_adopts_the_engines_memfd(tmp_path: Path) 
             handle = dec
             for round_ in range(2):
                 before = handle.kv.copy()
-                _kill(decode)
+                kill9(decode)
                 t_restart = time.monotonic()
                 decode = _start(tmp_path, "amd", like=decode)
                 started.append(decode)
@@ -81,7 +81,7 @@ def test_decode_daemon_restarted_twice_adopts_the_engines_memfd(tmp_path: Path) 
                         adopt_pool=new.pool.adoption_handle()))
                 dst = [20 + 3 * round_, 21 + 3 * round_, 22 + 3 * round_]
                 write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-                recv, sent = _pull_small(pc, dc, prefill.peer_address, f"after{round_}", dst)
+                recv, sent = pull_small(pc, dc, prefill.peer_address, f"after{round_}", dst)
                 t_ok = time.monotonic()
                 assert recv.ok, f"first pull after adoption failed: {recv.error}"
                 assert sent.ok, sent.error
@@ -97,7 +97,7 @@ def test_decode_daemon_restarted_twice_adopts_the_engines_memfd(tmp_path: Path) 
             assert _fd_count() == fds, "adoption leaked or dropped an fd in the engine"
             dc.deregister(handle)
     finally:
-        _cleanup(*started)
+        cleanup(*started)
 
 
 def test_memfd_adoption_refusals(tmp_path: Path) -> None:
@@ -130,4 +130,4 @@ def test_memfd_adoption_refusals(tmp_path: Path) -> None:
             assert "not /proc/<pid>/fd/<n>" in adopt(f"/proc/{os.getpid()}/fd", "../x")
             assert [e.engine_id for e in dc.status().engines] == ["dec"]
     finally:
-        _cleanup(decode, other)
+        cleanup(decode, other)

@@ -1,4 +1,4 @@
-"""A daemon restart does not cost an engine its KV memory (issue 20 point 6).
+"""A daemon restart does not cost an engine its KV memory.
 
 Real processes and NIXL: a decode daemon is killed (-9) under an engine that keeps its
 pool mapped; the restarted daemon's crash-leftover reaping keeps the file (the engine
@@ -16,19 +16,19 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+from support.restart import (
+    BIG,
+    MODEL,
+    SMALL_IDS,
+    cleanup,
+    kill9,
+    pull_small,
+    start_daemon,
+)
 
 from kvd.errors import InvalidRequestError, KvdError
 from kvd.pool.shm import SHM_DIR, kvd_segments
 from kvd.tools.sim import check_shard, global_kv, layout_spec, write_shard
-from tests.daemon.peers.test_restart import (
-    BIG,
-    MODEL,
-    SMALL_IDS,
-    _cleanup,
-    _kill,
-    _pull_small,
-    _start,
-)
 
 pytestmark = pytest.mark.nixl
 
@@ -36,23 +36,23 @@ KEPT_IDS = [40, 41, 42, 43]  # blocks the decode engine wrote before the restart
 
 
 def test_decode_daemon_restarted_adopts_the_engines_pool(tmp_path: Path) -> None:
-    prefill, decode = _start(tmp_path, "adp"), _start(tmp_path, "add")
+    prefill, decode = start_daemon(tmp_path, "adp"), start_daemon(tmp_path, "add")
     g = global_kv(MODEL, len(SMALL_IDS) * 16)
     try:
         with prefill.client() as pc, decode.client(ping_interval_s=0) as dc:
             pre = pc.register("pre", MODEL, layout_spec(BIG))
             dec = dc.register("dec", MODEL, layout_spec(BIG))
             write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-            recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+            recv, _ = pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
             assert recv.ok, recv.error
             kept = global_kv(MODEL, len(KEPT_IDS) * 16, seed=7)
             write_shard(dec.kv, kept, MODEL, BIG, 0, 0, KEPT_IDS)
             before = dec.kv.copy()
             old_name = dec.pool.handle.name
 
-            _kill(decode)
+            kill9(decode)
             t_restart = time.monotonic()
-            again = _start(tmp_path, "add", like=decode)
+            again = start_daemon(tmp_path, "add", like=decode)
             decode = again
             assert old_name in kvd_segments(f"kvd-{again.name}"), \
                 "the new daemon reaped a pool a live engine still maps"
@@ -71,7 +71,7 @@ def test_decode_daemon_restarted_adopts_the_engines_pool(tmp_path: Path) -> None
                                                 adopt_pool=memfd))
 
             write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-            recv, sent = _pull_small(pc, dc, prefill.peer_address, "after", [20, 21, 22])
+            recv, sent = pull_small(pc, dc, prefill.peer_address, "after", [20, 21, 22])
             t_ok = time.monotonic()
             assert recv.ok, f"first pull after adoption failed: {recv.error}"
             assert sent.ok, sent.error
@@ -91,6 +91,6 @@ def test_decode_daemon_restarted_adopts_the_engines_pool(tmp_path: Path) -> None
             assert new_name not in kvd_segments(f"kvd-{again.name}"), \
                 "the new daemon did not free the adopted pool when the engine went"
     finally:
-        _cleanup(prefill, decode)
+        cleanup(prefill, decode)
         for name in kvd_segments("kvd-add"):
             (SHM_DIR / name).unlink(missing_ok=True)

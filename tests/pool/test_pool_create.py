@@ -1,4 +1,4 @@
-"""Pool creation (issue 10 item 6, pool side): sizes checked before anything is made,
+"""Pool creation, pool side: sizes checked before anything is made,
 and any failure while creating leaves no file and no open descriptor behind."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Crash leftovers (issue 10 item 2): pool files of a SIGKILLed daemon are reaped at the
+"""Crash leftovers: pool files of a SIGKILLed daemon are reaped at the
 next start; a live daemon's files (another process, or another daemon of this process,
 sharing the directory) and files of older kvd versions are never touched."""
 
@@ -82,7 +82,7 @@ def _map(shm_dir: Path, name: str) -> MappedPool:
 
 
 def test_a_pool_a_live_engine_maps_is_kept_until_it_unmaps(shm_dir: Path) -> None:
-    """Issue 20 point 6: the reap never deletes memory a live engine still uses (it holds
+    """The reap never deletes memory a live engine still uses (it holds
     a shared flock on the file); once the engine unmaps, the next reap removes it."""
     dead, dead_id, pools = _start(shm_dir)
     try:

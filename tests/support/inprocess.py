@@ -15,15 +15,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.client import AsyncKvdClient
+from kvd.client import AsyncKvdClient, RankHandle
 from kvd.config import Config
 from kvd.daemon.server import Daemon
 from kvd.pool.shm import kvd_segments
 from kvd.tools.localcluster import free_port
+from kvd.tools.sim import EngineShape, layout_spec
 from kvd.transport.base import Transport
 from kvd.transport.loopback import LoopbackTransport
 from kvd.wire import protocol as P
 from support.clock import FakeClock
+
+MODEL = P.ModelSpec(name="inproc", num_kv_heads=4, num_layers=2, head_dim=32)
+SHAPE = EngineShape(tp_size=1, block_size_tokens=16, num_blocks=16)
+
+
+async def register(client: AsyncKvdClient, engine_id: str, shape: EngineShape = SHAPE,
+                   tp_rank: int = 0) -> RankHandle:
+    """Register one rank of MODEL on ``client``'s daemon, a pool of ``shape``."""
+    return await client.register(engine_id, MODEL, layout_spec(shape), tp_rank, shape.tp_size)
 
 
 def config(prefix: str, **overrides: Any) -> Config:

@@ -1,4 +1,4 @@
-"""Pulls between simulated nodes: byte-exact, over the link, hetero TP (issue 21)."""
+"""Pulls between simulated nodes: byte-exact, over the link, hetero TP."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def test_a_first_read_to_a_peer_is_posted_off_the_event_loop() -> None:
 def test_reads_to_a_peer_whose_read_failed_go_off_the_event_loop_again() -> None:
     """A failed READ may mean a dead, frozen or unreachable peer, whose UCX endpoint a
     post could wait on: later READs to it are posted on the NIXL thread until one
-    succeeds again (issue 20.4), whether the failure came at post or at a poll."""
+    succeeds again, whether the failure came at post or at a poll."""
     async def run() -> None:
         dp, b, src, dst, peer = await loopback_peer(16 * KiB)
         post = ReadPost(peer=peer, local_addrs=np.array([int(dst.ctypes.data)], np.int64),

@@ -1,4 +1,4 @@
-"""peer_liveness_timeout_s becomes UCX's TCP keepalive and user timeout (issue 21)."""
+"""peer_liveness_timeout_s becomes UCX's TCP keepalive and user timeout."""
 
 from __future__ import annotations
 

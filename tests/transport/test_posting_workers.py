@@ -1,4 +1,4 @@
-"""Posting workers through real NIXL between daemon processes (issue 23): byte-exact
+"""Posting workers through real NIXL between daemon processes: byte-exact
 pulls split over 1, 2 and 4 workers, homogeneous and hetero TP, and a producer killed
 mid-pull while a consumer's READs run on two workers."""
 
@@ -57,7 +57,7 @@ def test_byte_exact_split_over_workers(wpair, tps: tuple[int, int]) -> None:
     assert res.sent.ok, res.sent.error
     after = _reads(pair)
     if n == 1:
-        assert after == [] == before  # one agent, no workers: as before issue 23
+        assert after == [] == before  # one agent, no workers: as before posting workers
     else:
         assert len(after) == n
         assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)

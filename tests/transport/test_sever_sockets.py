@@ -1,4 +1,4 @@
-"""kvd.transport.sockets: which connections a sever tears down, and how (issue 21.1)."""
+"""kvd.transport.sockets: which connections a sever tears down, and how."""
 
 from __future__ import annotations
 

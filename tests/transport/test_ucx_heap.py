@@ -1,4 +1,4 @@
-"""kvd.transport.ucx_heap: malloc hands out zeroed memory once it is applied (issue 21.4).
+"""kvd.transport.ucx_heap: malloc hands out zeroed memory once it is applied.
 
 Each case runs in a fresh interpreter: M_PERTURB is process-wide and cannot be undone
 cleanly. Heap memory written, freed and allocated again is what UCX's request pool

@@ -196,7 +196,7 @@ def test_auto_workers_and_rails() -> None:
         return made[-1]
 
     one = rails.build(make, 1, [])
-    assert isinstance(one, LoopbackTransport)  # 1 worker, no rails: as before issue 23
+    assert isinstance(one, LoopbackTransport)  # 1 worker, no rails: as before posting workers
     one.close()
     ws = rails.build(make, 2, ["eth1", "eth2"])
     assert isinstance(ws, WorkerSet)

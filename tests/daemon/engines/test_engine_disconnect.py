@@ -8,12 +8,11 @@ from collections.abc import Hashable
 from pathlib import Path
 
 from support.clock import FakeClock
-from support.inprocess import config, daemon_pair, run, start_daemon
+from support.inprocess import config, daemon_pair, register, run, start_daemon
 
 from kvd.client import AsyncKvdClient
 from kvd.config import Config
 from kvd.daemon.engines.liveness import ConnectionTracker
-from tests.daemon.test_daemon_inprocess import register
 
 
 def _live(status_engines: list) -> set[str]:

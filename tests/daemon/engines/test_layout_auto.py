@@ -1,4 +1,4 @@
-"""kv_layout "auto" (issue 12.3): the engine's daemon picks the layout, per model kind.
+"""kv_layout "auto": the engine's daemon picks the layout, per model kind.
 
 The rules (kvd.daemon.engines.table.AUTO_LAYOUTS), each checked against the planner's own
 descriptor counts: plain HND attention -> head_major, NHD -> cross_layer, MLA ->

@@ -53,7 +53,7 @@ def test_a_restarted_producer_is_greeted_again_and_the_first_pull_succeeds() -> 
                 write_shard(pre.kv, g, MODEL, SHAPE, 0, 0, [3, 4])
                 await pc.publish("pre", "r1", [3, 4])
                 # ZMQ redials every 100 ms of real time; fake time outruns that, and a
-                # pull while the connection is down fails at once (issue 21.3).
+                # pull while the connection is down fails at once.
                 conn = p.decode.peers.conns[p.prefill.cfg.peer_address]
                 await _until_real(lambda: conn.connected is True, "the redial")
                 await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [3, 4], [5, 6],
@@ -187,7 +187,7 @@ async def _until_real(predicate, what: str, timeout_s: float = 5.0) -> None:
 
 
 def test_a_pull_to_a_known_dead_peer_fails_at_once_and_a_restarted_one_works_at_once() -> None:
-    """Issue 21.3: once the daemon knows the producer's daemon is gone (its connection
+    """Once the daemon knows the producer's daemon is gone (its connection
     dropped and is not back), a new pull fails peer_lost at once instead of after
     handshake_timeout_s; the moment a new incarnation listens at that address again, the
     next pull greets it and succeeds."""

@@ -1,4 +1,4 @@
-"""Replies a daemon takes from a peer socket without a loop turn (issue 12.4).
+"""Replies a daemon takes from a peer socket without a loop turn.
 
 A consumer that kept its event loop busy posting a READ inline finds the Acquire's
 reply already queued; ``PeerConnection.take_ready`` hands it over at once instead of

@@ -16,63 +16,31 @@ The old pool file stays while the engine maps it (reaping skips it) and goes aft
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.restart import (
+    BIG,
+    MODEL,
+    SMALL_IDS,
+    cleanup,
+    kill9,
+    pull_small,
+    start_daemon,
+)
 
-from kvd.client import KvdClient
 from kvd.pool.owner import reap_dead_pools
 from kvd.pool.shm import SHM_DIR, kvd_segments
-from kvd.tools.localcluster import DaemonProcess
-from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
-from kvd.wire.protocol import ModelSpec
+from kvd.tools.sim import check_shard, global_kv, layout_spec, write_shard
 
 pytestmark = pytest.mark.nixl
 
-MODEL = ModelSpec(name="restart", num_kv_heads=4, num_layers=8, head_dim=64)
-BIG = EngineShape(tp_size=1, num_blocks=512)  # 64 KiB per block-layer-kv: 32 MiB a request
-SMALL_IDS = [3, 5, 7]
-# File-backed pools on every host: these tests reap and count pool files, which memfd
-# pools (chosen by pool_backing=auto where 2 MiB pages are reserved) never leave.
-ARGS = ["--set", "handshake_timeout_s=2", "--set", "heartbeat_interval_s=0.5",
-        "--set", "pool_backing=shm"]
-
-
-def _start(tmp: Path, name: str, like: DaemonProcess | None = None) -> DaemonProcess:
-    if like is None:
-        return DaemonProcess.start(name, tmp, extra_args=ARGS)
-    return DaemonProcess.start(name, tmp / "again", extra_args=ARGS,
-                               engine_address=like.engine_address, peer_address=like.peer_address)
-
-
-def _kill(d: DaemonProcess) -> None:
-    os.kill(d.proc.pid, signal.SIGKILL)
-    d.proc.wait(10)
-
-
-def _cleanup(*daemons: DaemonProcess) -> None:
-    for d in daemons:
-        d.stop()
-        for name in kvd_segments(f"kvd-{d.name}"):  # a SIGKILLed incarnation's pools
-            (SHM_DIR / name).unlink(missing_ok=True)
-
-
-def _pull_small(pc: KvdClient, dc: KvdClient, paddr: str, rid: str, dst: list[int]
-                ) -> tuple[object, object]:
-    pc.publish("pre", rid, SMALL_IDS)
-    dc.pull("dec", rid, "pre", paddr, SMALL_IDS, dst, num_tokens=len(SMALL_IDS) * 16)
-    return dc.wait("dec", rid, "done_recving", timeout_s=20), pc.wait("pre", rid,
-                                                                      "done_sending", 20)
-
-
 def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -> None:
-    prefill, decode = _start(tmp_path, "rkp"), _start(tmp_path, "rkd")
+    prefill, decode = start_daemon(tmp_path, "rkp"), start_daemon(tmp_path, "rkd")
     started = [prefill, decode]  # every incarnation, so a failed assertion leaks none
     lost = threading.Event()
     g = global_kv(MODEL, len(SMALL_IDS) * 16)
@@ -82,7 +50,7 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             pre = pc.register("pre", MODEL, layout_spec(BIG))
             dec = dc.register("dec", MODEL, layout_spec(BIG))
             write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-            recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+            recv, _ = pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
             assert recv.ok, recv.error  # the handshake is cached now
             # Big pulls in flight, then kill -9 (best effort: mid-READ).
             src = pre.kv.view(np.uint64).reshape(-1)
@@ -99,7 +67,7 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             while time.monotonic() < deadline and not any(
                     j.state == "reading" for j in dc.status().pulls):
                 pass
-            _kill(prefill)
+            kill9(prefill)
             t0 = time.monotonic()
             failed = []
             for rid, ids in reqs:
@@ -121,15 +89,15 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             # Restart on the same addresses; the engine hears it and registers again.
             leftovers = kvd_segments(f"kvd-{prefill.name}")
             assert leftovers, "kill -9 should have left the pool file behind"
-            again = _start(tmp_path, "rkp", like=prefill)
+            again = start_daemon(tmp_path, "rkp", like=prefill)
             started.append(again)
             assert set(leftovers) <= set(kvd_segments(f"kvd-{prefill.name}")), \
-                "the restarted daemon reaped a pool the engine still maps (issue 20)"
+                "the restarted daemon reaped a pool the engine still maps"
             assert lost.wait(10), "the engine never noticed its daemon restarted"
             pre2 = pc.register("pre", MODEL, layout_spec(BIG))
             assert pre2.instance_id and pre2.instance_id != pre.instance_id
             write_shard(pre2.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
-            recv, sent = _pull_small(pc, dc, again.peer_address, "after", [20, 21, 22])
+            recv, sent = pull_small(pc, dc, again.peer_address, "after", [20, 21, 22])
             assert recv.ok, f"first pull after the restart failed: {recv.error}"
             assert sent.ok
             assert check_shard(dec.kv, g, MODEL, BIG, 0, 0, [20, 21, 22]) == 0
@@ -138,12 +106,12 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             assert not reap_dead_pools(SHM_DIR, f"kvd-{prefill.name}")  # still mapped
             prefill = again
     finally:
-        _cleanup(*started)
+        cleanup(*started)
 
 
 def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_path: Path
                                                                           ) -> None:
-    prefill, decode = _start(tmp_path, "rdp"), _start(tmp_path, "rdd")
+    prefill, decode = start_daemon(tmp_path, "rdp"), start_daemon(tmp_path, "rdd")
     g = global_kv(MODEL, len(SMALL_IDS) * 16)
     try:
         with prefill.client() as pc:
@@ -151,7 +119,7 @@ def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_pa
             write_shard(pre.kv, g, MODEL, BIG, 0, 0, SMALL_IDS)
             with decode.client(ping_interval_s=0) as dc:
                 dc.register("dec", MODEL, layout_spec(BIG))
-                recv, _ = _pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
+                recv, _ = pull_small(pc, dc, prefill.peer_address, "warm", [10, 11, 12])
                 assert recv.ok, recv.error
                 # A 259-block request (~260 MiB): its READ cannot end, and no READ notice
                 # releases the hold, within the moment before the kill (a 3-block pull
@@ -160,8 +128,8 @@ def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_pa
                 pc.publish("pre", "held", held_ids, lease_s=60)
                 dc.pull("dec", "held", "pre", prefill.peer_address, held_ids,
                         [1, 2, 4, *range(100, 356)], num_tokens=len(held_ids) * 16)
-                _kill(decode)  # mid-pull at the latest: the producer still holds "held"
-            again = _start(tmp_path, "rdd", like=decode)
+                kill9(decode)  # mid-pull at the latest: the producer still holds "held"
+            again = start_daemon(tmp_path, "rdd", like=decode)
             decode = again
             with again.client() as dc:
                 dec = dc.register("dec", MODEL, layout_spec(BIG))
@@ -173,4 +141,4 @@ def test_decode_daemon_killed_then_restarted_pulls_what_the_prefill_holds(tmp_pa
                 sent = pc.wait("pre", "held", "done_sending", timeout_s=20)
                 assert sent.ok, sent.error
     finally:
-        _cleanup(prefill, decode)
+        cleanup(prefill, decode)

@@ -75,12 +75,12 @@ def test_kill9_right_after_a_probe_restarts_at_once(pair: Cluster, victim: int) 
 
 @pytest.mark.parametrize("how", ["kill9", "host_gone"])
 def test_dead_prefill_daemon_fails_the_pull_in_seconds(pair: Cluster, how: str) -> None:
-    """Issue 21.2/21.3. ``kill9``: the kernel closes the dead daemon's connections;
-    ``host_gone``: its node vanishes (link cut, then the daemon killed: no FIN, no reset
-    ever arrives), so only liveness notices. Either way the pull fails within
-    peer_liveness_timeout_s + one poll; a new pull while the peer is known dead fails at
-    once (peer_lost, not the handshake timeout); a daemon restarted at the same address
-    serves the next pull at once."""
+    """A dead producer daemon is noticed in seconds. ``kill9``: the kernel closes the
+    dead daemon's connections; ``host_gone``: its node vanishes (link cut, then the
+    daemon killed: no FIN, no reset ever arrives), so only liveness notices. Either way
+    the pull fails within peer_liveness_timeout_s + one poll; a new pull while the peer
+    is known dead fails at once (peer_lost, not the handshake timeout); a daemon
+    restarted at the same address serves the next pull at once."""
     prefill, decode = pair.nodes
     pair.shape(1, 100)  # ~1.4 s for the pull: it is surely running when the peer dies
     _register(prefill, "pre2", 160)

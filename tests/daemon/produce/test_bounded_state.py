@@ -1,4 +1,4 @@
-"""Nothing a peer sends grows a daemon's state beyond what it holds (issue 10.11).
+"""Nothing a peer sends grows a daemon's state beyond what it holds.
 
 In process (fake clock, loopback), so the producer's own containers can be counted.
 """

@@ -1,5 +1,6 @@
-"""Publishes that need no reply (issue 20): the engine picks the hold id and builds its
-receipt itself, and a consumer's Acquire that overtakes the Publish waits for it.
+"""Publishes that need no reply (no engine step waits on a daemon): the engine picks the
+hold id and builds its receipt itself, and a consumer's Acquire that overtakes the
+Publish waits for it.
 
 vLLM's connector sends its Publish without waiting (nothing in the engine's step waits
 on the daemon) and returns the receipt to vLLM at once; the receipt must name the hold

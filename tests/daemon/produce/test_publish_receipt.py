@@ -1,4 +1,4 @@
-"""Publish receipts and pulls answered when done (issue 12.4), on in-process daemons.
+"""Publish receipts and pulls answered when done, on in-process daemons.
 
 A receipt proves the publish happened before the Pull was sent: the consumer then posts
 READs before the Acquire's reply at any size and never reads again for a young hold.

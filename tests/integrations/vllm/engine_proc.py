@@ -67,7 +67,7 @@ BASE_ENV = {
     # ("auto"): the same cores for every engine of a host, core 0 for the worker's main
     # thread and every thread it starts (kvd's event poller, ZMQ I/O). A worker waiting
     # for its next step spins in sched_yield; pinned next to another engine's, one got no
-    # CPU for 30 s while the other spun (issue 25: the kernel charged the spinner's group
+    # CPU for 30 s while the other spun (the kernel charged the spinner's group
     # nothing, so the starved group never became eligible), past the prefill leases.
     # Unpinned, the kernel moves threads to whichever core is free. $KVD_TEST_VLLM_CPU_BIND
     # (see engine_environment) puts vLLM's default back, to reproduce it.
@@ -78,7 +78,7 @@ BASE_ENV = {
 PROBE_SCHEDULER = "vllm_sched_probe.RecordingScheduler"
 
 #: In the test process's environment: ``auto`` gives the engines vLLM's default CPU
-#: binding (the issue-25 reproduction: ``VLLM_CPU_OMP_THREADS_BIND`` and
+#: binding (the 30 s decode step's reproduction: ``VLLM_CPU_OMP_THREADS_BIND`` and
 #: ``OMP_NUM_THREADS`` as the parent has them, unset by default); any other value is
 #: used as ``VLLM_CPU_OMP_THREADS_BIND`` itself.
 BIND_OVERRIDE = "KVD_TEST_VLLM_CPU_BIND"

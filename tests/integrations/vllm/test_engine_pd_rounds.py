@@ -1,4 +1,4 @@
-"""Whole engines, no fault: 20 rounds of 3-8 concurrent prefill -> decode requests (issue 25).
+"""Whole engines, no fault: 20 rounds of 3-8 concurrent prefill -> decode requests.
 
 The bug this guards: with nothing wrong, a decode engine's step that scheduled a batch
 of remote decodes took 30 s, and a prefill lease expired before the decode read it.
@@ -11,7 +11,7 @@ scheduler (vllm_sched_probe) logs every gap between two ``schedule()`` calls ove
 
 The second test pipelines the rounds as a router with steady traffic does: while the
 decode engine decodes round k, the prefill engine prefills round k+1, so both engines
-compute at once. That is what reproduced issue 25's 30 s decode step at vLLM's default CPU
+compute at once. That is what reproduced the 30 s decode step at vLLM's default CPU
 binding (``KVD_TEST_VLLM_CPU_BIND=auto``, engine_proc): both workers pinned to core 0,
 the prefill worker spinning in ``sched_yield`` for its sends starved the decode worker
 until the prefill leases ran out. The sequential rounds never showed it.
@@ -49,7 +49,7 @@ PROMPT_MAX = 240  # tokens; 3-8 prompts of 40 to this many per round
 # compute, so the step bound would measure the host, not kvd.
 PREFILL_STEP_TOKENS = 512
 # A small model's step on this host takes 5-30 ms; a step that waits on a round trip
-# to the daemon took seconds (10 s per request timeout, issue 25).
+# to the daemon took seconds (10 s per request timeout).
 
 
 def _kv_config(engine_id: str, daemon: DaemonProcess) -> dict:

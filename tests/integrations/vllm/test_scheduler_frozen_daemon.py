@@ -1,7 +1,7 @@
-"""No engine step waits on a daemon (issue 20), driven by vLLM's real scheduler.
+"""No engine step waits on a daemon, driven by vLLM's real scheduler.
 
 A frozen daemon (SIGSTOP) takes messages into its socket buffers and answers none.
-Before issue 20 the scheduler connector made a blocking round trip to it inside the
+Once, the scheduler connector made a blocking round trip to it inside the
 step (the pull in build_connector_meta, the publish in request_finished), so the whole
 engine, plain requests included, stood still for up to the 10 s request timeout per
 call. Here every connector hook vLLM calls in its step is timed while the daemon is
@@ -155,7 +155,7 @@ def test_decode_daemon_restart_fails_pulls_in_flight_at_once_then_pd_resumes(
     """D's daemon is killed with a pull in flight and a new one starts on the same
     address: the worker hears a new incarnation and fails the pull within a step
     (recompute: the request is answered), rather than after kvd_pull_timeout_s. Then
-    (issue 20 point 6) the worker registers again in the background, the new daemon
+    the worker registers again in the background, the new daemon
     adopts the pool the engine kept, the scheduler hears the new instance, and a new
     request goes P->D through the new daemon, byte-exact, with no engine restart. Both
     pool kinds a restarted daemon adopts: a file in shm_dir, and a memfd the worker

@@ -1,5 +1,5 @@
 """Every connector hook in vLLM's step returns within 1 ms whatever the daemon does
-(issue 20 point 1), driven by vLLM's real scheduler against real daemons.
+(within 1 ms each), driven by vLLM's real scheduler against real daemons.
 
 Both daemons are made slow (stopped 50 ms of every 100 ms), frozen (SIGSTOP), dead
 (SIGKILL) or restarting (SIGKILL, then a new incarnation on the same addresses 1 s

@@ -74,7 +74,7 @@ def test_basic_prefill_to_decode(length: int, daemons: Daemons, engines: MakeEng
     assert params["kvd_address"] == daemons.prefill.peer_address
     assert p.num_free_blocks() == p.initial_free - len(p_blocks), "P must hold the blocks"
     [h] = run_until([], lambda: held(daemons.prefill, p), timeout_s=5,
-                    what="the publish held")  # it leaves without a wait (issue 20)
+                    what="the publish held")  # it leaves without a wait
     assert (h.request_id, h.blocks) == ("req-0", n)
 
     d.add("dec-0", prompt, max_tokens=3, kv_transfer_params=params)
@@ -207,7 +207,7 @@ def test_lease_expiry_releases_unread_prefill(daemons: Daemons, engines: MakeEng
     """No decode engine ever pulls: P gets its blocks back when the 1 s lease ends."""
     p = engines("prefill", daemons.prefill, lease_s=1.0)
     prefill(p, "req-6", PROMPT_TOKENS)
-    # The publish leaves without waiting for the daemon (issue 20): it is held soon after.
+    # The publish leaves without waiting for the daemon: it is held soon after.
     run_until([], lambda: held(daemons.prefill, p), timeout_s=5, what="the publish held")
     start = time.monotonic()
     drain([p], timeout_s=15)

@@ -1,8 +1,8 @@
 """vLLM's real scheduler, two real daemons, no fault: rounds of 3-8 concurrent remote
-decodes (issue 25), each pulled byte for byte, with every step and every reply timed.
+decodes, each pulled byte for byte, with every step and every reply timed.
 
-Issue 25 saw a decode step that scheduled a batch of remote decodes take 30 s, the
-suspect being a reply the scheduler's client noticed only when its wait timed out.
+A decode step that scheduled a batch of remote decodes once took 30 s, the suspect
+being a reply the scheduler's client noticed only when its wait timed out.
 Here the scheduler-side client's replies are timed from the step that sent the request
 to the step that took the reply (NoWaitClient: never waited for; a reply is taken by
 the first step after it came), every engine step is timed, and every pulled block is
@@ -29,7 +29,7 @@ from kvd.client import NoWaitClient  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.nixl]
 
 ROUNDS = 20
-STEP_MAX_S = 1.0  # a step that waited on the daemon took 10-30 s (issue 25)
+STEP_MAX_S = 1.0  # a step that waited on the daemon took 10-30 s
 # A pull's reply is taken by the decode engine's first step after it came (steps here
 # take ~1-30 ms; a loaded 2-core host delays a few). One left unseen would show as seconds.
 # Publish replies are not timed: the harness stops stepping the prefill engine between
@@ -82,7 +82,7 @@ def test_rounds_of_concurrent_remote_decodes_are_pulled_without_a_stalled_step(
         sq = statistics.quantiles(e.step_s, n=100)
         print(f"\n{name}: {len(e.step_s)} steps, p50 {sq[49] * 1e3:.1f} ms, "
               f"p99 {sq[98] * 1e3:.1f} ms, max {max(e.step_s) * 1e3:.1f} ms")
-    # The decode engine's steps are the ones that made the round trips in issue 25; a
+    # The decode engine's steps are the ones that made the round trips in that 30 s step; a
     # prefill step here is mostly the fake forward pass writing a whole batch's KV.
     assert max(d.step_s) < STEP_MAX_S, f"a decode step took {max(d.step_s):.2f} s"
     print(f"{pulled} remote decodes in {ROUNDS} rounds, {wall_s:.1f} s; {len(replies_s)} "

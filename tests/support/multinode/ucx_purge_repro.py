@@ -1,4 +1,4 @@
-"""A small repro of the producer's UCX crash when a consumer severs its READs (issue 21.4).
+"""A small repro of the producer's UCX crash when a consumer severs its READs.
 
 Two processes on loopback, UCX over TCP only (``UCX_TLS=tcp``: a READ is emulated with
 GET request/reply active messages, as between nodes). The consumer posts one READ of

@@ -1,4 +1,4 @@
-"""`kvd bench` times its baselines between kvd's own measurements (issue 23): the raw
+"""`kvd bench` times its baselines between kvd's own measurements: the raw
 NIXL stream (`RawStream`) alternates with kvd's repeats and the latency floor
 (`FloorPipeline`) with kvd's 1-block pulls, so both see the same background load.
 Real processes and NIXL READs, bytes checked."""

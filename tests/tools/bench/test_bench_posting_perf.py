@@ -1,4 +1,4 @@
-"""kvd bench's posting figures (issue 12.1) come from deltas of the decode daemon's
+"""kvd bench's posting figures come from deltas of the decode daemon's
 /metrics over the timed pulls only (the warm-up and other scenarios are excluded)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The raw baselines run on the same kind of memory as kvd's pools (issue 12: "kvd >= 0.95x
-the best raw NIXL READ on the same memory"), and leave nothing behind."""
+"""The raw baselines run on the same kind of memory as kvd's pools (the target:
+"kvd >= 0.95x the best raw NIXL READ on the same memory"), and leave nothing behind."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kvd bench's workers x size curve (issue 23): the table, the PNG, and the issue-23
+"""kvd bench's workers x size curve: the table, the PNG, and the workers'
 targets in the main bench's JSON. Measuring itself is a benchmark, not a test."""
 
 from __future__ import annotations

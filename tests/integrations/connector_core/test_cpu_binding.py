@@ -1,5 +1,5 @@
 """The connector's warning for CPU engines whose workers vLLM pinned to the same cores
-(issue 25; kvd.integrations.connector_core.cpu_binding).
+(kvd.integrations.connector_core.cpu_binding).
 
 The real-process cases build what vLLM builds: an "engine core" process whose child
 carries vLLM's worker title and pins itself, one such pair per engine, and read them
@@ -120,9 +120,12 @@ def test_real_workers_pinned_to_one_core_warn(engines: object,
 @pytest.mark.parametrize("first_cpus, second_cpus", [("0", "1"), ("all", "all"), ("0", "all")])
 def test_real_workers_on_their_own_cores_or_unpinned_are_quiet(
         engines: object, first_cpus: str, second_cpus: str) -> None:
-    engines(first_cpus)  # type: ignore[operator]
+    """Quiet about each other. On a host shared with other test runs, a real vLLM worker
+    of theirs pinned to the same core is rightly named: only this pair is judged."""
+    first = engines(first_cpus)  # type: ignore[operator]
     second = engines(second_cpus)  # type: ignore[operator]
-    assert cb.warn_if_shared(second) is None
+    msg = cb.warn_if_shared(second)
+    assert msg is None or f"pid {first}:" not in msg, msg
 
 
 def test_a_process_that_is_not_a_worker_is_checked_as_one() -> None:

