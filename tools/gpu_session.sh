@@ -12,7 +12,7 @@
 # ratios), the copier's own figures (shapes, block copies, 1-block latency,
 # host<->device), then the daemon-level CUDA tests (local pulls, faults mid-copy).
 # Each step has a cap in seconds (KVD_GPU_*_S); the whole stays under KVD_GPU_TOTAL_S
-# (default 430): the last step gets what is left. At most 8 files come back from $OUT.
+# (default 415): the last step gets what is left. At most 8 files come back from $OUT.
 set -u
 OUT=${OUT:-/tmp/kvd-gpu-out}
 mkdir -p "$OUT"
@@ -21,7 +21,7 @@ if [ -f .whl/site.tar.xz ]; then
   mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 fi
 t0=$(date +%s)
-total=${KVD_GPU_TOTAL_S:-430}
+total=${KVD_GPU_TOTAL_S:-415}
 left() { echo $(( total - ($(date +%s) - t0) )); }
 cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 5 ? l : 5 )); }
 { nvidia-smi -L; python3 -c "import sys, torch, zmq, msgspec; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.zmq_version()); from kvd.transport.nixl import import_nixl; print(import_nixl().__name__)"; } 2>&1 | tee "$OUT/env.txt"
@@ -37,7 +37,7 @@ timeout "$(cap "${KVD_GPU_COPIER_S:-90}")" python3 tools/gpu_check_local_copy.py
   --out "$OUT/gpu_check_local_copy.json" >"$OUT/gpu_check.log" 2>&1
 echo "== copier check rc=$? at +$(( $(date +%s) - t0 )) s"
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); b=r.get('blocks_1GiB',{}); print(json.dumps({k: b.get(k) for k in ('kernel_compile_s','shapes','post_us_max_over_min','one_block_latency','error')})[:2500])" "$OUT/gpu_check_local_copy.json" 2>&1
-timeout "$(cap "${KVD_GPU_TESTS_S:-150}")" python3 -m pytest -q -p no:cacheprovider -rs -s \
+timeout "$(cap "${KVD_GPU_TESTS_S:-240}")" python3 -m pytest -q -p no:cacheprovider -rs -s \
   --timeout 120 tests/daemon/pull/test_cuda_local_pull_faults.py tests/pool/test_cuda_pool.py \
   tests/daemon/pull/test_cuda_local_pull.py tests/pool/test_pool_cuda_share.py \
   >>"$OUT/pytest.log" 2>&1

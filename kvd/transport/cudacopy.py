@@ -266,6 +266,10 @@ def _cudart() -> ctypes.CDLL:
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.cudaRuntimeGetVersion.restype = ctypes.c_int
+    lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    lib.cudaSetDevice.restype = ctypes.c_int
+    lib.cudaFree.argtypes = [vp]
+    lib.cudaFree.restype = ctypes.c_int
     return lib
 
 
@@ -580,12 +584,18 @@ class CudaCopier:
 
     # -- kernels --------------------------------------------------------------------
 
-    def _compile(self, device: int) -> None:
+    def _compile(self, device: int, own_thread: bool = False) -> None:
         """Build both kernels for ``device`` (NVRTC through torch), timed and logged; on
         failure ``kernel_error`` says why (raised as TransferError if required)."""
         torch = self._torch
         t0 = time.perf_counter()
         try:
+            if own_thread:
+                # A new thread has no current CUDA context, and torch's device guard sets
+                # none when the index already matches: without this, loading the module
+                # fails with "invalid device context" (seen on an H200).
+                self._check(self._rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+                self._check(self._rt.cudaFree(None), "context start")
             with torch.cuda.device(device):
                 gather = torch.cuda._compile_kernel(GATHER_KERNEL, "kvd_gather_copy")
                 blocks = torch.cuda._compile_kernel(BLOCK_KERNEL, "kvd_block_copy")
@@ -607,7 +617,7 @@ class CudaCopier:
         with self._lock:
             if device in self._compiles:
                 return
-            thread = threading.Thread(target=self._compile, args=(device,), daemon=True,
+            thread = threading.Thread(target=self._compile, args=(device, True), daemon=True,
                                       name=f"kvd-nvrtc-{device}")
             self._compiles[device] = thread
         thread.start()

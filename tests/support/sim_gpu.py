@@ -131,6 +131,7 @@ class SimGpu:
         self.dry = dry
         self.launches: list = []
         self.compiled: list = []  # (name, thread name) of each kernel built
+        self.set_device: list = []  # (device, thread name) of each cudaSetDevice
         self.lock = threading.RLock()
         self.streams: dict[int, SimStream] = {}
         self.current: dict[int, SimStream] = {}
@@ -198,6 +199,13 @@ class SimGpu:
         return 0
 
     def cudaDeviceEnablePeerAccess(self, peer, flags):  # noqa: N802
+        return 0
+
+    def cudaSetDevice(self, device):  # noqa: N802
+        self.set_device.append((device, threading.current_thread().name))
+        return 0
+
+    def cudaFree(self, ptr):  # noqa: N802
         return 0
 
     def cudaGetLastError(self):  # noqa: N802

@@ -159,6 +159,8 @@ def test_before_the_kernels_are_built_a_block_copy_takes_the_per_piece_path():
         np.testing.assert_array_equal(dst, want)
         assert c.wait_kernels(10)
         assert {t for _, t in gpu.compiled} <= {"kvd-nvrtc-0", "kvd-nvrtc-1"}
+        # each compile thread made its GPU's context current first (a new thread has none)
+        assert sorted(gpu.set_device) == [(0, "kvd-nvrtc-0"), (1, "kvd-nvrtc-1")]
         assert threading.current_thread().name not in {t for _, t in gpu.compiled}
         assert set(c.kernel_compile_s) == {0, 1} and min(c.kernel_compile_s.values()) >= 0.3
         h = c.post_blocks(BlockCopy(table, [0], [0]))
