@@ -81,6 +81,8 @@ def check_ids(table: BlockTable, dst_ids, src_ids) -> tuple[np.ndarray, np.ndarr
     if n == 0:
         raise ValueError("copy: no block ids")
     if n <= SMALL_BLOCKS and not isinstance(dst_ids, np.ndarray):
+        if not all(isinstance(x, (int, np.integer)) for x in (*dst_ids, *src_ids)):
+            raise ValueError("copy: block ids must be integers")
         d, s = [int(x) for x in dst_ids], [int(x) for x in src_ids]
         lo_d, hi_d, lo_s, hi_s = min(d), max(d), min(s), max(s)
         twice = len(set(d)) != n
@@ -106,7 +108,7 @@ def check_ids(table: BlockTable, dst_ids, src_ids) -> tuple[np.ndarray, np.ndarr
     return dst, src
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BlockCopy:
     """One pull over a `BlockTable`: block pair ``i`` is (``dst_ids[i]``, ``src_ids[i]``).
     The ids are as the pull named them (checked by the copier, `check_ids`)."""

@@ -134,6 +134,8 @@ def test_ids_are_checked_before_anything_runs():
                            (np.array([1, 2, 1]), np.array([0, 1, 2]), "named twice"),
                            ([1, 2, 1], [0, 1, 2], "named twice"),
                            ([1], [0, 1], "1 destination and 2 source"),
+                           ([1.0], [0], "must be integers"),
+                           (np.array([1.0, 2.0]), np.array([0, 1]), "must be integers"),
                            ([], [], "no block ids")):
             with pytest.raises(ValueError, match=what):
                 c.post_blocks(BlockCopy(table, d, s))
