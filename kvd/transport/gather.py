@@ -1,8 +1,9 @@
 """The gather kernel a GPU copy of many pieces runs as, and its table (pure).
 
-`kvd.transport.cudacopy.CudaCopier` compiles `GATHER_KERNEL` with NVRTC at first use and
-launches it once per lane over the table `chunk_descriptors` builds: one row (dst, src,
-nbytes) per chunk of at most `KERNEL_CHUNK_NBYTES`, one thread block per chunk. Why a
+`kvd.transport.cudacopy.CudaCopier` compiles `GATHER_KERNEL` with NVRTC (on a thread of
+its own when the copier starts) and launches it once per lane over the table
+`chunk_descriptors` builds: one row (dst, src, nbytes) per chunk of at most
+`KERNEL_CHUNK_NBYTES`, one thread block per chunk. Why a
 kernel and not per-piece copies: docs/notes/2026-11-27-gpu-local-copy.md.
 
 `BLOCK_KERNEL` is the same copy for a pull given as block ids (`BlockTable`,

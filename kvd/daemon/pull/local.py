@@ -173,7 +173,8 @@ def _regions(pools: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 class LocalMover:
     """Copies between two pools this daemon maps (DRAM: `LocalCopier`; VRAM: the CUDA
-    copier, created at first use). A copy always ends: nothing to sever."""
+    copier, created at start-up by `start_cuda` or at first use). A copy always ends:
+    nothing to sever."""
 
     path = "local"
 
