@@ -16,6 +16,11 @@ checkout (PYTHONPATH=.), not installed, so a bare GPU image with PyTorch runs it
 3. 1-block latency (64 KiB, 2 MiB): post -> poll True, against torch copy + sync.
 4. 256 MiB host<->device: registered (direct) and staged against torch's copy from
    pinned memory.
+5. Block copies (``post_blocks``: block ids over a table prepared once, addresses made on
+   the GPU), 1 GiB as 512 blocks of 1 x 2 MiB, 8,192 TP1->TP2 halves of 128 KiB (4,096
+   blocks x 2 rows) and 512 blocks x 128 rows of 16 KiB (65,536 pieces), each against
+   torch's contiguous copy in the same round; the host's time per post; bytes checked
+   once per shape; and 1-block latency (2 MiB as 1 row, 2 MiB as 64 rows of 32 KiB).
 Prints one JSON object (and writes it to --out, or $OUT/gpu_check_local_copy.json).
 """
 
@@ -40,7 +45,8 @@ MIB, GIB = 1 << 20, 1 << 30
 def run_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
            "-o", "addopts=", "tests/transport/test_cudacopy_cuda.py",
-           "tests/transport/test_cudacopy_plan.py", "tests/transport/test_localcopy.py"]
+           "tests/transport/test_cudacopy_plan.py", "tests/transport/test_cudacopy_blocks.py",
+           "tests/transport/test_localcopy.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -222,6 +228,114 @@ def bench_host(torch, CudaCopier, HOST, nbytes: int, rounds: int) -> dict:  # no
     return out
 
 
+def block_shapes(total: int, rng: np.random.Generator) -> dict:
+    """(rows as (dst offset, src offset, nbytes, dst stride, src stride), pool blocks on
+    each side, dst ids, src ids) per shape; offsets from each buffer's base."""
+    out = {}
+    n = total // (2 * MIB)
+    one = np.array([0]), np.array([0]), np.array([2 * MIB]), np.array([2 * MIB]), \
+        np.array([2 * MIB])
+    out["blocks_2MiB_shuffled"] = (one, n, n, rng.permutation(n), rng.permutation(n))
+    blk, half = 256 << 10, 128 << 10
+    nsrc = total // blk
+    j = np.arange(2)
+    rows = (j * (total // 2), j * half, np.full(2, half), np.full(2, half), np.full(2, blk))
+    out["tp1_to_tp2_128KiB"] = (rows, nsrc, nsrc, rng.permutation(nsrc), np.arange(nsrc))
+    seg, nb = 16 << 10, 512
+    r = total // nb // seg  # 128 rows a block: layer-major, 16 KiB segments
+    j = np.arange(r)
+    rows = (j * nb * seg, j * nb * seg, np.full(r, seg), np.full(r, seg), np.full(r, seg))
+    out["pieces_16KiB_512x128"] = (rows, nb, nb, rng.permutation(nb), rng.permutation(nb))
+    return out
+
+
+def bench_blocks(torch, CudaCopier, total: int, rounds: int) -> dict:  # noqa: N803
+    from kvd.planner.blocks import BlockCopy, BlockTable
+
+    rng = np.random.default_rng(4)
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    base_src = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+    base_dst = torch.empty_like(base_src)
+    c = CudaCopier(streams_per_device=1)
+    t0 = time.perf_counter()
+    ready = c.wait_kernels(120)
+    out: dict = {"kernels_ready": ready, "kernel_error": c.kernel_error,
+                 "kernel_compile_s": c.kernel_compile_s,
+                 "waited_for_kernels_s": round(time.perf_counter() - t0, 3), "shapes": {}}
+
+    def table(rows, dn, sn):
+        do, so, nb, ds, ss = rows
+        return BlockTable(do + dst.data_ptr(), so + src.data_ptr(), nb, ds, ss, 0, 0, dn, sn)
+
+    for name, (rows, dn, sn, d_ids, s_ids) in block_shapes(total, rng).items():
+        t = table(rows, dn, sn)
+        bc = BlockCopy(t, d_ids, s_ids)
+        d, s, n, _, _ = bc.expand()
+        want = gather_oracle(torch, src, (d - dst.data_ptr(), s - src.data_ptr(), n), total)
+        dst.zero_()
+        torch.cuda.synchronize()
+        h = c.post_blocks(bc)
+        c.wait(h)
+        c.release(h)
+        row: dict = {"pieces": len(n), "blocks": len(d_ids), "rows": len(t),
+                     "path": c.last_block_path, "bytes_ok": bool(torch.equal(dst, want))}
+        del want
+        base, ts, post = [], [], []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            base_dst.copy_(base_src)
+            torch.cuda.synchronize()
+            base.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = c.post_blocks(bc)
+            t1 = time.perf_counter()
+            while not c.poll(h):
+                pass
+            t2 = time.perf_counter()
+            c.release(h)
+            ts.append(t2 - t0)
+            post.append(t1 - t0)
+        row.update({"ms_p50": round(statistics.median(ts) * 1e3, 3),
+                    "gbps_p50": round(total / statistics.median(ts) / 1e9, 1),
+                    "x_torch_copy_p50": round(statistics.median(
+                        b / x for b, x in zip(base, ts, strict=True)), 3),
+                    "post_us_p50": round(statistics.median(post) * 1e6, 1),
+                    "torch_copy_ms_p50": round(statistics.median(base) * 1e3, 3)})
+        out["shapes"][name] = row
+    posts = [r["post_us_p50"] for r in out["shapes"].values()]
+    out["post_us_max_over_min"] = round(max(posts) / min(posts), 2)
+    lat = {}
+    for label, rows_n in (("2MiB_1row", 1), ("2MiB_64rows_32KiB", 64)):
+        seg = 2 * MIB // rows_n
+        j = np.arange(rows_n)
+        t = BlockTable(dst.data_ptr() + j * 64 * seg, src.data_ptr() + j * 64 * seg,
+                       np.full(rows_n, seg), np.full(rows_n, seg), np.full(rows_n, seg), 0, 0,
+                       64, 64)
+        ls, ref = [], []
+        for i in range(300):
+            bc = BlockCopy(t, (i % 64,), ((i * 7) % 64,))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = c.post_blocks(bc)
+            while not c.poll(h):
+                pass
+            c.release(h)
+            ls.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            dst[:2 * MIB].copy_(src[:2 * MIB])
+            torch.cuda.synchronize()
+            ref.append(time.perf_counter() - t0)
+        lat[label] = {"copier_p50_us": round(statistics.median(ls) * 1e6, 1),
+                      "copier_p99_us": round(float(np.percentile(ls, 99)) * 1e6, 1),
+                      "torch_copy_sync_p50_us": round(statistics.median(ref) * 1e6, 1)}
+    out["one_block_latency"] = lat
+    c.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -248,7 +362,9 @@ def main() -> int:
               lambda: bench_d2d(torch, CudaCopier, total, rounds)),
              ("one_block_latency", lambda: bench_latency(torch, CudaCopier,
                                                          50 if args.quick else 300)),
-             ("host_256MiB", lambda: bench_host(torch, CudaCopier, HOST, 256 * MIB, rounds)))
+             ("host_256MiB", lambda: bench_host(torch, CudaCopier, HOST, 256 * MIB, rounds)),
+             ("blocks_1GiB" if not args.quick else "blocks_256MiB",
+              lambda: bench_blocks(torch, CudaCopier, total, rounds)))
     for key, step in steps:
         try:
             result[key] = step()

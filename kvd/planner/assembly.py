@@ -20,17 +20,24 @@ per (read, pair of rank layouts): the descriptors of blocks (0, 0), shifted by
 each side's block stride. It is derived from ``build_read_descriptors`` itself
 and used only where that shift reproduces it exactly (checked at blocks 1 and
 the last ones), so it returns the same descriptors in microseconds.
+
+The same templates, for every read of a producer, make its `BlockTable`
+(kvd.planner.blocks): with ``blocks=True`` a pull of equal block sizes on both sides
+comes back as block ids over that table (`ProducerReads.blocks`), built once per
+(engine, peer engine); its descriptor columns are then computed only if something asks
+for them (by ``assemble_pull``, so they are what they always were).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvd.errors import BlockIdError, LayoutError
+from kvd.planner.blocks import BlockCopy, BlockTable
 from kvd.planner.descriptors import Descriptors, build_read_descriptors
 from kvd.planner.layout import CacheLayout
 from kvd.planner.plan import RankId, Read, TransferPlan
@@ -67,6 +74,10 @@ class ProducerReads:
     # kept as parts are added: a one-block pull asks for both more than once
     descriptors: int = 0
     total_nbytes: int = 0
+    # The same reads as block ids over the producer's table (PreparedPull.assemble with
+    # blocks=True); the columns are then built on first use, by ``_fill``.
+    blocks: BlockCopy | None = None
+    _fill: Callable[[], None] | None = field(default=None, repr=False)
 
     def add(self, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, local_dev: int,
             remote_dev: int) -> None:
@@ -87,7 +98,10 @@ class ProducerReads:
 
     def _column(self, i: int) -> Column:
         """Column ``i`` of every part: tuples while they are few and all tuples (no
-        numpy on a one-block pull's path), else one int64 array."""
+        numpy on a one-block pull's path), else one int64 array. A block-form group
+        whose columns are not built yet answers with a `DeferredColumn`."""
+        if self._fill is not None:
+            return DeferredColumn(self, i)
         parts = self._parts
         if not parts:
             return np.zeros(0, dtype=np.int64)
@@ -99,6 +113,12 @@ class ProducerReads:
         if len(parts) == 1:
             return np.asarray(parts[0][i]).astype(np.int64, copy=False)
         return np.concatenate([np.asarray(p[i], dtype=np.int64) for p in parts])
+
+    def built_column(self, i: int) -> Column:
+        """Column ``i``, building the columns first if they are deferred."""
+        if self._fill is not None:
+            self._fill()  # clears every group's _fill once built
+        return self._column(i)
 
     @property
     def local_addrs(self) -> Column:
@@ -119,6 +139,35 @@ class ProducerReads:
     @property
     def remote_devs(self) -> Column:
         return self._column(4)
+
+
+class DeferredColumn:
+    """A column of a block-form `ProducerReads` not built yet: built (for every column
+    of the pull at once) when numpy converts it or its length is asked. Only what needs
+    descriptors pays for them; a copier taking `ProducerReads.blocks` never does."""
+
+    __slots__ = ("_group", "_i")
+
+    def __init__(self, group: ProducerReads, i: int) -> None:
+        self._group, self._i = group, i
+
+    def built(self) -> Column:
+        return self._group.built_column(self._i)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self.built(), dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self.built())
+
+    def __iter__(self):
+        return iter(self.built())
+
+    def __getitem__(self, key):
+        return np.asarray(self.built())[key]
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self.built()).tolist()
 
 
 def _ids(values: Sequence[int] | np.ndarray, what: str) -> list[int] | np.ndarray:
@@ -324,9 +373,19 @@ class PreparedPull:
     rows: tuple[_ReadRows, ...] | None  # None: some read has no one-block template
     local_blocks: int = 0  # block ids every row's template covers: [0, n) on each side
     remote_blocks: int = 0
+    # owner -> its rows as one BlockTable; None where a pull is not one block id per
+    # block on each side (block sizes differ, or some read has no template)
+    tables: Mapping[str, BlockTable] | None = None
 
     def assemble(self, local_ids: Sequence[int] | np.ndarray,
-                 remote_ids: Sequence[int] | np.ndarray) -> dict[str, ProducerReads]:
+                 remote_ids: Sequence[int] | np.ndarray, blocks: bool = False
+                 ) -> dict[str, ProducerReads]:
+        """The pull's reads by producer. ``blocks``: also as block ids over each
+        producer's table where the pull allows it (`ProducerReads.blocks`)."""
+        if blocks and self.tables is not None and 1 < len(local_ids) == len(remote_ids):
+            groups = self._assemble_blocks(local_ids, remote_ids)
+            if groups is not None:
+                return groups
         if self.rows is None or len(local_ids) != 1 or len(remote_ids) != 1:
             return assemble_pull(self.plan, self.local_ranks, self.remote_ranks, local_ids,
                                  remote_ids, self.owners)
@@ -335,6 +394,47 @@ class PreparedPull:
             # out of some pool: assemble_pull raises what it always raises
             return assemble_pull(self.plan, self.local_ranks, self.remote_ranks, local_ids,
                                  remote_ids, self.owners)
+        groups = self._one_block(lid, rid)
+        if blocks and self.tables is not None:
+            for owner, table in self.tables.items():
+                groups[owner].blocks = BlockCopy(table, (lid,), (rid,))
+        return groups
+
+    def _assemble_blocks(self, local_ids: Sequence[int] | np.ndarray,
+                         remote_ids: Sequence[int] | np.ndarray
+                         ) -> dict[str, ProducerReads] | None:
+        """Every producer's reads as block ids over its table, the columns deferred to
+        ``assemble_pull``; None (assemble as usual) for ids outside some pool, which
+        ``assemble_pull`` refuses as it always does."""
+        lids = np.asarray(local_ids, dtype=np.int64).reshape(-1)
+        rids = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+        if not (int(lids.min()) >= 0 and int(lids.max()) < self.local_blocks
+                and int(rids.min()) >= 0 and int(rids.max()) < self.remote_blocks):
+            return None
+        assert self.rows is not None and self.tables is not None
+        groups: dict[str, ProducerReads] = {o: ProducerReads(o) for o in self.owners}
+        for r in self.rows:
+            g = groups.get(r.owner)
+            if g is None:
+                g = groups[r.owner] = ProducerReads(r.owner)
+            g.reads += 1
+
+        def fill() -> None:  # the descriptors, as assemble_pull builds them
+            full = assemble_pull(self.plan, self.local_ranks, self.remote_ranks, lids, rids,
+                                 self.owners)
+            for owner, g in groups.items():
+                f = full[owner]
+                g._parts, g.descriptors = f._parts, f.descriptors
+                g._fill = None
+
+        for owner, table in self.tables.items():
+            g = groups[owner]
+            g.blocks = BlockCopy(table, lids, rids)
+            g.descriptors, g.total_nbytes = g.blocks.descriptors, g.blocks.total_nbytes
+            g._fill = fill
+        return groups
+
+    def _one_block(self, lid: int, rid: int) -> dict[str, ProducerReads]:
         groups: dict[str, ProducerReads] = {o: ProducerReads(o) for o in self.owners}
         for r in self.rows:
             t = r.template
@@ -360,11 +460,13 @@ def prepare_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
     `assemble_pull` would raise it for a remote rank the plan names but nobody has)."""
     local = tuple(local_ranks)
     rows: list[_ReadRows] | None = []
+    pairs: list[tuple[RankPool, RankPool]] = []
     for lr in local:
         for read in plan.reads_for(lr.rank):
             rr = remote_ranks.get(read.remote)
             if rr is None:
                 raise LayoutError(f"plan reads remote rank {read.remote.key}, which is not known")
+            pairs.append((lr, rr))
             try:
                 t = _block_template(read, lr.cache, lr.first_layer, rr.cache, rr.first_layer)
             except LayoutError:  # a refused read: assemble_pull refuses it per pull
@@ -385,6 +487,30 @@ def prepare_pull(plan: TransferPlan, local_ranks: Iterable[RankPool],
                                   int(t.nbytes.sum()), small))
     if not rows:  # no read at all (nothing to shift), or one without a template
         return PreparedPull(plan, local, remote_ranks, tuple(owners), None)
-    return PreparedPull(plan, local, remote_ranks, tuple(owners), tuple(rows),
-                        min(r.template.local_blocks for r in rows),
-                        min(r.template.remote_blocks for r in rows))
+    local_blocks = min(r.template.local_blocks for r in rows)
+    remote_blocks = min(r.template.remote_blocks for r in rows)
+    tables = None
+    if all(p[0].cache.block_size_tokens == p[1].cache.block_size_tokens for p in pairs):
+        tables = _block_tables(rows, local_blocks, remote_blocks)
+    return PreparedPull(plan, local, remote_ranks, tuple(owners), tuple(rows), local_blocks,
+                        remote_blocks, tables)
+
+
+def _block_tables(rows: Sequence[_ReadRows], local_blocks: int, remote_blocks: int
+                  ) -> dict[str, BlockTable]:
+    """Each producer's rows as one `BlockTable` (local side = destination)."""
+    tables = {}
+    for owner in dict.fromkeys(r.owner for r in rows):
+        mine = [r for r in rows if r.owner == owner]
+
+        def col(get: Callable[[_ReadRows], np.ndarray], mine=mine) -> np.ndarray:
+            return np.concatenate([get(r) for r in mine])
+
+        tables[owner] = BlockTable(
+            dst=col(lambda r: r.local), src=col(lambda r: r.remote),
+            nbytes=col(lambda r: r.nbytes),
+            dst_stride=col(lambda r: np.full(len(r.nbytes), r.template.local_stride)),
+            src_stride=col(lambda r: np.full(len(r.nbytes), r.template.remote_stride)),
+            dst_devs=col(lambda r: r.local_devs), src_devs=col(lambda r: r.remote_devs),
+            dst_blocks=local_blocks, src_blocks=remote_blocks)
+    return tables

@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from kvd.errors import TransferError
+from kvd.planner.blocks import BlockCopy
 
 
 @dataclass
@@ -89,6 +90,10 @@ class ReadPost:
     # This side's memory when it differs from the peer's ``mem_type`` ("": the same): a
     # local pull between a VRAM and a DRAM pool of one daemon.
     local_mem_type: str = ""
+    # The same descriptors as block ids over a table prepared once per pool pair
+    # (kvd.planner.blocks), for a copier that computes addresses itself; the columns
+    # above may then be deferred (built when numpy converts them).
+    blocks: BlockCopy | None = None
 
 
 @dataclass(frozen=True)

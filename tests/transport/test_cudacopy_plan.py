@@ -8,8 +8,6 @@ tests/transport/test_cudacopy_cuda.py, on a GPU (tools/gpu_check_local_copy.py).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import threading
 
 import numpy as np
@@ -19,7 +17,6 @@ from hypothesis import strategies as st
 
 from kvd.errors import TransferError
 from kvd.transport.cudacopy import (
-    CUDA_MEMCPY_DEFAULT,
     HOST,
     CudaCopier,
     Lane,
@@ -27,6 +24,7 @@ from kvd.transport.cudacopy import (
     stage_batches,
 )
 from kvd.transport.gather import chunk_descriptors
+from tests.support.sim_gpu import SimGpu
 
 MIB = 1 << 20
 
@@ -131,124 +129,6 @@ def test_every_byte_goes_once_to_its_lane_and_slots_pack_it(copy, streams, slot)
                 moved.append((host, dev, k) if lane.kind == "d2h" else (dev, host, k))
         assert all(b.nbytes == slot for b in batches[:-1])
         assert byte_map(moved) == byte_map(lane_triples(lane))
-
-
-# ------------------------------------------------------------ the simulated GPU
-
-
-class SimStream:
-    """Copies wait here until the test lets the GPU run (``gpu.run()``) or an event on
-    this stream is synchronised."""
-
-    def __init__(self, gpu, device):
-        self.gpu, self.device = gpu, device
-        self.queue: list = []
-        self.done = 0  # ops executed
-        self.cuda_stream = id(self)
-        gpu.streams[self.cuda_stream] = self
-
-    def wait_stream(self, other):
-        """Order after ``other``: the simulated current stream never holds work (the
-        copier's callers queue nothing there), so this only checks it is a stream."""
-        assert isinstance(other, SimStream) and not other.queue
-
-    def run(self, upto=None):
-        with self.gpu.lock:
-            upto = len(self.queue) if upto is None else upto
-            while self.done < upto:
-                op = self.queue[self.done]
-                ctypes.memmove(*op)
-                self.done += 1
-
-
-class SimEvent:
-    def __init__(self):
-        self.stream, self.mark = None, 0
-
-    def record(self, stream):
-        self.stream, self.mark = stream, len(stream.queue)
-
-    def query(self):
-        if self.stream.gpu.auto:
-            self.stream.run(self.mark)
-        return self.stream.done >= self.mark
-
-    def synchronize(self):
-        self.stream.run(self.mark)
-
-
-class SimPinned:
-    def __init__(self, n):
-        self.buf = np.zeros(n, dtype=np.uint8)
-
-    def data_ptr(self):
-        return self.buf.ctypes.data
-
-
-class SimGpu:
-    """Stands in for both torch (``cuda`` namespace, ``empty``) and libcudart."""
-
-    uint8 = "uint8"
-
-    def __init__(self, auto=True, fail_at=None):
-        self.auto = auto
-        self.lock = threading.RLock()
-        self.streams: dict[int, SimStream] = {}
-        self.current: dict[int, SimStream] = {}
-        self.calls = 0
-        self.fail_at = fail_at
-        gpu = self
-
-        class Cuda:
-            @staticmethod
-            def Stream(device):  # noqa: N802 - torch's name
-                return SimStream(gpu, device)
-
-            Event = SimEvent
-
-            @staticmethod
-            def current_stream(device):
-                return gpu.current.setdefault(device, SimStream(gpu, device))
-
-            @staticmethod
-            def device(d):
-                return contextlib.nullcontext()
-
-            @staticmethod
-            def can_device_access_peer(a, b):
-                return True
-
-        self.cuda = Cuda
-
-    def empty(self, n, dtype, pin_memory):
-        assert pin_memory
-        return SimPinned(n)
-
-    def run(self):
-        for s in list(self.streams.values()):
-            s.run()
-
-    # libcudart
-    def cudaMemcpyAsync(self, dst, src, n, kind, stream):  # noqa: N802
-        assert kind == CUDA_MEMCPY_DEFAULT
-        self.calls += 1
-        if self.fail_at is not None and self.calls >= self.fail_at:
-            return 1
-        self.streams[stream].queue.append((dst, src, n))
-        return 0
-
-    def cudaDeviceEnablePeerAccess(self, peer, flags):  # noqa: N802
-        return 0
-
-    def cudaGetLastError(self):  # noqa: N802
-        return 0
-
-    def cudaRuntimeGetVersion(self, out):  # noqa: N802
-        out._obj.value = 12080
-        return 0
-
-    def cudaGetErrorString(self, rc):  # noqa: N802
-        return b"simulated failure"
 
 
 def sim_copy(rng, count=24, block=4096):
@@ -405,3 +285,31 @@ def test_simulated_gpu_has_no_kernel_and_copies_piece_by_piece():
     c.release(h)
     assert np.array_equal(dst, want)
     assert gpu.calls >= 1
+
+
+def test_a_caller_spinning_on_poll_does_not_starve_the_staging_thread():
+    """Staged copies run on the copier's thread, which needs the GIL between its steps;
+    a caller polling in a tight loop held it for whole switch intervals (on an H200 the
+    staged path ran at 0.2 GB/s so). poll yields it while a staged part runs: with a
+    1 s switch interval, a copy of 8 slots ends in well under one interval."""
+    import sys
+    import time
+
+    rng = np.random.default_rng(11)
+    dst, src, d, s, n = sim_copy(rng, count=64, block=4096)
+    want = expected(dst, src, d, s, n)
+    gpu = SimGpu()
+    old = sys.getswitchinterval()
+    with CudaCopier(streams_per_device=1, slot_nbytes=8 * 4096, _runtime=(gpu, gpu)) as c:
+        sys.setswitchinterval(1.0)
+        try:
+            t0 = time.perf_counter()
+            h = c.post(d, s, n, dst_devs=HOST, src_devs=0)
+            while not c.poll(h):
+                pass
+            elapsed = time.perf_counter() - t0
+        finally:
+            sys.setswitchinterval(old)
+        c.release(h)
+    np.testing.assert_array_equal(dst, want)
+    assert elapsed < 0.5, f"{elapsed:.2f} s: the poll loop starved the staging thread"

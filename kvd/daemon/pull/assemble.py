@@ -57,7 +57,10 @@ class PullAssembler:
 
     def _assemble(self, engine: Engine, remote: RemoteEngine, local_ids, remote_ids
                   ) -> dict[str, ProducerReads]:
-        return self._prepared(engine, remote).assemble(local_ids, remote_ids)
+        # VRAM to VRAM: also as block ids over tables prepared once per pair, which the
+        # CUDA copier takes without descriptors (kvd.planner.blocks)
+        blocks = engine.mem_type == "VRAM" and remote.desc.mem_type == "VRAM"
+        return self._prepared(engine, remote).assemble(local_ids, remote_ids, blocks)
 
     def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
         """The assembly's inputs, bound once per (engine, peer engine) and reused while

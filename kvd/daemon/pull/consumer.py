@@ -97,8 +97,11 @@ class Consumer:
         self._local: Route | None = None
         if local_dispatch is not None:
             own = cfg.peer_advertise or cfg.peer_address
+            local_mover = LocalMover(self._copier, cuda_copier=_cuda_copier)
+            if cfg.device == "cuda":  # its kernels compile now, off the loop
+                local_mover.start_cuda()
             self._local = Route(
-                LocalMover(self._copier, cuda_copier=_cuda_copier),
+                local_mover,
                 LocalPeers(svc.registry, local_dispatch, own, svc.datapath.agent_name,
                            svc.instance_id, svc.clock.now))
         self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -171,7 +172,8 @@ def _regions(pools: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 class LocalMover:
     """Copies between two pools this daemon maps (DRAM: `LocalCopier`; VRAM: the CUDA
-    copier, created at first use). A copy always ends: nothing to sever."""
+    copier, created at start-up by `start_cuda` or at first use). A copy always ends:
+    nothing to sever."""
 
     path = "local"
 
@@ -180,6 +182,7 @@ class LocalMover:
         self.copier = copier
         self._make_cuda = cuda_copier
         self._cuda: Any = None
+        self._cuda_started: concurrent.futures.Future[Any] | None = None
         self._where: dict[int, Any] = {}  # handle -> the copier that holds it
         # handle -> done when its copy has ended (or its waiter gave up): wakes the poll
         self._wakes: dict[int, asyncio.Future[None]] = {}
@@ -199,10 +202,28 @@ class LocalMover:
         if self._cuda is None:
             if self._make_cuda is None:
                 raise TransferError("a local pull from or to a VRAM pool needs CUDA here")
-            self._cuda = self._make_cuda()
+            started = self._cuda_started
+            self._cuda = started.result() if started is not None else self._make_cuda()
         return self._cuda, {
             "dst_devs": post.local_devs if local_mem == "VRAM" else HOST_DEVICE,
             "src_devs": post.remote_devs if post.mem_type == "VRAM" else HOST_DEVICE}
+
+    def start_cuda(self) -> None:
+        """Create the CUDA copier now, on a thread (a daemon of CUDA pools at start-up):
+        its kernels then compile there, off the event loop, before the first pull (which
+        would otherwise create it; pulls while they compile copy piece by piece)."""
+        if self._make_cuda is None or self._cuda_started is not None or self._cuda is not None:
+            return
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def make() -> None:
+            try:
+                fut.set_result(self._make_cuda())
+            except BaseException as exc:  # noqa: BLE001 - re-raised at the first VRAM pull
+                fut.set_exception(exc)
+
+        self._cuda_started = fut
+        threading.Thread(target=make, name="kvd-cuda-start", daemon=True).start()
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
         return True  # a post starts copies on the copy threads; small ones end inline
@@ -212,7 +233,11 @@ class LocalMover:
         for post in posts:
             try:
                 copier, extra = self._copier_for(post)
-                handle = copier.post(post.local_addrs, post.remote_addrs, post.nbytes, **extra)
+                if post.blocks is not None and hasattr(copier, "post_blocks"):
+                    handle = copier.post_blocks(post.blocks)  # addresses made on the GPU
+                else:
+                    handle = copier.post(post.local_addrs, post.remote_addrs, post.nbytes,
+                                         **extra)
             except (KvdError, ValueError) as exc:
                 err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
                 results.append(PostResult(None, False, err))
@@ -292,6 +317,9 @@ class LocalMover:
     def close(self) -> None:
         """The daemon stops: wait for running copies, stop the copy threads."""
         self.copier.close()
+        if self._cuda is None and self._cuda_started is not None \
+                and self._cuda_started.done() and self._cuda_started.exception() is None:
+            self._cuda = self._cuda_started.result()
         if self._cuda is not None:
             self._cuda.close()
         if self._waiters is not None:  # every copy has ended: the waiters return

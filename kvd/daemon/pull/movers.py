@@ -84,7 +84,7 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
             peer=g.owner, local_addrs=g.local_addrs, remote_addrs=g.remote_addrs,
             nbytes=g.nbytes, mem_type=remote.desc.mem_type, notif=b"",
             local_mem_type="" if engine.mem_type == remote.desc.mem_type else engine.mem_type,
-            local_devs=g.local_devs, remote_devs=g.remote_devs,
+            local_devs=g.local_devs, remote_devs=g.remote_devs, blocks=g.blocks,
             local_pools=local_pools if prepped and local_pools else (),
             remote_pools=tuple(PoolSpan(bases.get(rr.rank, rr.desc.base_addr), rr.desc.nbytes,
                                         rr.desc.device_id)

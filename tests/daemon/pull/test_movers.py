@@ -56,3 +56,54 @@ def test_array_posts_pass_through_untouched() -> None:
                    nbytes=np.array([64]))
     mover.post_now([arrays])
     assert rec.seen[0][0] is arrays  # no copy when NIXL can take it as it is
+
+
+def _block_reads():
+    """A producer's reads as block ids whose descriptor columns fail if built."""
+    from kvd.planner.assembly import ProducerReads
+    from kvd.planner.blocks import BlockCopy, BlockTable
+
+    table = BlockTable([1 << 20], [1 << 30], [4096], [4096], [4096], 0, 0, 64, 64)
+    g = ProducerReads("agent", reads=1)
+    g.blocks = BlockCopy(table, np.arange(8), np.arange(8)[::-1].copy())
+    g.descriptors, g.total_nbytes = g.blocks.descriptors, g.blocks.total_nbytes
+
+    def fill() -> None:
+        raise AssertionError("descriptors built")
+
+    g._fill = fill
+    return g
+
+
+def test_build_posts_hands_the_block_form_over_without_building_descriptors() -> None:
+    from types import SimpleNamespace
+
+    from kvd.daemon.pull.movers import build_posts
+
+    g = _block_reads()
+    msg = SimpleNamespace(producer_request_id="r", remote_engine_id="prod",
+                          engine_id="cons")
+    rank = SimpleNamespace(pool=SimpleNamespace(addr=1 << 20, nbytes=1 << 22), device_id=0)
+    engine = SimpleNamespace(mem_type="VRAM", live_ranks=lambda: [rank])
+    remote = SimpleNamespace(desc=SimpleNamespace(mem_type="VRAM"), ranks={}, route=None)
+    posts, notices, nbytes, descriptors = build_posts(msg, engine, remote, {"agent": g})
+    [post] = posts
+    assert post.blocks is g.blocks
+    assert (nbytes, descriptors) == (8 * 4096, 8)
+    assert notices[0][1].nbytes == 8 * 4096
+
+
+def test_the_assembler_asks_for_block_ids_only_from_vram_to_vram() -> None:
+    from types import SimpleNamespace
+
+    from kvd.daemon.pull.assemble import PullAssembler
+    from kvd.ops.metrics import Metrics
+
+    asked: list[bool] = []
+    prepared = SimpleNamespace(assemble=lambda lo, ro, blocks=False: asked.append(blocks))
+    a = PullAssembler(Metrics())
+    a._prepared = lambda engine, remote: prepared
+    for local, peer in (("VRAM", "VRAM"), ("DRAM", "DRAM"), ("VRAM", "DRAM"), ("DRAM", "VRAM")):
+        a._assemble(SimpleNamespace(mem_type=local),
+                    SimpleNamespace(desc=SimpleNamespace(mem_type=peer)), [1, 2], [3, 4])
+    assert asked == [True, False, False, False]

@@ -45,6 +45,8 @@ def test_bench_vram_on_dram_runs_the_same_code_byte_exact():
     assert met["local_copy"] == (out["ratio_local_copy"] >= t["ratio_local_copy_min"])
     assert met["local_1block"] == (out["ratio_one_block_local_remote"]
                                    <= t["ratio_one_block_local_remote_max"])
+    assert met["local_1block_p50"] == (out["one_block_local_p50_ms"]
+                                       <= t["one_block_local_p50_ms_max"] == 0.3)
 
 
 def test_bench_split_measures_whole_and_split_reads_byte_exact():
