@@ -35,7 +35,8 @@ ROOT_MODULES = {"kvd", "kvd.errors", "kvd.config", "kvd.cli", "kvd.__main__"}
 # the SIBLINGS pairs, which never import each other.
 SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
     "kvd.daemon": [
-        ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.looplag", "kvd.daemon.datapath",
+        ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.transitions", "kvd.daemon.looplag",
+         "kvd.daemon.datapath",
          "kvd.daemon.events", "kvd.daemon.faces", "kvd.daemon.curve_auth"),
         ("kvd.daemon.engines",),  # what each engine is, registration, liveness
         ("kvd.daemon.peers",),  # other daemons: handshakes, connections

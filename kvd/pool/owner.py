@@ -92,11 +92,19 @@ def owner_alive(directory: str | Path, prefix: str, owner_id: str) -> bool:
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return _locked_against(fd, fcntl.LOCK_SH)
     finally:
         os.close(fd)
+
+
+def _locked_against(fd: int, mode: int) -> bool:
+    """Whether another open file holds an flock on ``fd``'s file that refuses ``mode``
+    (LOCK_SH: an exclusive one; LOCK_EX: any); a lock taken to find out is dropped."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
     return False
 
 
@@ -127,14 +135,7 @@ class OwnerWatch:
         self.fd: int | None = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
 
     def alive(self) -> bool:
-        if self.fd is None:
-            return False
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return False
+        return self.fd is not None and _locked_against(self.fd, fcntl.LOCK_SH)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -151,14 +152,11 @@ def mapped_by_another(path: str | Path) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return _locked_against(fd, fcntl.LOCK_EX)
     except OSError:
         return False  # a filesystem without flock: nobody can be seen mapping it
     finally:
-        os.close(fd)  # (drops the lock, if taken)
-    return False
+        os.close(fd)
 
 
 def _unlink_unless_mapped(path: Path) -> bool | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvd.daemon.transitions import step
 from kvd.errors import (
     BlockIdError,
     IncompatibleError,
@@ -189,16 +190,9 @@ RANK_TRANSITIONS: dict[RankState, dict[RankOn, RankState]] = {
 }
 
 
-class BadRankTransition(RuntimeError):
-    """A move the table does not allow: a bug in the registry, never an input."""
-
-
 def next_rank_state(state: RankState, event: RankOn) -> RankState:
-    try:
-        return RANK_TRANSITIONS[state][event]
-    except KeyError:
-        raise BadRankTransition(f"a rank in state {state.value} cannot {event.value}"
-                                ) from None
+    """Raises kvd.daemon.transitions.BadTransition for a move the table does not list."""
+    return step(RANK_TRANSITIONS, state, event, "a rank")
 
 
 @dataclass

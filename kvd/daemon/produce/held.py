@@ -6,8 +6,8 @@
       +---engine gone / abandoned / stopped-----------> RELEASED
 
 Every state change is a row of ``TRANSITIONS`` (looked up by `HeldRequest._to`, the
-one place that assigns a hold's state; `BadHeldTransition` for a move the table does
-not list), made by a HeldRequest method. Pure: every method takes
+one place that assigns a hold's state; kvd.daemon.transitions.BadTransition for a move
+the table does not list), made by a HeldRequest method. Pure: every method takes
 ``now_s`` from the daemon's injected clock; a peer's timestamps are never used,
 so clock skew between nodes cannot shorten or stretch a lease.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvd.daemon.transitions import step
 from kvd.errors import BlockIdError, BusyError, KvdError, NotFoundError
 
 
@@ -57,16 +58,9 @@ TRANSITIONS: dict[HeldState, dict[HeldOn, HeldState]] = {
 }
 
 
-class BadHeldTransition(RuntimeError):
-    """A move the table does not allow: a bug in the producer, never an input."""
-
-
 def next_held_state(state: HeldState, event: HeldOn) -> HeldState:
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise BadHeldTransition(f"a hold in state {state.value} cannot {event.value}"
-                                ) from None
+    """Raises kvd.daemon.transitions.BadTransition for a move the table does not list."""
+    return step(TRANSITIONS, state, event, "a hold")
 
 
 @dataclass

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import enum
 
+from kvd.daemon.transitions import BadTransition, step
+
+__all__ = ["BadTransition"]  # re-exported: tests and callers catch it from here
+
 
 class PullState(enum.Enum):
     QUEUED = "queued"
@@ -66,15 +70,9 @@ FINISHED_KEEP = 64  # finished pulls listed by `kvd status`
 FINISHED_KEEP_S = 30.0
 
 
-class BadTransition(RuntimeError):
-    """A move the table does not allow: a bug in the pull's driver, never an input."""
-
-
 def next_state(state: PullState, event: On) -> PullState:
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise BadTransition(f"a pull in state {state.value} cannot {event.value}") from None
+    """Raises kvd.daemon.transitions.BadTransition for a move the table does not list."""
+    return step(TRANSITIONS, state, event, "a pull")
 
 
 def diagram() -> str:

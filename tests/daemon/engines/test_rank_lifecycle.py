@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 
 from kvd.daemon.engines import registry as registry_mod
 from kvd.daemon.engines import table as T
-from kvd.daemon.engines.table import (
-    RANK_TRANSITIONS,
-    BadRankTransition,
-    RankOn,
-    RankState,
-    next_rank_state,
-)
+from kvd.daemon.engines.table import RANK_TRANSITIONS, RankOn, RankState, next_rank_state
+from kvd.daemon.transitions import BadTransition
 
 
 def test_every_state_has_a_row_and_freed_is_final() -> None:
@@ -39,7 +34,7 @@ def test_only_the_table_moves_a_rank(events: list[RankOn]) -> None:
     for event in events:
         want = RANK_TRANSITIONS[state].get(event)
         if want is None:
-            with pytest.raises(BadRankTransition):
+            with pytest.raises(BadTransition):
                 next_rank_state(state, event)
         else:
             state = next_rank_state(state, event)
