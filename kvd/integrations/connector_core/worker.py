@@ -26,6 +26,7 @@ from kvd.integrations.connector_core.hybrid import VllmHybridGeometry, check_hyb
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements, WorkerRejoined
 from kvd.integrations.connector_core.rejoin import Rejoin
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.ops.trace import TRACE
 
 log = logging.getLogger("kvd.vllm")
 
@@ -165,10 +166,16 @@ class KvdWorker:
                           len(lost))
             self.rejoin.kick("a new kvd instance answered")
         for ev in self.cursor.take():
+            if TRACE.on and ev.kind == "done_recving":
+                TRACE.point("event_taken", ev.request_id, ev.duration_s)
             self.book.on_event(ev)
         for rid in self.book.expire(self._now()):
             log.error("request %s: kvd never reported its transfer; giving up", rid)
-        return self.book.take()
+        report = self.book.take()
+        if TRACE.on:
+            for rid in report.finished_recving:
+                TRACE.point("recv_reported", rid)
+        return report
 
     def worker_meta(self) -> WorkerRejoined | None:
         """Once after a re-registration: the new daemon instance (and its peer address)
