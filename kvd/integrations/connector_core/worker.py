@@ -53,6 +53,7 @@ class KvdWorker:
                                           timeout_s=settings.request_timeout_s,
                                           ping_interval_s=0))
         self._announced = ""  # the daemon instance the scheduler last heard of from us
+        self._steps = 0  # steps whose announcements came (groups the pulls of a step)
 
     def _lost(self, reason: str) -> None:
         """The pinger's: the daemon no longer knows this rank (it restarted) or does not
@@ -135,8 +136,10 @@ class KvdWorker:
         if not self.reports:
             return
         now_s = self._now()
-        for rid, blocks in meta.recv.items():
-            self.book.announce_recv(rid, blocks, now_s + self.settings.pull_timeout_s)
+        self._steps += 1
+        if meta.recv:
+            self.book.announce_step(meta.recv, now_s + self.settings.pull_timeout_s,
+                                    group=self._steps)
         for rid in meta.quiet:
             self.book.announce_quiet(rid)
         for rid, blocks in meta.failed.items():
