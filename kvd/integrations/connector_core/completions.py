@@ -41,21 +41,30 @@ class EventPump:
         self._now = now
         self._client = client or NoWaitClient(settings.address, token=settings.token)
 
-    def kick(self) -> None:
-        """Ask for the events now unless a poll is out already (and young)."""
+    def kick(self, park_s: float = 0.0) -> None:
+        """Ask for the events now unless a poll is out already (and young). ``park_s``
+        > 0: the daemon holds the poll up to that long and answers it the moment an
+        event comes (for a step that will wait for it, ``drain(wait_s)``)."""
         now_s = self._now()
         sent_s = self._client.sent_s("poll")
         if sent_s is not None and now_s - sent_s < RESEND_S:
             return
         self._client.forget_older(now_s, RESEND_S)
-        self._client.send(self._cursor.poll(timeout_s=0.0), "poll", now_s)
+        self._client.send(self._cursor.poll(timeout_s=park_s), "poll", now_s)
 
-    def drain(self) -> None:
-        """Take every reply that came; new events go into the cursor."""
-        for reply in self._client.replies():
+    def drain(self, wait_s: float = 0.0) -> int:
+        """Take every reply that came; new events go into the cursor. ``wait_s`` > 0 and
+        no reply yet: wait up to that long for the poll's reply (it comes the moment the
+        daemon has an event). Returns the replies taken."""
+        replies = self._client.replies()
+        if (not replies and wait_s > 0 and self._client.sent_s("poll") is not None
+                and self._client.wait_reply(wait_s)):
+            replies = self._client.replies()
+        for reply in replies:
             self._cursor.note_instance(reply.instance)  # an Error tells a restart too
             if isinstance(reply.body, P.Events):
                 self._cursor.accept(reply.body)
+        return len(replies)
 
     def close(self) -> None:
         self._client.close()

@@ -257,13 +257,15 @@ class KvdScheduler:
 
     # ------------------------------------------------------------ every step
 
-    def build_meta(self) -> StepAnnouncements:
-        """Once per step: act on the replies that came, send the pulls queued since."""
+    def build_meta(self, idle: bool = False) -> StepAnnouncements:
+        """Once per step: act on the replies that came, send the pulls queued since.
+        ``idle``: the step computes no token (the workers may wait in it)."""
         self._take_replies()
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
+        meta.idle = idle
         return meta
 
     def _take_replies(self) -> None:

@@ -30,6 +30,11 @@ from kvd.ops.trace import TRACE
 
 log = logging.getLogger("kvd.vllm")
 
+# The longest an empty step (no token computed) waits for kvd's events while transfers
+# are out. Events end the wait at once; the bound is what a new request arriving at an
+# engine that is only waiting for KV may be delayed by (vLLM itself sleeps 1 ms there).
+IDLE_WAIT_S = 0.005
+
 
 class KvdWorker:
     def __init__(self, settings: ConnectorSettings, geom: VllmKvGeometry | VllmHybridGeometry,
@@ -54,6 +59,7 @@ class KvdWorker:
                                           ping_interval_s=0))
         self._announced = ""  # the daemon instance the scheduler last heard of from us
         self._steps = 0  # steps whose announcements came (groups the pulls of a step)
+        self._idle_wait_s = 0.0  # this step computes nothing: wait this long for events
 
     def _lost(self, reason: str) -> None:
         """The pinger's: the daemon no longer knows this rank (it restarted) or does not
@@ -150,8 +156,13 @@ class KvdWorker:
             self.book.announce_send(rid, now_s + give_up_s)
         for rid in meta.send_refused:
             self.book.send_refused(rid)
+        # A step that computes nothing while transfers are out: wait in it for kvd's
+        # events (woken by them) rather than spin through empty steps that take the
+        # CPU the daemon needs to finish them.
+        self._idle_wait_s = (IDLE_WAIT_S if meta.idle and self.book.waiting_on_daemon
+                             else 0.0)
         if self.pump is not None and self.book.waiting_on_daemon:
-            self.pump.kick()
+            self.pump.kick(park_s=self._idle_wait_s)
 
     def step(self, finished_req_ids: set[str]) -> StepReport:
         """End of a step (get_finished): what vLLM must hear now; never blocks."""
@@ -159,7 +170,8 @@ class KvdWorker:
             return StepReport()
         self.book.vllm_finished(set(finished_req_ids))
         if self.pump is not None:
-            self.pump.drain()
+            self.pump.drain(wait_s=self._idle_wait_s)
+            self._idle_wait_s = 0.0
         if self.cursor.restarts != self._restarts_seen:
             self._restarts_seen = self.cursor.restarts
             lost = self.book.daemon_restarted()
