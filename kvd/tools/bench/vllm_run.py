@@ -112,6 +112,11 @@ class Proc:
         except OSError:
             return ""
 
+    def sessions(self) -> list[int]:
+        """The session ids of every process this run started (stopped or not)."""
+        return [p.proc.pid for r in self.systems.values() for p in r.procs] + [
+            d.proc.pid for r in self.systems.values() for d in r.daemons]
+
     def stop(self) -> None:
         """Stop its whole session (a vLLM server's engine core and workers too)."""
         stop_session(self.proc)
@@ -357,6 +362,11 @@ class VllmBench:
                 if time.monotonic() > deadline:
                     raise KvdError(f"router of {run.spec.name} not up")
                 time.sleep(0.2)
+
+    def sessions(self) -> list[int]:
+        """The session ids of every process this run started (stopped or not)."""
+        return [p.proc.pid for r in self.systems.values() for p in r.procs] + [
+            d.proc.pid for r in self.systems.values() for d in r.daemons]
 
     def stop(self) -> None:
         for run in self.systems.values():
@@ -646,6 +656,7 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
             shutil.rmtree(work, ignore_errors=True)
     result["host"] = {"cpus": os.cpu_count(), "load_before": load_before,
                       "load_after": host_load()}
+    result["started_sessions"] = bench.sessions()
     result["config"] = asdict(cfg)
     return result
 
