@@ -8,8 +8,10 @@ however the replies fare and whichever of the two takes it first.
 ``EventPump`` is the main path and needs no thread of its own to get the GIL (a vLLM
 CPU worker can hold it for seconds): when vLLM binds a step's metadata it sends a
 Poll that is answered at once (timeout 0) without waiting, and the step's
-``get_finished`` takes the reply that came during the forward pass. Nothing waits:
-a slow, frozen or dead daemon only delays events.
+``get_finished`` takes the reply that came during the forward pass. A step that
+computes tokens never waits: a slow, frozen or dead daemon only delays events. A step
+that computes none (every request waits for its KV) parks its poll at the daemon and
+waits for the reply, woken by it, for a bounded time (the worker's IDLE_WAIT_S).
 
 ``EventPoller`` long-polls on a thread of its own, for the steps that do not come
 (an idle engine) and a daemon that answers after the step has gone.

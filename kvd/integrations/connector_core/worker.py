@@ -3,9 +3,10 @@
 Runs in each vLLM worker process. Registration happens before vLLM allocates,
 so kvd owns the memory NIXL reads and writes (zero copy); afterwards every
 layer view is checked against kvd's layout. Only the first rank polls the
-daemon: kvd reports per engine, not per rank (get_finished_count is 1). Nothing in
-vLLM's step waits on the daemon: the step checks for events without blocking, with
-a thread as the fallback (kvd.integrations.connector_core.completions).
+daemon: kvd reports per engine, not per rank (get_finished_count is 1). A step that
+computes tokens never waits on the daemon: it checks for events without blocking, with
+a thread as the fallback (kvd.integrations.connector_core.completions); a step that
+computes none while transfers are out waits for their events, at most IDLE_WAIT_S.
 """
 
 from __future__ import annotations
