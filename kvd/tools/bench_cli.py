@@ -254,6 +254,10 @@ def vllm_bench(
     work_dir: str = typer.Option("", "--work-dir", help="Keep the model and every process's "
                                  "log here (default: a temporary directory, removed after "
                                  "a run that succeeded)."),
+    decode_timeout_s: float = typer.Option(
+        30.0, "--decode-timeout-s", help="A decode request without its first token by then "
+        "counts as failed (vLLM's NixlConnector with its progress thread off can wait for "
+        "the prefill engine's next step)."),
     breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
                                    "hand-over's time goes, and when each request of a batch "
                                    "landed (connector traces, KVD_TRACE_DIR)."),
@@ -279,7 +283,7 @@ def vllm_bench(
     cfg = BenchConfig(systems=names, rounds=rounds, batch=batch, batch_rounds=batch_rounds,
                       prompt_tokens=prompt_tokens, max_tokens=max_tokens, idle_s=idle_s,
                       max_model_len=max(2048, prompt_tokens + max_tokens + 64),
-                      breakdown=breakdown)
+                      breakdown=breakdown, decode_timeout_s=decode_timeout_s)
     try:
         res = run_bench(cfg, work_dir or None)
     except KvdError as exc:

@@ -85,7 +85,7 @@ class BenchConfig:
     start_timeout_s: float = 900.0
     seed: int = 0
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
-    decode_timeout_s: float = 60.0  # a decode request without its first token by then fails
+    decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
 
 
 # ------------------------------------------------------------------ processes
@@ -406,7 +406,7 @@ class VllmBench:
     def _routed(self, run: Running, seed: int) -> Stream | None:
         try:
             return stream_completion(run.router_port, self._body(seed),
-                                     self.cfg.decode_timeout_s * 2)
+                                     self.cfg.decode_timeout_s)
         except (TimeoutError, OSError) as exc:
             self.log(f"  {run.spec.name}: request through the router failed ({exc})")
             return None
