@@ -11,7 +11,7 @@ Poll that is answered at once (timeout 0) without waiting, and the step's
 ``get_finished`` takes the reply that came during the forward pass. A step that
 computes tokens never waits: a slow, frozen or dead daemon only delays events. A step
 that computes none (every request waits for its KV) parks its poll at the daemon and
-waits for the reply, woken by it, for a bounded time (the worker's IDLE_WAIT_S).
+waits for the reply, woken by it, for a bounded time (``kvd_idle_wait_s``).
 
 ``EventPoller`` long-polls on a thread of its own, for the steps that do not come
 (an idle engine) and a daemon that answers after the step has gone.

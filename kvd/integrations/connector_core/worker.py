@@ -6,7 +6,8 @@ layer view is checked against kvd's layout. Only the first rank polls the
 daemon: kvd reports per engine, not per rank (get_finished_count is 1). A step that
 computes tokens never waits on the daemon: it checks for events without blocking, with
 a thread as the fallback (kvd.integrations.connector_core.completions); a step that
-computes none while transfers are out waits for their events, at most IDLE_WAIT_S.
+computes none while transfers are out waits for their events, at most
+``kvd_idle_wait_s``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.ops.trace import TRACE
 
 log = logging.getLogger("kvd.vllm")
-
-# The longest an empty step (no token computed) waits for kvd's events while transfers
-# are out. Events end the wait at once; the bound is what a new request arriving at an
-# engine that is only waiting for KV may be delayed by (vLLM itself sleeps 1 ms there).
-IDLE_WAIT_S = 0.005
 
 
 class KvdWorker:
@@ -160,8 +156,10 @@ class KvdWorker:
         # A step that computes nothing while transfers are out: wait in it for kvd's
         # events (woken by them) rather than spin through empty steps that take the
         # CPU the daemon needs to finish them.
-        self._idle_wait_s = (IDLE_WAIT_S if meta.idle and self.book.waiting_on_daemon
-                             else 0.0)
+        # (settings.idle_wait_s: events end the wait at once; the bound is what a new
+        # request reaching an engine that only waits for KV may be delayed by.)
+        self._idle_wait_s = (self.settings.idle_wait_s
+                             if meta.idle and self.book.waiting_on_daemon else 0.0)
         if self.pump is not None and self.book.waiting_on_daemon:
             self.pump.kick(park_s=self._idle_wait_s)
 

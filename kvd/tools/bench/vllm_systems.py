@@ -20,9 +20,13 @@ SYSTEMS: dict[str, str] = {
     "kvd-2d-nixl": "kvd, two daemons over NIXL READs (host_pulls = false)",
     "nixl": "vLLM's NixlConnector as shipped (NIXL progress thread on)",
     "nixl-noprog": "vLLM's NixlConnector with NIXL's progress thread off",
+    # not in `all`: an A/B of the connector's idle-step wait in one run
+    "kvd-1d-spin": "kvd on one daemon, empty steps not waiting for events "
+                   "(kvd_idle_wait_s = 0)",
 }
+ALL_SYSTEMS = ("plain", "kvd-1d", "kvd-2d", "kvd-2d-nixl", "nixl", "nixl-noprog")
 QUICK_SYSTEMS = ("plain", "kvd-1d", "nixl-noprog")
-KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl")
+KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin")
 NIXL_SYSTEMS = ("nixl", "nixl-noprog")
 # The connector module that turns NIXL's progress thread off (vllm_nixl_quiet.py).
 QUIET_NIXL_MODULE = "kvd.tools.bench.vllm_nixl_quiet"
@@ -59,7 +63,7 @@ def parse_systems(text: str) -> tuple[str, ...]:
     (it gives the reference tokens), first."""
     text = text.strip()
     if text == "all":
-        names = list(SYSTEMS)
+        names = list(ALL_SYSTEMS)
     elif text == "quick":
         names = list(QUICK_SYSTEMS)
     else:
@@ -71,10 +75,10 @@ def parse_systems(text: str) -> tuple[str, ...]:
     return ("plain", *dict.fromkeys(n for n in names if n != "plain"))
 
 
-def _kvd_config(engine_id: str) -> dict:
+def _kvd_config(engine_id: str, extra: dict | None = None) -> dict:
     return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
             "kv_role": "kv_both", "engine_id": engine_id,
-            "kv_connector_extra_config": {}}  # kvd_address is set by the runner
+            "kv_connector_extra_config": dict(extra or {})}  # + kvd_address (the runner)
 
 
 def _nixl_config(quiet: bool) -> dict:
@@ -94,7 +98,7 @@ def system_spec(name: str) -> SystemSpec:
         return SystemSpec(name, (), tuple(
             EngineSpec(f"{name}-{role}", role, cfg, nixl_side_channel=True)
             for role in ("prefill", "decode")))
-    if name == "kvd-1d":
+    if name in ("kvd-1d", "kvd-1d-spin"):
         daemons: tuple[DaemonSpec, ...] = (DaemonSpec(f"{name}-d"),)
         homes = {"prefill": daemons[0].name, "decode": daemons[0].name}
     elif name in ("kvd-2d", "kvd-2d-nixl"):
@@ -103,8 +107,10 @@ def system_spec(name: str) -> SystemSpec:
         homes = {"prefill": daemons[0].name, "decode": daemons[1].name}
     else:
         raise ValueError(f"unknown system {name!r}")
+    extra = {"kvd_idle_wait_s": 0} if name == "kvd-1d-spin" else {}
     return SystemSpec(name, daemons, tuple(
-        EngineSpec(f"{name}-{role}", role, _kvd_config(f"{name}-{role}"), daemon=homes[role])
+        EngineSpec(f"{name}-{role}", role, _kvd_config(f"{name}-{role}", extra),
+                   daemon=homes[role])
         for role in ("prefill", "decode")))
 
 

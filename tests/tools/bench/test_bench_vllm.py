@@ -29,7 +29,8 @@ from kvd.tools.bench.vllm_systems import (
 
 
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
-    assert parse_systems("all") == tuple(SYSTEMS)
+    assert parse_systems("all") == tuple(n for n in SYSTEMS if n != "kvd-1d-spin")
+    assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
     assert parse_systems("nixl, kvd-1d,nixl") == ("plain", "nixl", "kvd-1d")
     with pytest.raises(ValueError, match="unknown systems kvd-3d"):
@@ -44,6 +45,9 @@ def test_each_system_runs_its_connector_and_daemons():
     assert [e.daemon for e in two.engines] == [d.name for d in two.daemons]
     assert all(d.extra_args == ("--set", "host_pulls=false") for d in two.daemons)
     assert system_spec("kvd-2d").daemons[0].extra_args == ()
+    spin = system_spec("kvd-1d-spin").engines[1].kv_transfer_config
+    assert spin["kv_connector_extra_config"] == {"kvd_idle_wait_s": 0}
+    assert one.engines[1].kv_transfer_config["kv_connector_extra_config"] == {}
     quiet = system_spec("nixl-noprog").engines[0].kv_transfer_config
     assert quiet["kv_connector_module_path"] == QUIET_NIXL_MODULE
     assert quiet["kv_buffer_device"] == "cpu"
