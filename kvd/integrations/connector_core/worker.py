@@ -163,6 +163,12 @@ class KvdWorker:
         if self.pump is not None and self.book.waiting_on_daemon:
             self.pump.kick(park_s=self._idle_wait_s)
 
+    @property
+    def step_wait_s(self) -> float:
+        """How long this step's ``step`` may wait for kvd's events (0: not at all; only a
+        step that computes nothing while transfers are out waits)."""
+        return self._idle_wait_s
+
     def step(self, finished_req_ids: set[str]) -> StepReport:
         """End of a step (get_finished): what vLLM must hear now; never blocks."""
         if not self.reports:
