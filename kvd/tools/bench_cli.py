@@ -258,6 +258,9 @@ def vllm_bench(
         30.0, "--decode-timeout-s", help="A decode request without its first token by then "
         "counts as failed (vLLM's NixlConnector with its progress thread off can wait for "
         "the prefill engine's next step)."),
+    router_warm_up: bool = typer.Option(
+        False, "--router-warm-up", help="Start the routers with --warm-up and wait until "
+        "each pair is warm: 'first' is then the first hand-over after the warm-up."),
     breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
                                    "hand-over's time goes, and when each request of a batch "
                                    "landed (connector traces, KVD_TRACE_DIR)."),
@@ -283,7 +286,8 @@ def vllm_bench(
     cfg = BenchConfig(systems=names, rounds=rounds, batch=batch, batch_rounds=batch_rounds,
                       prompt_tokens=prompt_tokens, max_tokens=max_tokens, idle_s=idle_s,
                       max_model_len=max(2048, prompt_tokens + max_tokens + 64),
-                      breakdown=breakdown, decode_timeout_s=decode_timeout_s)
+                      breakdown=breakdown, decode_timeout_s=decode_timeout_s,
+                      router_warm_up=router_warm_up)
     try:
         res = run_bench(cfg, work_dir or None)
     except KvdError as exc:

@@ -85,6 +85,7 @@ class BenchConfig:
     start_timeout_s: float = 900.0
     seed: int = 0
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
+    router_warm_up: bool = False  # routers hand one request over per pair before round 0
     decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
 
 
@@ -238,6 +239,18 @@ def _healthy(port: int) -> bool:
         conn.close()
 
 
+def _warming(port: int) -> bool:
+    """Whether a router started with --warm-up still has a pair pending."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return "pending" in json.loads(conn.getresponse().read()).get("warm", {}).values()
+    except (OSError, ValueError):
+        return True
+    finally:
+        conn.close()
+
+
 def scrape(port: int) -> dict[str, float]:
     """A server's /metrics as {'name{labels}': value} (label order as printed)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -355,12 +368,17 @@ class VllmBench:
                     sys.executable, "-m", "kvd", "router",
                     "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
                     "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-                    "--port", str(run.router_port)], self.work)
+                    "--port", str(run.router_port),
+                    *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
                 run.procs.append(proc)
         for run in self.systems.values():
             while run.router_port and not _healthy(run.router_port):
                 if time.monotonic() > deadline:
                     raise KvdError(f"router of {run.spec.name} not up")
+                time.sleep(0.2)
+            while self.cfg.router_warm_up and run.router_port and _warming(run.router_port):
+                if time.monotonic() > deadline:
+                    raise KvdError(f"router of {run.spec.name} did not warm its pair up")
                 time.sleep(0.2)
 
     def sessions(self) -> list[int]:
