@@ -183,8 +183,9 @@ class Stream:
         return self.token_s[0] - self.sent_s
 
 
-def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+def _post(port: int, body: dict[str, Any],
+          timeout_s: float = HTTP_TIMEOUT_S) -> dict[str, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})
@@ -402,17 +403,26 @@ class VllmBench:
                 "max_tokens": self.cfg.max_tokens, "temperature": 0, "ignore_eos": True}
 
     def _prefill(self, run: Running, seed: int) -> Any:
+        """The prefill's kv_transfer_params; None if it failed or took longer than
+        2 x decode_timeout_s (a prefill engine whose blocks a stalled transfer holds)."""
         body = {**self._body(seed), "max_tokens": 1,
                 "kv_transfer_params": {"do_remote_decode": True}}
-        params = _post(run.ports["prefill"], body).get("kv_transfer_params")
+        try:
+            params = _post(run.ports["prefill"], body,
+                           2 * self.cfg.decode_timeout_s).get("kv_transfer_params")
+        except (TimeoutError, OSError, KvdError, ValueError) as exc:
+            self.log(f"  {run.spec.name}: prefill request failed ({exc})")
+            return None
         if not params:
-            raise KvdError(f"{run.spec.name}: the prefill answered no kv_transfer_params")
-        return params
+            self.log(f"  {run.spec.name}: the prefill answered no kv_transfer_params")
+        return params or None
 
     def _decode(self, run: Running, seed: int, params: Any) -> Stream | None:
         """The decode's stream; None if it gave no first token within decode_timeout_s
         (counted as a failed hand-over; vLLM's NixlConnector with its progress thread
-        off can wait for the prefill engine's next step)."""
+        off can wait for the prefill engine's next step) or its prefill failed."""
+        if params is None:
+            return None
         try:
             return stream_completion(run.ports["decode"],
                                      {**self._body(seed), "kv_transfer_params": params},
