@@ -306,6 +306,7 @@ class VllmBench:
         self.singles: list[Single] = []
         self.batches: list[Batch] = []
         self.reference: dict[int, str] = {}  # prompt seed -> plain engine's text
+        self.failed_batches: dict[str, int] = {}  # system -> batches with no stream at all
         # (system, client time stamps) of each single hand-over, for the breakdown
         self.timelines: list[tuple[str, dict[str, float]]] = []
 
@@ -488,6 +489,7 @@ class VllmBench:
             streams = [st for st in got if st is not None]
             if not streams:
                 self.log(f"  {name}: every request of the batch failed")
+                self.failed_batches[name] = self.failed_batches.get(name, 0) + 1
                 continue
             gaps = [b - a for st in streams
                     for a, b in zip(st.token_s, st.token_s[1:], strict=False)]
@@ -543,6 +545,10 @@ class VllmBench:
             summaries[name] = summarize(
                 name, [s for s in self.singles if s.system == name],
                 [b for b in self.batches if b.system == name], plain_ttft, counters)
+            if self.failed_batches.get(name):
+                summaries[name].notes.append(
+                    f"{self.failed_batches[name]} batch(es) of {self.cfg.batch} in which "
+                    "every request failed (not in the batch figures nor in tokens equal)")
         add_ratios(summaries)
         extra = self.breakdowns() if self.cfg.breakdown else {}
         return {**extra, "summaries": [asdict(s) for s in summaries.values()],
