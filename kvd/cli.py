@@ -309,6 +309,9 @@ def router(
         "answer."),
     api_key_env: str = typer.Option("", "--api-key-env", help="Environment variable whose "
                                     "value is sent upstream as a Bearer token."),
+    warm_up: bool = typer.Option(False, "--warm-up", help="Hand one small request over "
+                                 "between every prefill/decode pair as soon as both answer, "
+                                 "before traffic (GET /health shows each pair's state)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
@@ -324,7 +327,8 @@ def router(
             _fail(f"kvd router needs aiohttp ({exc}): pip install 'kvd[router]'")
         run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
                                 prefill_timeout_s, decode_read_timeout_s,
-                                os.environ.get(api_key_env, "") if api_key_env else ""),
+                                os.environ.get(api_key_env, "") if api_key_env else "",
+                                warm_up=warm_up),
                    host, port)
 
     _guarded(debug, go)

@@ -81,6 +81,11 @@ class NoWaitClient:
             if sent is not None:
                 out.append(Reply(tag=sent[1], instance=header.instance, body=body))
 
+    def wait_reply(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a reply to have come (True), in the kernel, not
+        spinning; ``replies`` then takes it."""
+        return bool(self._sock.poll(max(0, round(timeout_s * 1000)), zmq.POLLIN))
+
     def sent_s(self, tag: Any) -> float | None:
         """When the unanswered request tagged ``tag`` was sent (None: none is)."""
         for sent_s, t in self._in_flight.values():

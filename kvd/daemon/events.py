@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.events")
@@ -69,6 +70,8 @@ class EventHub:
             log.warning("engine %s does not poll its events: dropped the oldest (%s %s)",
                         engine_id, lost.kind, lost.request_id, extra={"engine_id": engine_id})
         q.append(event)
+        if TRACE.on and event.kind == "done_recving":
+            TRACE.point("daemon_event", event.request_id)
         if self._schedule is None:
             self._deliver(engine_id)
         elif engine_id not in self._due:
@@ -120,6 +123,10 @@ class EventHub:
                                              for e in batch]))
             elif q[-1].seq > w.ack:
                 batch = list(itertools.islice((e for e in q if e.seq > w.ack), w.max_events))
+                if TRACE.on:
+                    for e in batch:
+                        if e.kind == "done_recving":
+                            TRACE.point("daemon_event_sent", e.request_id)
                 self._reply(w.identity, w.msg_id,
                             P.Events(events=batch, instance_id=self.instance_id))
             else:

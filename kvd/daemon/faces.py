@@ -28,6 +28,7 @@ import zmq.asyncio
 from kvd.daemon.curve_auth import CurveGuard, monitor_events, parse_event
 from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolError
 from kvd.ops.metrics import Metrics
+from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.daemon")
@@ -240,6 +241,8 @@ class Face:
                 self.metrics.auth_failures.labels(face=self.name).inc()
                 raise AuthError("bad or missing token")
             body = P.decode_body(header, payload[1], self.allowed)
+            if TRACE.on and isinstance(body, (P.Pull, P.Publish)):
+                TRACE.point(f"daemon_{type(body).__name__.lower()}", body.request_id)
             return await handlers[type(body)](body, Request(identity, header, fd)), msg_id
         except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the face
             if isinstance(exc, ProtocolError) and not msg_id and payload:

@@ -235,5 +235,75 @@ def vram(
     _report(res, as_json, render_vram, bool(res["verified"]))
 
 
+@bench_app.command("vllm")
+def vllm_bench(
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    systems: str = typer.Option(
+        "all", "--systems", help="all, quick (plain, kvd-1d, nixl-noprog) or names: plain, "
+        "kvd-1d, kvd-2d, kvd-2d-nixl, nixl, nixl-noprog (plain is always run)."),
+    rounds: int = typer.Option(8, "--rounds", help="Single-request rounds per system (the "
+                               "first is the warm-up, reported as 'first')."),
+    batch: int = typer.Option(6, "--batch", help="Requests in a concurrent batch."),
+    batch_rounds: int = typer.Option(2, "--batch-rounds", help="Batches per system."),
+    prompt_tokens: int = typer.Option(800, "--prompt-tokens", help="Prompt length."),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="Tokens generated per request."),
+    idle_s: float = typer.Option(5.0, "--idle-s", help="Idle window for the CPU figure."),
+    out: str = typer.Option("", "--out", metavar="FILE", help="Also write the JSON here."),
+    plot_path: str = typer.Option("", "--plot", metavar="FILE",
+                                  help="Draw the figures to a PNG (needs matplotlib)."),
+    work_dir: str = typer.Option("", "--work-dir", help="Keep the model and every process's "
+                                 "log here (default: a temporary directory, removed after "
+                                 "a run that succeeded)."),
+    decode_timeout_s: float = typer.Option(
+        30.0, "--decode-timeout-s", help="A decode request without its first token by then "
+        "counts as failed (vLLM's NixlConnector with its progress thread off can wait for "
+        "the prefill engine's next step)."),
+    router_warm_up: bool = typer.Option(
+        False, "--router-warm-up", help="Start the routers with --warm-up and wait until "
+        "each pair is warm: 'first' is then the first hand-over after the warm-up."),
+    breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
+                                   "hand-over's time goes, and when each request of a batch "
+                                   "landed (connector traces, KVD_TRACE_DIR)."),
+) -> None:
+    """Whole vLLM engines: P/D through kvd (one daemon, two, two over NIXL) against vLLM's
+    NixlConnector (as shipped, and with NIXL's progress thread off), and a plain engine.
+    Run it from the venv that has vLLM (README's .venv-vllm)."""
+    from kvd.errors import KvdError
+    from kvd.tools.bench.vllm_systems import parse_systems
+
+    if min(rounds, batch, batch_rounds, prompt_tokens, max_tokens) < 1 or rounds < 2:
+        _fail("--rounds must be >= 2 (the first is the warm-up); --batch, --batch-rounds, "
+              "--prompt-tokens and --max-tokens >= 1")
+    if max_tokens < 2:
+        _fail("--max-tokens must be >= 2 (the decode step is the gap between two tokens)")
+    try:
+        names = parse_systems(systems)
+    except ValueError as exc:
+        _fail(str(exc))
+    from kvd.tools.bench.vllm_run import BenchConfig, plot, run_bench
+    from kvd.tools.bench.vllm_stats import render
+
+    cfg = BenchConfig(systems=names, rounds=rounds, batch=batch, batch_rounds=batch_rounds,
+                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, idle_s=idle_s,
+                      max_model_len=max(2048, prompt_tokens + max_tokens + 64),
+                      breakdown=breakdown, decode_timeout_s=decode_timeout_s,
+                      router_warm_up=router_warm_up)
+    try:
+        res = run_bench(cfg, work_dir or None)
+    except KvdError as exc:
+        _fail(str(exc))
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+    if plot_path:
+        try:
+            plot(res, plot_path)
+        except ImportError:
+            typer.echo("kvd: no plot: matplotlib is not installed", err=True)
+    ok = all(s["tokens_equal"].split("/")[0] == s["tokens_equal"].split("/")[1]
+             for s in res["summaries"])
+    _report(res, as_json, render, ok)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(bench_app())

@@ -18,6 +18,8 @@ client. aiohttp is imported by this module only, never by the daemon.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -45,6 +47,15 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0  # the whole prefill call (prompt computed, KV published)
     decode_read_timeout_s: float = 300.0  # silence between two chunks of the decode answer
     api_key: str = ""  # sent upstream as ``Authorization: Bearer`` when set
+    # Hand one small request over between every (prefill, decode) pair as soon as both
+    # answer, before traffic: the pair's first transfer (connector handshake, pool
+    # mapping, transfer planning, the decode engine's first remote-KV step) is paid then.
+    warm_up: bool = False
+    warm_up_timeout_s: float = 600.0  # how long to keep trying a pair that does not answer
+
+
+WARM_UP_PROMPT = " ".join(["kvd router warm-up"] * 16)  # a few blocks of any tokenizer
+WARM_UP_RETRY_S = 0.5
 
 
 def normalize_url(url: str) -> str:
@@ -105,13 +116,66 @@ class Router:
         self.decode = RoundRobin(cfg.decode_urls)
         self.session: ClientSession | None = None
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        # (prefill URL, decode URL) -> "ok", "pending" or why it failed (warm_up only)
+        self.warm: dict[str, str] = {}
+        self._warming: asyncio.Task[None] | None = None
 
     async def start(self, _app: web.Application) -> None:
         self.session = ClientSession(headers=self.headers)
+        if self.cfg.warm_up:
+            self.warm = {f"{p} -> {d}": "pending" for p in self.prefill.urls
+                         for d in self.decode.urls}
+            self._warming = asyncio.create_task(self._warm_all())
 
     async def close(self, _app: web.Application) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warming
         if self.session is not None:
             await self.session.close()
+
+    async def _warm_all(self) -> None:
+        await asyncio.gather(*(self._warm_pair(p, d) for p in self.prefill.urls
+                               for d in self.decode.urls))
+
+    async def _warm_pair(self, prefill: str, decode: str) -> None:
+        """One hand-over from ``prefill`` to ``decode`` (retried until both answer)."""
+        key = f"{prefill} -> {decode}"
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self.cfg.warm_up_timeout_s
+        assert self.session is not None
+        while True:
+            try:
+                async with self.session.get(prefill + "/v1/models",
+                                            timeout=self._timeout(10.0)) as resp:
+                    model = (await resp.json())["data"][0]["id"]
+                body = {"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": 1,
+                        "temperature": 0}
+                async with self.session.post(prefill + "/v1/completions",
+                                             json=prefill_request(body),
+                                             timeout=self._timeout(
+                                                 self.cfg.prefill_timeout_s)) as resp:
+                    params = (await resp.json()).get("kv_transfer_params")
+                if not params:
+                    raise UpstreamError(502, "prefill answered without kv_transfer_params")
+                async with self.session.post(decode + "/v1/completions",
+                                             json=decode_request(body, params),
+                                             timeout=self._timeout(
+                                                 self.cfg.prefill_timeout_s)) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise UpstreamError(resp.status, f"decode answered {resp.status}")
+                self.warm[key] = "ok"
+                log.info("warmed up %s", key)
+                return
+            except (ClientError, TimeoutError, UpstreamError, ValueError, KeyError,
+                    IndexError, TypeError) as exc:
+                if loop.time() >= deadline_s:
+                    self.warm[key] = f"failed: {_reason(exc)}"
+                    log.warning("warm-up of %s failed: %s", key, _reason(exc))
+                    return
+                await asyncio.sleep(WARM_UP_RETRY_S)  # a server still starting
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -124,8 +188,11 @@ class Router:
         return app
 
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"prefill": list(self.prefill.urls),
-                                  "decode": list(self.decode.urls)})
+        out: dict[str, Any] = {"prefill": list(self.prefill.urls),
+                               "decode": list(self.decode.urls)}
+        if self.cfg.warm_up:
+            out["warm"] = self.warm
+        return web.json_response(out)
 
     async def models(self, _request: web.Request) -> web.Response:
         url = self.decode.pick() + "/v1/models"

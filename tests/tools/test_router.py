@@ -54,8 +54,14 @@ class FakeServer:
             return out
         return web.json_response({"by": self.name, "params": body.get("kv_transfer_params")})
 
+    async def models(self, _request: web.Request) -> web.Response:
+        if self.status != 200:  # a server still starting
+            return web.json_response({}, status=503)
+        return web.json_response({"data": [{"id": f"model-of-{self.name}"}]})
+
     def app(self) -> web.Application:
         app = web.Application()
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         return app
@@ -171,5 +177,48 @@ def test_unreachable_prefill_is_named_and_the_next_one_serves() -> None:
             assert first.status == 200
             assert second.status == 502
             assert (await second.json())["error"]["message"].startswith(f"prefill {dead}")
+
+    run(go)
+
+
+def test_warm_up_hands_one_request_over_between_every_pair_before_traffic() -> None:
+    async def go() -> None:
+        ps = [FakeServer(f"p{i}", "prefill") for i in range(2)]
+        ds = [FakeServer("d0", "decode")]
+        async with routed(ps, ds, warm_up=True) as client:
+            for _ in range(100):
+                health = await (await client.get("/health")).json()
+                if "pending" not in health["warm"].values():
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(health["warm"].values()) == ["ok", "ok"]
+        assert [len(p.seen) for p in ps] == [1, 1]
+        assert ps[0].seen[0]["model"] == "model-of-p0"
+        assert ps[0].seen[0]["kv_transfer_params"] == {"do_remote_decode": True}
+        assert ps[0].seen[0]["max_tokens"] == 1
+        assert [d["kv_transfer_params"] for d in ds[0].seen] == [PARAMS, PARAMS]
+
+    run(go)
+
+
+def test_warm_up_waits_for_a_server_still_starting_and_is_off_by_default() -> None:
+    async def go() -> None:
+        p, d = FakeServer("p0", "prefill", status=503), FakeServer("d0", "decode")
+        async with routed([p], [d], warm_up=True) as client:
+            await asyncio.sleep(0.1)
+            health = await (await client.get("/health")).json()
+            assert list(health["warm"].values()) == ["pending"]
+            p.status = 200  # it came up
+            for _ in range(200):
+                health = await (await client.get("/health")).json()
+                if list(health["warm"].values()) == ["ok"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert list(health["warm"].values()) == ["ok"]
+        p2, d2 = FakeServer("p1", "prefill"), FakeServer("d1", "decode")
+        async with routed([p2], [d2]) as client:
+            await asyncio.sleep(0.05)
+            assert "warm" not in await (await client.get("/health")).json()
+        assert p2.seen == [] and d2.seen == []
 
     run(go)

@@ -8,8 +8,10 @@ however the replies fare and whichever of the two takes it first.
 ``EventPump`` is the main path and needs no thread of its own to get the GIL (a vLLM
 CPU worker can hold it for seconds): when vLLM binds a step's metadata it sends a
 Poll that is answered at once (timeout 0) without waiting, and the step's
-``get_finished`` takes the reply that came during the forward pass. Nothing waits:
-a slow, frozen or dead daemon only delays events.
+``get_finished`` takes the reply that came during the forward pass. A step that
+computes tokens never waits: a slow, frozen or dead daemon only delays events. A step
+that computes none (every request waits for its KV) parks its poll at the daemon and
+waits for the reply, woken by it, for a bounded time (``kvd_idle_wait_s``).
 
 ``EventPoller`` long-polls on a thread of its own, for the steps that do not come
 (an idle engine) and a daemon that answers after the step has gone.
@@ -41,21 +43,30 @@ class EventPump:
         self._now = now
         self._client = client or NoWaitClient(settings.address, token=settings.token)
 
-    def kick(self) -> None:
-        """Ask for the events now unless a poll is out already (and young)."""
+    def kick(self, park_s: float = 0.0) -> None:
+        """Ask for the events now unless a poll is out already (and young). ``park_s``
+        > 0: the daemon holds the poll up to that long and answers it the moment an
+        event comes (for a step that will wait for it, ``drain(wait_s)``)."""
         now_s = self._now()
         sent_s = self._client.sent_s("poll")
         if sent_s is not None and now_s - sent_s < RESEND_S:
             return
         self._client.forget_older(now_s, RESEND_S)
-        self._client.send(self._cursor.poll(timeout_s=0.0), "poll", now_s)
+        self._client.send(self._cursor.poll(timeout_s=park_s), "poll", now_s)
 
-    def drain(self) -> None:
-        """Take every reply that came; new events go into the cursor."""
-        for reply in self._client.replies():
+    def drain(self, wait_s: float = 0.0) -> int:
+        """Take every reply that came; new events go into the cursor. ``wait_s`` > 0 and
+        no reply yet: wait up to that long for the poll's reply (it comes the moment the
+        daemon has an event). Returns the replies taken."""
+        replies = self._client.replies()
+        if (not replies and wait_s > 0 and self._client.sent_s("poll") is not None
+                and self._client.wait_reply(wait_s)):
+            replies = self._client.replies()
+        for reply in replies:
             self._cursor.note_instance(reply.instance)  # an Error tells a restart too
             if isinstance(reply.body, P.Events):
                 self._cursor.accept(reply.body)
+        return len(replies)
 
     def close(self) -> None:
         self._client.close()

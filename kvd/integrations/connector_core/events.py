@@ -10,7 +10,11 @@ vLLM's rules (scheduler side of 0.32/0.33), which this book enforces:
 * notify-only pulls (full local prefix hit, decode aborted before it was
   scheduled) are vLLM-invisible: their events are dropped;
 * a failed receive is reported as finished AND as failed (per request for
-  multi-group models, per block otherwise, so a valid local prefix survives).
+  multi-group models, per block otherwise, so a valid local prefix survives);
+* the pulls the scheduler sent in one step (a batch that arrived together) land
+  together: a finished receive is held until every pull of its step has an outcome,
+  so vLLM schedules them in one step instead of one after another as the daemon's
+  copies end (at most ``GROUP_HOLD_S`` after the first landed; failures are not held).
 
 Nothing here talks to a socket or reads a clock: the caller passes ``now_s``.
 """
@@ -20,6 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvd.wire.protocol import Event
+
+# The longest a finished receive waits for the other pulls of its step (a lost event is
+# already bounded by the pull's own deadline; this bounds what the others wait for it).
+GROUP_HOLD_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -70,15 +78,37 @@ class EventBook:
         self._closed_send: set[str] = set()  # reported before their announcement arrived
         self._report_recv: dict[str, bool] = {}  # id -> ok
         self._invalid: set[int] = set()
+        # pulls announced in one step: group -> the ids without an outcome yet, and the
+        # finished ones held until the group is complete (with when the first landed)
+        self._group_of: dict[str, int] = {}
+        self._open: dict[int, set[str]] = {}
+        self._held: dict[int, list[str]] = {}
+        self._held_since: dict[int, float] = {}
         self.totals = TransferTotals()
 
     # ------------------------------------------------------------ announcements
 
-    def announce_recv(self, request_id: str, block_ids: list[int], deadline_s: float) -> None:
+    def announce_recv(self, request_id: str, block_ids: list[int], deadline_s: float,
+                      group: int | None = None) -> None:
+        """A pull the scheduler sent; ``group``: the step it was sent in (its pulls land
+        together), None to report it alone."""
         self._recving[request_id] = _Recv(tuple(block_ids), deadline_s)
+        if group is not None:
+            self._group_of[request_id] = group
+            self._open.setdefault(group, set()).add(request_id)
         early = self._early.pop(request_id, None)
         if early is not None:
             self._on_recv(early)
+
+    def announce_step(self, recv: dict[str, list[int]], deadline_s: float,
+                      group: int) -> None:
+        """The pulls the scheduler sent in one step, as one group: every one is
+        registered before any event that overtook its announcement is taken."""
+        early = {rid: self._early.pop(rid) for rid in recv if rid in self._early}
+        for rid, blocks in recv.items():
+            self.announce_recv(rid, blocks, deadline_s, group)
+        for ev in early.values():
+            self._on_recv(ev)
 
     def announce_quiet(self, request_id: str) -> None:
         """A notify-only pull vLLM knows nothing about: drop its event."""
@@ -137,6 +167,10 @@ class EventBook:
                 self._maybe_report_send(rid)
         self._quiet.clear()
         self._early.clear()
+        for group in list(self._held):
+            self._release(group)
+        self._open.clear()
+        self._group_of.clear()
         return lost
 
     # ------------------------------------------------------------ daemon events
@@ -163,7 +197,7 @@ class EventBook:
             self.totals.descriptors += ev.descriptors
             self.totals.duration_s += ev.duration_s
             self.totals.durations_s.append(ev.duration_s)
-            self._report_recv[ev.request_id] = True
+            self._landed(ev.request_id)
         else:
             self._fail_recv(ev.request_id, list(ev.invalid_block_ids) or list(recv.block_ids))
 
@@ -172,6 +206,35 @@ class EventBook:
         self._report_recv[request_id] = False
         if not self.multi_group:
             self._invalid.update(block_ids)
+        self._leave_group(request_id)
+
+    def _landed(self, request_id: str) -> None:
+        """A receive that finished well: reported now, or with the rest of its step."""
+        group = self._group_of.get(request_id)
+        if group is None:
+            self._report_recv[request_id] = True
+            return
+        self._held.setdefault(group, []).append(request_id)
+        self._leave_group(request_id)
+
+    def _leave_group(self, request_id: str) -> None:
+        """``request_id`` has its outcome: release its step's held receives if it was the
+        last one without."""
+        group = self._group_of.pop(request_id, None)
+        if group is None:
+            return
+        members = self._open.get(group)
+        if members is not None:
+            members.discard(request_id)
+            if members:
+                return
+            del self._open[group]
+        self._release(group)
+
+    def _release(self, group: int) -> None:
+        for rid in self._held.pop(group, []):
+            self._report_recv[rid] = True
+        self._held_since.pop(group, None)
 
     def _count_send(self, ev: Event) -> None:
         if ev.ok:
@@ -196,6 +259,12 @@ class EventBook:
         no daemon that could still read the blocks is left. Returns the ids.
         """
         lost = []
+        for group in list(self._held):
+            since_s = self._held_since.setdefault(group, now_s)
+            if now_s - since_s >= GROUP_HOLD_S:
+                for rid in self._open.pop(group, set()):
+                    self._group_of.pop(rid, None)  # reported alone when it lands
+                self._release(group)
         for rid, recv in list(self._recving.items()):
             if now_s >= recv.deadline_s:
                 del self._recving[rid]

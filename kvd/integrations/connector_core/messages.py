@@ -30,6 +30,9 @@ class StepAnnouncements:
     send_refused: list[str] = field(default_factory=list)  # publishes kvd refused: free now
     # kvd said this engine is not registered (it restarted): workers register again
     rejoin: bool = False
+    # the step computes no token (every request waits for its KV): the rank-0 worker
+    # may wait in it for kvd's events instead of spinning through empty steps
+    idle: bool = False
 
 
 @dataclass

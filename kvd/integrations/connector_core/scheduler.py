@@ -32,6 +32,7 @@ from kvd.integrations.connector_core.params import (
     wants_remote_prefill,
 )
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.vllm")
@@ -174,6 +175,7 @@ class KvdScheduler:
         except ParamsError:
             return  # warned in num_new_matched_tokens
         num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
+        TRACE.point("decode_scheduled", request.request_id)
         if num_external_tokens <= 0:
             # Full local prefix hit: nothing to read, but P must release its blocks now.
             self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
@@ -240,6 +242,7 @@ class KvdScheduler:
                       request.request_id)
             return False, None
         # The receipt needs no reply: the hold id is ours, the incarnation the workers'.
+        TRACE.point("publish_sent", request.request_id)
         receipt = (P.receipt(self.daemon_instance, hold_id) if self.daemon_instance
                    else "")
         self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
@@ -254,13 +257,15 @@ class KvdScheduler:
 
     # ------------------------------------------------------------ every step
 
-    def build_meta(self) -> StepAnnouncements:
-        """Once per step: act on the replies that came, send the pulls queued since."""
+    def build_meta(self, idle: bool = False) -> StepAnnouncements:
+        """Once per step: act on the replies that came, send the pulls queued since.
+        ``idle``: the step computes no token (the workers may wait in it)."""
         self._take_replies()
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
+        meta.idle = idle
         return meta
 
     def _take_replies(self) -> None:
@@ -317,6 +322,7 @@ class KvdScheduler:
             if not pull.quiet:
                 self._meta.failed[request_id] = pull.local_block_ids
             return
+        TRACE.point("pull_sent", request_id)
         if pull.quiet:
             self._meta.quiet.append(request_id)
         else:

@@ -34,6 +34,9 @@ class ConnectorSettings:
     kv_layout: str | None  # forced layout name, else the connector's default
     model_name: str | None
     request_timeout_s: float
+    # the longest an empty step (every request waiting for its KV) waits for kvd's
+    # events, woken by them; 0: never wait (spin through empty steps, as vLLM does)
+    idle_wait_s: float = 0.005
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> ConnectorSettings:
@@ -68,6 +71,7 @@ class ConnectorSettings:
                 kv_layout=extra.get("kvd_kv_layout"),
                 model_name=extra.get("kvd_model_name"),
                 request_timeout_s=float(extra.get("kvd_request_timeout_s", 10.0)),
+                idle_wait_s=max(0.0, min(0.05, float(extra.get("kvd_idle_wait_s", 0.005)))),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvd_* value in kv_connector_extra_config: "

@@ -3,9 +3,11 @@
 Runs in each vLLM worker process. Registration happens before vLLM allocates,
 so kvd owns the memory NIXL reads and writes (zero copy); afterwards every
 layer view is checked against kvd's layout. Only the first rank polls the
-daemon: kvd reports per engine, not per rank (get_finished_count is 1). Nothing in
-vLLM's step waits on the daemon: the step checks for events without blocking, with
-a thread as the fallback (kvd.integrations.connector_core.completions).
+daemon: kvd reports per engine, not per rank (get_finished_count is 1). A step that
+computes tokens never waits on the daemon: it checks for events without blocking, with
+a thread as the fallback (kvd.integrations.connector_core.completions); a step that
+computes none while transfers are out waits for their events, at most
+``kvd_idle_wait_s``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvd.integrations.connector_core.hybrid import VllmHybridGeometry, check_hyb
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements, WorkerRejoined
 from kvd.integrations.connector_core.rejoin import Rejoin
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.ops.trace import TRACE
 
 log = logging.getLogger("kvd.vllm")
 
@@ -52,6 +55,8 @@ class KvdWorker:
                                           timeout_s=settings.request_timeout_s,
                                           ping_interval_s=0))
         self._announced = ""  # the daemon instance the scheduler last heard of from us
+        self._steps = 0  # steps whose announcements came (groups the pulls of a step)
+        self._idle_wait_s = 0.0  # this step computes nothing: wait this long for events
 
     def _lost(self, reason: str) -> None:
         """The pinger's: the daemon no longer knows this rank (it restarted) or does not
@@ -134,8 +139,10 @@ class KvdWorker:
         if not self.reports:
             return
         now_s = self._now()
-        for rid, blocks in meta.recv.items():
-            self.book.announce_recv(rid, blocks, now_s + self.settings.pull_timeout_s)
+        self._steps += 1
+        if meta.recv:
+            self.book.announce_step(meta.recv, now_s + self.settings.pull_timeout_s,
+                                    group=self._steps)
         for rid in meta.quiet:
             self.book.announce_quiet(rid)
         for rid, blocks in meta.failed.items():
@@ -146,8 +153,21 @@ class KvdWorker:
             self.book.announce_send(rid, now_s + give_up_s)
         for rid in meta.send_refused:
             self.book.send_refused(rid)
+        # A step that computes nothing while transfers are out: wait in it for kvd's
+        # events (woken by them) rather than spin through empty steps that take the
+        # CPU the daemon needs to finish them.
+        # (settings.idle_wait_s: events end the wait at once; the bound is what a new
+        # request reaching an engine that only waits for KV may be delayed by.)
+        self._idle_wait_s = (self.settings.idle_wait_s
+                             if meta.idle and self.book.waiting_on_daemon else 0.0)
         if self.pump is not None and self.book.waiting_on_daemon:
-            self.pump.kick()
+            self.pump.kick(park_s=self._idle_wait_s)
+
+    @property
+    def step_wait_s(self) -> float:
+        """How long this step's ``step`` may wait for kvd's events (0: not at all; only a
+        step that computes nothing while transfers are out waits)."""
+        return self._idle_wait_s
 
     def step(self, finished_req_ids: set[str]) -> StepReport:
         """End of a step (get_finished): what vLLM must hear now; never blocks."""
@@ -155,7 +175,8 @@ class KvdWorker:
             return StepReport()
         self.book.vllm_finished(set(finished_req_ids))
         if self.pump is not None:
-            self.pump.drain()
+            self.pump.drain(wait_s=self._idle_wait_s)
+            self._idle_wait_s = 0.0
         if self.cursor.restarts != self._restarts_seen:
             self._restarts_seen = self.cursor.restarts
             lost = self.book.daemon_restarted()
@@ -165,10 +186,16 @@ class KvdWorker:
                           len(lost))
             self.rejoin.kick("a new kvd instance answered")
         for ev in self.cursor.take():
+            if TRACE.on and ev.kind == "done_recving":
+                TRACE.point("event_taken", ev.request_id, ev.duration_s)
             self.book.on_event(ev)
         for rid in self.book.expire(self._now()):
             log.error("request %s: kvd never reported its transfer; giving up", rid)
-        return self.book.take()
+        report = self.book.take()
+        if TRACE.on:
+            for rid in report.finished_recving:
+                TRACE.point("recv_reported", rid)
+        return report
 
     def worker_meta(self) -> WorkerRejoined | None:
         """Once after a re-registration: the new daemon instance (and its peer address)

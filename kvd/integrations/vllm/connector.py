@@ -225,7 +225,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return as_vllm(self._scheduler.build_meta(), KvdConnectorMetadata)
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return as_vllm(self._scheduler.build_meta(idle=idle), KvdConnectorMetadata)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

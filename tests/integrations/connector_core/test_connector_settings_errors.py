@@ -46,3 +46,9 @@ def test_token_file_is_read(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123\n")
     assert _settings(kvd_token_file=str(token)).token == "0123456789abcdef0123"
+
+
+def test_idle_wait_is_a_setting_bounded_to_50_ms() -> None:
+    assert _settings().idle_wait_s == 0.005
+    assert _settings(kvd_idle_wait_s=0).idle_wait_s == 0.0  # spin, as vLLM does
+    assert _settings(kvd_idle_wait_s=5).idle_wait_s == 0.05

@@ -33,6 +33,9 @@ STEP_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
               "update_connector_output")
 HOOK_MAX_S = 0.001  # each hook returns within 1 ms whatever the daemon does
 SLEPT_MAX_S = 0.002  # a call may wait this long for the GIL another thread holds
+# ...except the worker's report in a step that computes nothing while transfers are out:
+# it waits for kvd's events, at most kvd_idle_wait_s (KvdWorker.step_wait_s)
+WAITING_HOOKS = ("get_transfer_results", "get_finished")
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,13 @@ class Call:
     cpu_s: float  # this thread on a core
     runq_s: float  # runnable, waiting for a core (the OS)
     gc_s: float  # the collector ran (part of cpu_s)
+    may_wait_s: float = 0.0  # an empty step's report may wait this long for kvd's events
 
     @property
     def slept_s(self) -> float:
-        """Neither running nor runnable: the GIL held by another thread, or a wait."""
-        return max(0.0, self.wall_s - self.cpu_s - self.runq_s)
+        """Neither running nor runnable: the GIL held by another thread, or a wait (less
+        the wait for events an empty step is allowed)."""
+        return max(0.0, self.wall_s - self.cpu_s - self.runq_s - self.may_wait_s)
 
 
 _local = threading.local()
@@ -110,7 +115,7 @@ def check_hooks(times: HookTimes, what: str, min_n: int = 100) -> None:
     started a thread in the step slept 1.6 to 4.7 ms per such call)."""
     for name, calls in times.calls.items():
         if len(calls) >= min_n:
-            assert p99([c.wall_s - c.runq_s for c in calls]) <= HOOK_MAX_S, \
+            assert p99([c.wall_s - c.runq_s - c.may_wait_s for c in calls]) <= HOOK_MAX_S, \
                 f"{name}: p99 over 1 ms (less the run queue) {what}\n{times.table()}"
     for name, c in times.slow():
         assert c.cpu_s - c.gc_s <= HOOK_MAX_S, \
@@ -144,6 +149,9 @@ def hook_times(monkeypatch: pytest.MonkeyPatch) -> Iterator[HookTimes]:
 
         @functools.wraps(real)
         def timed(self, *args, _real=real, _name=name, **kwargs):
+            worker = getattr(self, "_worker", None)
+            may_wait_s = (worker.step_wait_s if _name in WAITING_HOOKS and worker is not None
+                          else 0.0)
             gc0, (cpu0, rq0) = times.gc_total_s, _sched()
             start = time.perf_counter()
             try:
@@ -152,7 +160,7 @@ def hook_times(monkeypatch: pytest.MonkeyPatch) -> Iterator[HookTimes]:
                 wall = time.perf_counter() - start
                 cpu1, rq1 = _sched()
                 times.calls[_name].append(Call(wall, (cpu1 - cpu0) / 1e9, (rq1 - rq0) / 1e9,
-                                               times.gc_total_s - gc0))
+                                               times.gc_total_s - gc0, may_wait_s))
 
         monkeypatch.setattr(KvdConnector, name, timed)
     try:

@@ -1,0 +1,130 @@
+"""The systems ``kvd bench vllm`` compares, as data: which engines and daemons each one
+runs and with which ``--kv-transfer-config``. Pure (no processes): the runner in
+``vllm_run`` turns them into commands.
+
+Every P/D system is a prefill and a decode vLLM OpenAI server on this host with the
+same model, block size and KV cache size as the plain engine; only the connector
+(and for kvd, the daemons behind it) differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# name -> what it is (the table's legend); order = the order of the table.
+SYSTEMS: dict[str, str] = {
+    "plain": "one engine, no connector (reference tokens and TTFT)",
+    "kvd-1d": "kvd, both engines on one daemon (a copy inside it)",
+    "kvd-2d": "kvd, two daemons on this host (host pulls: the decode's daemon copies)",
+    "kvd-2d-nixl": "kvd, two daemons over NIXL READs (host_pulls = false)",
+    "nixl": "vLLM's NixlConnector as shipped (NIXL progress thread on)",
+    "nixl-noprog": "vLLM's NixlConnector with NIXL's progress thread off",
+    # not in `all`: an A/B of the connector's idle-step wait in one run
+    "kvd-1d-spin": "kvd on one daemon, empty steps not waiting for events "
+                   "(kvd_idle_wait_s = 0)",
+}
+ALL_SYSTEMS = ("plain", "kvd-1d", "kvd-2d", "kvd-2d-nixl", "nixl", "nixl-noprog")
+QUICK_SYSTEMS = ("plain", "kvd-1d", "nixl-noprog")
+KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin")
+NIXL_SYSTEMS = ("nixl", "nixl-noprog")
+# The connector module that turns NIXL's progress thread off (vllm_nixl_quiet.py).
+QUIET_NIXL_MODULE = "kvd.tools.bench.vllm_nixl_quiet"
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    name: str
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str  # unique in the run, e.g. "kvd-1d-prefill"
+    role: str  # "plain", "prefill" or "decode"
+    kv_transfer_config: dict | None  # None: no connector
+    daemon: str | None = None  # the DaemonSpec.name its connector talks to
+    nixl_side_channel: bool = False  # NixlConnector: needs its own side-channel port
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    daemons: tuple[DaemonSpec, ...]
+    engines: tuple[EngineSpec, ...]
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.name != "plain"
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    """``all``, ``quick`` or names separated by commas; ``plain`` is always measured
+    (it gives the reference tokens), first."""
+    text = text.strip()
+    if text == "all":
+        names = list(ALL_SYSTEMS)
+    elif text == "quick":
+        names = list(QUICK_SYSTEMS)
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {', '.join(unknown)}; known: "
+                         f"{', '.join(SYSTEMS)} (or all, quick)")
+    return ("plain", *dict.fromkeys(n for n in names if n != "plain"))
+
+
+def _kvd_config(engine_id: str, extra: dict | None = None) -> dict:
+    return {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
+            "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": dict(extra or {})}  # + kvd_address (the runner)
+
+
+def _nixl_config(quiet: bool) -> dict:
+    cfg: dict = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                 "kv_buffer_device": "cpu"}
+    if quiet:
+        cfg = {**cfg, "kv_connector": "QuietNixlConnector",
+               "kv_connector_module_path": QUIET_NIXL_MODULE}
+    return cfg
+
+
+def system_spec(name: str) -> SystemSpec:
+    if name == "plain":
+        return SystemSpec(name, (), (EngineSpec("plain", "plain", None),))
+    if name in NIXL_SYSTEMS:
+        cfg = _nixl_config(quiet=name == "nixl-noprog")
+        return SystemSpec(name, (), tuple(
+            EngineSpec(f"{name}-{role}", role, cfg, nixl_side_channel=True)
+            for role in ("prefill", "decode")))
+    if name in ("kvd-1d", "kvd-1d-spin"):
+        daemons: tuple[DaemonSpec, ...] = (DaemonSpec(f"{name}-d"),)
+        homes = {"prefill": daemons[0].name, "decode": daemons[0].name}
+    elif name in ("kvd-2d", "kvd-2d-nixl"):
+        extra = ("--set", "host_pulls=false") if name == "kvd-2d-nixl" else ()
+        daemons = (DaemonSpec(f"{name}-dp", extra), DaemonSpec(f"{name}-dd", extra))
+        homes = {"prefill": daemons[0].name, "decode": daemons[1].name}
+    else:
+        raise ValueError(f"unknown system {name!r}")
+    extra = {"kvd_idle_wait_s": 0} if name == "kvd-1d-spin" else {}
+    return SystemSpec(name, daemons, tuple(
+        EngineSpec(f"{name}-{role}", role, _kvd_config(f"{name}-{role}", extra),
+                   daemon=homes[role])
+        for role in ("prefill", "decode")))
+
+
+def engine_args(model_dir: str, port: int, kv_cache_bytes: int, max_model_len: int,
+                kv_transfer_config: dict | None) -> list[str]:
+    """vLLM OpenAI server arguments (after ``python -m vllm.entrypoints.openai.api_server``);
+    the same for every engine of the run but the port and the connector. Prefix caching
+    is off everywhere, so that a prompt seen before is computed (plain, prefill) or
+    loaded (decode) again, never found in a local cache."""
+    args = ["--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
+            "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
+            str(kv_cache_bytes), "--no-enable-prefix-caching",
+            "--disable-uvicorn-access-log"]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return args

@@ -1,0 +1,146 @@
+"""``kvd bench vllm``'s pure parts: the systems, the arithmetic, the table, the
+breakdown. The runner itself (real engines) is the vLLM suite's smoke test
+(tests/integrations/vllm/test_bench_vllm_smoke.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvd.tools.bench.vllm_stats import (
+    Batch,
+    Counters,
+    Single,
+    add_ratios,
+    breakdown,
+    percentile,
+    render,
+    summarize,
+    targets,
+)
+from kvd.tools.bench.vllm_systems import (
+    QUIET_NIXL_MODULE,
+    SYSTEMS,
+    engine_args,
+    parse_systems,
+    system_spec,
+)
+
+
+def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
+    assert parse_systems("all") == tuple(n for n in SYSTEMS if n != "kvd-1d-spin")
+    assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
+    assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
+    assert parse_systems("nixl, kvd-1d,nixl") == ("plain", "nixl", "kvd-1d")
+    with pytest.raises(ValueError, match="unknown systems kvd-3d"):
+        parse_systems("kvd-3d")
+
+
+def test_each_system_runs_its_connector_and_daemons():
+    one = system_spec("kvd-1d")
+    assert len(one.daemons) == 1
+    assert {e.daemon for e in one.engines} == {one.daemons[0].name}
+    two = system_spec("kvd-2d-nixl")
+    assert [e.daemon for e in two.engines] == [d.name for d in two.daemons]
+    assert all(d.extra_args == ("--set", "host_pulls=false") for d in two.daemons)
+    assert system_spec("kvd-2d").daemons[0].extra_args == ()
+    spin = system_spec("kvd-1d-spin").engines[1].kv_transfer_config
+    assert spin["kv_connector_extra_config"] == {"kvd_idle_wait_s": 0}
+    assert one.engines[1].kv_transfer_config["kv_connector_extra_config"] == {}
+    quiet = system_spec("nixl-noprog").engines[0].kv_transfer_config
+    assert quiet["kv_connector_module_path"] == QUIET_NIXL_MODULE
+    assert quiet["kv_buffer_device"] == "cpu"
+    shipped = system_spec("nixl").engines[0].kv_transfer_config
+    assert shipped["kv_connector"] == "NixlConnector"
+    assert "kv_connector_module_path" not in shipped
+    assert system_spec("plain").engines[0].kv_transfer_config is None
+    # the same engine but the connector: prefix caching off everywhere
+    args = engine_args("/m", 8100, 1 << 27, 2048, shipped)
+    assert "--no-enable-prefix-caching" in args
+    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == shipped
+    assert "--kv-transfer-config" not in engine_args("/m", 8100, 1 << 27, 2048, None)
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(range(1, 101)), 95) == 95
+    assert percentile([5.0], 95) == 5.0
+
+
+def _batch(system: str, firsts: list[float], step_s: float = 0.01) -> Batch:
+    return Batch(system, 0, 10.0, tuple(10.0 + f for f in firsts),
+                 tuple(10.5 + f for f in firsts), (step_s,) * 5, len(firsts), len(firsts))
+
+
+def test_summary_takes_the_warm_rounds_and_measures_a_batch_in_steps():
+    singles = [Single("kvd-1d", 0, 0.9, 1.2, 2, 2), Single("kvd-1d", 1, 0.1, 0.4, 2, 2),
+               Single("kvd-1d", 2, 0.3, 0.5, 1, 2)]
+    plain = {0: 0.2, 1: 0.2, 2: 0.2}
+    s = summarize("kvd-1d", singles, [_batch("kvd-1d", [0.10, 0.115, 0.105])], plain,
+                  Counters(decode_requests=4, decode_computed_tokens=4.0,
+                           decode_loaded_tokens=3196.0, bytes_moved=4000.0,
+                           idle_cores_per_engine=0.01))
+    assert s.first_handover_ms == 900.0  # round 0, reported apart
+    assert s.handover_p50_ms == 200.0  # median of 100 and 300 ms
+    assert s.ttft_minus_plain_p50_ms == 250.0
+    assert s.batch_spread_p50_ms == 15.0
+    assert s.batch_spread_steps_max == 1.5
+    assert s.tokens_equal == "8/9"  # 5 of 6 single streams, 3 of 3 in the batch
+    assert s.decode_computed_tokens_per_request == 1.0
+    assert s.bytes_per_request == 1000
+
+
+def test_failed_requests_are_counted_not_dropped():
+    singles = [Single("nixl", 0, None, None, 0, 2, failed=2),
+               Single("nixl", 1, 0.2, 0.3, 2, 2)]
+    s = summarize("nixl", singles, [], {}, Counters())
+    assert s.tokens_equal == "2/4"
+    assert s.notes == ["2 of 4 requests gave no first token in time"]
+
+
+def test_ratios_and_targets_are_against_the_better_nixl_setting():
+    summaries = {
+        "kvd-1d": summarize("kvd-1d", [Single("kvd-1d", 1, 0.08, 0.3, 2, 2)],
+                            [_batch("kvd-1d", [0.1, 0.105])], {},
+                            Counters(idle_cores_per_engine=0.02)),
+        "kvd-2d": summarize("kvd-2d", [Single("kvd-2d", 1, 0.09, 0.3, 2, 2)],
+                            [_batch("kvd-2d", [0.1, 0.13])], {}, Counters()),
+        "nixl": summarize("nixl", [Single("nixl", 1, 0.3, 0.5, 2, 2)], [], {}, Counters()),
+        "nixl-noprog": summarize("nixl-noprog", [Single("nixl-noprog", 1, 0.12, 0.4, 2, 2)],
+                                 [], {}, Counters()),
+    }
+    add_ratios(summaries)
+    assert summaries["kvd-1d"].ratio_handover_to_nixl == pytest.approx(0.67)
+    t = targets(summaries)
+    assert t["handover_le_0.8x_nixl"] is True
+    assert t["batch_le_0.8x_nixl"] is None  # no NixlConnector batch in this run
+    assert t["batch_within_one_step"] == {"kvd-1d": True, "kvd-2d": False}
+    assert t["one_daemon_not_slower_than_two"] is True
+    assert t["idle_le_0.05_core"] is True
+
+
+def test_breakdown_splits_a_hand_over_into_its_stages():
+    stamps = {"prefill_sent": 0.0, "publish_sent": 0.1, "prefill_answered": 0.11,
+              "decode_sent": 0.111, "decode_scheduled": 0.12, "pull_sent": 0.121,
+              "daemon_pull": 0.122, "daemon_event": 0.126, "daemon_event_sent": 0.127,
+              "event_taken": 0.13, "recv_reported": 0.13, "first_token": 0.14}
+    out = breakdown(stamps, copy_s=0.004)
+    assert out["pull sent to event taken (all)"] == 9.0
+    assert out["  daemon took it -> event queued"] == 4.0
+    assert out["  of which: to the daemon and the event back"] == 5.0
+    assert out["hand-over (decode sent to first token)"] == 29.0
+    assert "  pull sent -> daemon took it" in out
+
+
+def test_render_shows_every_system_and_the_targets():
+    result = {
+        "summaries": [vars(summarize("plain", [Single("plain", 1, None, 0.2, 1, 1)], [], {},
+                                     Counters()))],
+        "targets": {"idle_le_0.05_core": True},
+        "host": {"cpus": 2, "load_before": 0.1, "load_after": 0.2},
+        "config": {"rounds": 2, "batch": 6, "batch_rounds": 1, "prompt_tokens": 800,
+                   "max_tokens": 16},
+    }
+    text = render(result)
+    assert "| plain" in text and "target idle_le_0.05_core: True" in text
