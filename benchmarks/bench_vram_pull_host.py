@@ -75,7 +75,7 @@ def assembly(repeats: int = 7) -> list[dict]:
 
 def copier(repeats: int = 25, blocks: int = 512) -> list[dict]:
     from kvd.planner.blocks import BlockCopy, BlockTable
-    from kvd.transport.cudacopy import CudaCopier
+    from kvd.transport.copies.cudacopy import CudaCopier
     from tests.support.sim_gpu import SimGpu
 
     out = []

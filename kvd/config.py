@@ -375,7 +375,7 @@ _DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 
 
 def parse_rails(setting: str) -> list[str] | None:
-    """The ``rails`` field: device names, [] for none, None for "auto" (kvd.transport.rails
+    """The ``rails`` field: device names, [] for none, None for "auto" (kvd.transport.remote.rails
     detects them). Raises ValueError naming a malformed device."""
     text = setting.strip()
     if text == "auto":

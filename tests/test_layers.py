@@ -249,7 +249,7 @@ GUARDED = ("vllm", "nixl", "torch", "aiohttp", "typer")
 # nixl ships as nixl, nixl_cu12 or nixl_cu13; one name for all three.
 ALIASES = {"nixl_cu12": "nixl", "nixl_cu13": "nixl"}
 # Modules that import by a computed name (importlib.import_module(f"...")), and what.
-DYNAMIC_IMPORTS = {"kvd.transport.nixl": "nixl"}
+DYNAMIC_IMPORTS = {"kvd.transport.remote.nixl": "nixl"}
 
 
 def allowed_importers() -> dict[str, list[str]]:

@@ -344,7 +344,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from kvd.transport.cudacopy import HOST, CudaCopier
+    from kvd.transport.copies.cudacopy import HOST, CudaCopier
 
     result: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "torch": torch.__version__, "cuda": torch.version.cuda}

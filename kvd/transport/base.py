@@ -69,7 +69,7 @@ class ReadPost:
     """One READ of many descriptors from one peer: parallel arrays, one row each.
 
     ``local_pools`` / ``remote_pools``: the pools the descriptors lie in (this side's
-    and the peer's). Optional; with them, `kvd.transport.prepped.PreppedPoster` posts
+    and the peer's). Optional; with them, `kvd.transport.remote.prepped.PreppedPoster` posts
     the READ through prepared lists (adjacent descriptors merge), without them it
     falls back to a fresh list.
     """

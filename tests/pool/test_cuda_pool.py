@@ -146,7 +146,7 @@ def test_vram_pull_between_two_daemons_is_byte_exact(workers):
                     "here")
 def test_local_vram_pull_on_one_daemon_is_a_device_copy():
     """Both engines on one kvd serve --device cuda: the pull is a copy the daemon issues on
-    the GPU (kvd.transport.cudacopy), every block compared with the prefill pool."""
+    the GPU (kvd.transport.copies.cudacopy), every block compared with the prefill pool."""
     from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
     from kvd.tools.bench.vram import kvd_pulls
 

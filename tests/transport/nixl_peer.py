@@ -18,7 +18,7 @@ def pattern(nbytes: int) -> np.ndarray:
 
 
 def serve(conn: Any, nbytes: int) -> None:
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     transport = NixlTransport(name="test-target")
     buf = pattern(nbytes)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from kvd.errors import TransferError
 from kvd.planner.blocks import BlockCopy, BlockTable
-from kvd.transport.cudacopy import HOST, CudaCopier
-from kvd.transport.gather import KERNEL_CHUNK_NBYTES, block_chunks
+from kvd.transport.copies.cudacopy import HOST, CudaCopier
+from kvd.transport.copies.gather import KERNEL_CHUNK_NBYTES, block_chunks
 from tests.support.sim_gpu import SimGpu
 
 

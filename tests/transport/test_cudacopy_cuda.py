@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from kvd.errors import TransferError  # noqa: E402
-from kvd.transport.cudacopy import HOST, CudaCopier  # noqa: E402
+from kvd.transport.copies.cudacopy import HOST, CudaCopier  # noqa: E402
 
 MIB = 1 << 20
 BLOCK = 64 << 10

@@ -16,14 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.errors import TransferError
-from kvd.transport.cudacopy import (
+from kvd.transport.copies.cudacopy import (
     HOST,
     CudaCopier,
     Lane,
     plan_device_copy,
     stage_batches,
 )
-from kvd.transport.gather import chunk_descriptors
+from kvd.transport.copies.gather import chunk_descriptors
 from tests.support.sim_gpu import SimGpu
 
 MIB = 1 << 20

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvd.transport.nixl import ucx_liveness_env
+from kvd.transport.remote.nixl import ucx_liveness_env
 
 
 def test_default_three_seconds_sets_keepalive_and_user_timeout() -> None:

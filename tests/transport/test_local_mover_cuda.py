@@ -13,8 +13,8 @@ from test_cudacopy_plan import SimGpu
 
 from kvd.daemon.pull.local import LocalMover
 from kvd.transport.base import ReadPost
-from kvd.transport.cudacopy import HOST, CudaCopier
-from kvd.transport.localcopy import LocalCopier
+from kvd.transport.copies.cudacopy import HOST, CudaCopier
+from kvd.transport.copies.localcopy import LocalCopier
 
 BLOCK = 4096
 

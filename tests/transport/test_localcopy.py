@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.errors import BusyError, TransferError
-from kvd.transport.copyplan import plan_copy
-from kvd.transport.localcopy import LocalCopier, memmove_copy
-from kvd.transport.nativecopy import build, load_batch_copy
+from kvd.transport.copies.copyplan import plan_copy
+from kvd.transport.copies.localcopy import LocalCopier, memmove_copy
+from kvd.transport.copies.nativecopy import build, load_batch_copy
 
 MIB = 1 << 20
 BUF = 1 << 18

@@ -18,7 +18,7 @@ from nixl_peer import pattern, serve
 
 from kvd.errors import TransferError
 from kvd.transport.base import DescRows, PreppedRead, ReadPost
-from kvd.transport.nixl import NixlTransport
+from kvd.transport.remote.nixl import NixlTransport
 
 pytestmark = pytest.mark.nixl
 
@@ -220,7 +220,7 @@ def test_poster_posts_readposts_through_prepared_lists(peer: Peer) -> None:
     """The daemon's wiring (PreppedPoster) through real NIXL: a ReadPost naming its pools
     goes through prepared lists, adjacent blocks merge, bytes land exactly."""
     from kvd.transport.base import PoolSpan
-    from kvd.transport.prepped import PreppedPoster
+    from kvd.transport.remote.prepped import PreppedPoster
 
     peer.local[:] = 0
     t = peer.transport

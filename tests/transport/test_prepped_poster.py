@@ -7,7 +7,7 @@ import pytest
 
 from kvd.transport.base import ReadPost
 from kvd.transport.loopback import LoopbackTransport
-from kvd.transport.prepped import PoolGrid, PoolSpan, PreppedPoster, common_chunk
+from kvd.transport.remote.prepped import PoolGrid, PoolSpan, PreppedPoster, common_chunk
 
 KiB = 1024
 

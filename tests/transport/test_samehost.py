@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.transport.samehost import (
+from kvd.transport.samehost.discovery import (
     HostFacts,
     dram_reachable,
     host_facts,

@@ -1,4 +1,4 @@
-"""kvd.transport.sockets: which connections a sever tears down, and how."""
+"""kvd.transport.remote.sockets: which connections a sever tears down, and how."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvd.transport import sockets
+from kvd.transport.remote import sockets
 
 
 def _pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:

@@ -1,4 +1,4 @@
-"""Splitting a READ by bytes (kvd.transport.split): properties over any descriptor
+"""Splitting a READ by bytes (kvd.transport.remote.split): properties over any descriptor
 pattern, and the split through posting workers, contiguous and fragmented, byte-exact
 (loopback agents; the real-NIXL proof is tests/transport/test_posting_workers.py)."""
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from kvd.transport.base import PoolSpan, ReadPost
 from kvd.transport.loopback import LoopbackTransport
-from kvd.transport.split import RUN_CUT_SLACK, cut_grain, part_of, split_bytes
-from kvd.transport.workers import WorkerSet
+from kvd.transport.remote.split import RUN_CUT_SLACK, cut_grain, part_of, split_bytes
+from kvd.transport.remote.workers import WorkerSet
 
 MiB = 1 << 20
 
@@ -224,7 +224,7 @@ def test_contiguous_read_is_one_descriptor_split_over_every_worker(three) -> Non
 def test_few_descriptors_split_in_python_exactly_as_with_numpy(read, parts: int) -> None:
     """READs of a few descriptors take a plain-Python path (cheaper per call); it must
     cut and trim exactly as the numpy path does."""
-    from kvd.transport import split
+    from kvd.transport.remote import split
 
     la, ra, nb = read
     post = _post(la, ra, nb)

@@ -1,4 +1,4 @@
-"""kvd.transport.ucx_heap: malloc hands out zeroed memory once it is applied.
+"""kvd.transport.remote.ucx_heap: malloc hands out zeroed memory once it is applied.
 
 Each case runs in a fresh interpreter: M_PERTURB is process-wide and cannot be undone
 cleanly. Heap memory written, freed and allocated again is what UCX's request pool
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import ctypes, sys
-from kvd.transport.ucx_heap import zero_fresh_heap
+from kvd.transport.remote.ucx_heap import zero_fresh_heap
 applied = zero_fresh_heap() if sys.argv[1] == "apply" else False
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -1,4 +1,4 @@
-"""Posting workers (kvd.transport.workers, rails): the split, composite completion and
+"""Posting workers (kvd.transport.remote.workers, rails): the split, composite completion and
 failure, and how many workers a config gives. Loopback agents: fast, logic only; the
 byte-exact proof through real NIXL between daemons is
 tests/transport/test_posting_workers.py."""
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvd.errors import TransferError
-from kvd.transport import rails
 from kvd.transport.base import PoolSpan, ReadPost
 from kvd.transport.loopback import LoopbackTransport
-from kvd.transport.split import split_bytes
-from kvd.transport.workers import COMPOSITE_BASE, WorkerSet
+from kvd.transport.remote import rails
+from kvd.transport.remote.split import split_bytes
+from kvd.transport.remote.workers import COMPOSITE_BASE, WorkerSet
 
 MiB = 1 << 20
 

@@ -52,7 +52,7 @@ from kvd.errors import (
     KvdError,
     TooLargeError,
 )
-from kvd.transport.samehost import host_facts, local_host_names, names_this_daemon
+from kvd.transport.samehost.discovery import host_facts, local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
@@ -68,7 +68,7 @@ class Route(NamedTuple):
 
 
 def _cuda_copier() -> object:
-    from kvd.transport.cudacopy import CudaCopier
+    from kvd.transport.copies.cudacopy import CudaCopier
 
     return CudaCopier()
 

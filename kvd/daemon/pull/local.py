@@ -1,7 +1,7 @@
 """A pull whose producer engine is hosted by this very daemon: no network at all.
 
 The daemon owns both pools, so the bytes are copied here (`LocalMover`, over
-kvd.transport.localcopy for DRAM and kvd.transport.cudacopy for VRAM), and the control
+kvd.transport.copies.localcopy for DRAM and kvd.transport.copies.cudacopy for VRAM), and the control
 messages a remote pull sends to the producer's daemon (Acquire, Heartbeat, ReadNotice,
 Abandon) go to this daemon's own producer side in-process (`LocalPeers`, through the
 dispatch the server hands over): no handshake, no Acquire round trip, no NIXL. The pull
@@ -27,8 +27,8 @@ from kvd.daemon.peers.reply import Reply
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
 from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
-from kvd.transport.cudacopy import HOST as HOST_DEVICE
-from kvd.transport.localcopy import LocalCopier
+from kvd.transport.copies.cudacopy import HOST as HOST_DEVICE
+from kvd.transport.copies.localcopy import LocalCopier
 
 log = logging.getLogger("kvd.consumer")
 

@@ -14,7 +14,7 @@ import numpy as np
 from kvd.daemon.pull import local as localmod
 from kvd.daemon.pull.local import LocalMover
 from kvd.transport.base import ReadPost, XferState
-from kvd.transport.localcopy import LocalCopier, memmove_copy
+from kvd.transport.copies.localcopy import LocalCopier, memmove_copy
 
 
 class Gate:

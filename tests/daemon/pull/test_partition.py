@@ -65,7 +65,7 @@ def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
 # while software-emulated GET replies (UCX over TCP) wait in its pending queue,
 # ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
 # deregisters memory by the reply request's never-set datatype: SIGSEGV at libucp
-# +0x4e18d when the pool's recycled bytes read as an IOV. kvd.transport.ucx_heap makes
+# +0x4e18d when the pool's recycled bytes read as an IOV. kvd.transport.remote.ucx_heap makes
 # malloc hand UCX zeroed memory (docs/reliability.md), which makes it rare, not gone: a
 # crash inside NIXL's Python API (faulthandler's dump names the frame) is reported xfail,
 # any other crash fails the test.
@@ -89,7 +89,7 @@ def _assert_alive(c: Cluster) -> None:
         site = node.call("crash_site", name="kvd")
         node.call("restart_daemon", name="kvd")
         if rc in (-11, -6) and KNOWN_UCX_CRASH in site:
-            # The upstream UCX bug (a purged GET reply; rarer with kvd.transport.ucx_heap,
+            # The upstream UCX bug (a purged GET reply; rarer with kvd.transport.remote.ucx_heap,
             # 0/60 frozen cases and 2/102 repro rounds, not gone): reported, never passed,
             # and not a reason to fail every unrelated change in CI.
             pytest.xfail(f"node {node.index}'s daemon hit the UCX 1.23 pending GET reply "

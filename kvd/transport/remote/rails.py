@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvd.config import parse_rails, parse_workers
 from kvd.transport.base import Transport
-from kvd.transport.workers import WorkerSet
+from kvd.transport.remote.workers import WorkerSet
 
 AUTO_MAX_WORKERS = 4
 _GPU_CLASSES = ("0x030000", "0x030200")  # VGA, 3D controller

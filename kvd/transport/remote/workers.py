@@ -44,8 +44,8 @@ from kvd.transport.base import (
     Transport,
     TransportCounts,
 )
-from kvd.transport.prepped import PreppedPoster
-from kvd.transport.split import part_of, split_bytes
+from kvd.transport.remote.prepped import PreppedPoster
+from kvd.transport.remote.split import part_of, split_bytes
 
 log = logging.getLogger("kvd.transport")
 

@@ -6,9 +6,9 @@ plain copy calls. `LocalCopier` does that with the shape of a `Transport` READ, 
 puller can treat it as another mover: ``post`` returns a handle, ``poll`` says when it
 ended (raising `TransferError` if it failed), ``release`` forgets it.
 
-How: `kvd.transport.copyplan.plan_copy` merges adjacent descriptors and cuts the copy
+How: `kvd.transport.copies.copyplan.plan_copy` merges adjacent descriptors and cuts the copy
 into one share of equal bytes per copy thread; each thread copies its share with
-the batched memcpy of `kvd.transport.nativecopy` (one C call per ~8 MiB of
+the batched memcpy of `kvd.transport.copies.nativecopy` (one C call per ~8 MiB of
 descriptors, GIL released), or, where no C compiler built it, ``ctypes.memmove`` per
 descriptor (also GIL-free, but ~0.6 us of Python per descriptor).
 A copy of at most ``inline_max_nbytes`` runs on the caller's thread inside ``post``
@@ -37,19 +37,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.errors import BusyError, TransferError
-from kvd.transport.copyplan import (
+from kvd.transport.copies.copyplan import (
     MAX_PIECE_NBYTES,
     CopyPart,
     CopyPlan,
     plan_copy,
     small_copy,
 )
-from kvd.transport.nativecopy import load_batch_copy
+from kvd.transport.copies.nativecopy import load_batch_copy
 
 # Copies up to this size run inside post(): a copy thread's wake-up costs 20-100 µs on
 # a busy host, more than memcpy takes for 1 MiB (~60 µs at 16 GB/s).
 INLINE_MAX_NBYTES = 1 << 20
-# auto: the batched memcpy in C where it builds (kvd.transport.nativecopy), else memmove.
+# auto: the batched memcpy in C where it builds (kvd.transport.copies.nativecopy), else memmove.
 PRIMITIVES = ("auto", "native", "memmove")
 MAX_COPY_THREADS = 64
 MAX_HANDLES = 65536

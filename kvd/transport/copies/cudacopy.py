@@ -1,6 +1,6 @@
 """Copies between pools on GPUs (and DRAM) that this process maps, on CUDA streams.
 
-The VRAM counterpart of `kvd.transport.localcopy.LocalCopier`, with the same handle
+The VRAM counterpart of `kvd.transport.copies.localcopy.LocalCopier`, with the same handle
 semantics: ``post`` enqueues the copy and returns a handle, ``poll`` is True only once
 the copy's completion has been *observed* (a CUDA event recorded after the last copy
 on every stream it used has completed, and any staged host step has ended), never on a
@@ -61,7 +61,7 @@ import numpy as np
 
 from kvd.errors import BusyError, TransferError
 from kvd.planner.blocks import BlockCopy, BlockTable, check_ids
-from kvd.transport.copyplan import (
+from kvd.transport.copies.copyplan import (
     MAX_PIECE_NBYTES,
     CopyPart,
     as_descriptors,
@@ -69,7 +69,7 @@ from kvd.transport.copyplan import (
     plan_copy,
     small_copy,
 )
-from kvd.transport.gather import (
+from kvd.transport.copies.gather import (
     BLOCK_KERNEL,
     GATHER_KERNEL,
     KERNEL_MAX_BLOCKS,
@@ -129,7 +129,7 @@ class StageBatch:
 
 def _kind(src_dev: int, dst_dev: int) -> str:
     if src_dev == HOST and dst_dev == HOST:
-        raise ValueError("copy: host to host is LocalCopier's (kvd.transport.localcopy)")
+        raise ValueError("copy: host to host is LocalCopier's (kvd.transport.copies.localcopy)")
     if src_dev == HOST:
         return "h2d"
     if dst_dev == HOST:
@@ -166,7 +166,7 @@ def plan_device_copy(dst_addrs, src_addrs, nbytes, dst_devs, src_devs, *, stream
     for DRAM). ``pinned``: host regions registered with CUDA (direct DMA).
     ``whole_kinds``: lanes of these kinds stay one part, merged but not cut (the gather
     kernel cuts its own chunks). Pure; ValueError as
-    `kvd.transport.copyplan.as_descriptors`, and for host to host."""
+    `kvd.transport.copies.copyplan.as_descriptors`, and for host to host."""
     if not 1 <= streams <= MAX_STREAMS_PER_DEVICE:
         raise ValueError(f"streams must be 1..{MAX_STREAMS_PER_DEVICE}, got {streams}")
     small = small_copy(dst_addrs, src_addrs, nbytes)  # a few us instead of numpy's ~100

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import KvdError, TransferError
-from kvd.transport import sockets
 from kvd.transport.base import DescRows, PostTiming, PreppedRead, ReadPost, TransportCounts
-from kvd.transport.ucx_heap import zero_fresh_heap
+from kvd.transport.remote import sockets
+from kvd.transport.remote.ucx_heap import zero_fresh_heap
 
 log = logging.getLogger("kvd.transport")
 
@@ -127,10 +127,10 @@ class NixlTransport:
         ``liveness_timeout_s``: see `ucx_liveness_env` (None: UCX's defaults).
         ``devices``: the network devices this agent's UCX may use, comma-separated
         (UCX_NET_DEVICES for this agent alone: one rail per posting worker,
-        kvd.transport.workers); "" for UCX's choice (or the process's UCX_NET_DEVICES)."""
+        kvd.transport.remote.workers); "" for UCX's choice (or the process's UCX_NET_DEVICES)."""
         if liveness_timeout_s is not None:
             ucx_liveness_env(liveness_timeout_s)  # read by UCX when the agent is created
-        zero_fresh_heap()  # before UCX's request pool grows: kvd.transport.ucx_heap
+        zero_fresh_heap()  # before UCX's request pool grows: kvd.transport.remote.ucx_heap
         api = import_nixl()
         self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self._telemetry = telemetry
@@ -197,7 +197,7 @@ class NixlTransport:
     def sever_peer(self, agent_name: str, hosts: tuple[str, ...],
                    spare_local_ports: tuple[int, ...] = (),
                    spare_remote_ports: tuple[int, ...] = ()) -> int:
-        """Abort the UCX TCP connections to the peer's hosts (kvd.transport.sockets): its
+        """Abort the UCX TCP connections to the peer's hosts (kvd.transport.remote.sockets): its
         READs then fail at their next progress and cannot land. NIXL 1.5 offers no
         forced endpoint close (``ucx_ep_close_force`` came later), so this works under
         NIXL, on the sockets; 0 when none was found (RDMA: nothing to abort)."""

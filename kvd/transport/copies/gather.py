@@ -1,6 +1,6 @@
 """The gather kernel a GPU copy of many pieces runs as, and its table (pure).
 
-`kvd.transport.cudacopy.CudaCopier` compiles `GATHER_KERNEL` with NVRTC (on a thread of
+`kvd.transport.copies.cudacopy.CudaCopier` compiles `GATHER_KERNEL` with NVRTC (on a thread of
 its own when the copier starts) and launches it once per lane over the table
 `chunk_descriptors` builds: one row (dst, src, nbytes) per chunk of at most
 `KERNEL_CHUNK_NBYTES`, one thread block per chunk. Why a

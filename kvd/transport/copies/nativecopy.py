@@ -1,4 +1,4 @@
-"""A batched memcpy in C, compiled on first use, for `kvd.transport.localcopy`.
+"""A batched memcpy in C, compiled on first use, for `kvd.transport.copies.localcopy`.
 
 Why: per descriptor, a Python loop of ``ctypes.memmove`` costs ~0.6 us and re-takes
 the GIL (which the daemon's event loop needs) between calls. ``kvd_memcpy_batch``
