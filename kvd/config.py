@@ -5,7 +5,7 @@ carries its type, its bounds or choices, and its help (``Annotated[..., Meta(...
 as kvd.wire.protocol declares messages). ``KNOBS`` reads that declaration once, and
 everything else is derived from it: validation (``validate``), the ``kvd serve`` flags
 and ``--set`` (kvd.cli), the ``KVD_*`` environment names and docs/configuration.md
-(tools/gen_docs.py). Adding a knob is adding a field.
+(scripts/gen_docs.py). Adding a knob is adding a field.
 
 Precedence is flag > environment (``KVD_<FIELD>``) > TOML file > default, so an
 operator can ship a ConfigMap and still override one value per pod. Every field

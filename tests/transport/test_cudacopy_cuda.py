@@ -1,5 +1,5 @@
 """CudaCopier on a real GPU: byte-exact device, peer and host copies, completion seen
-through CUDA events. Skips without CUDA (run on a GPU: tools/gpu_check_local_copy.py)."""
+through CUDA events. Skips without CUDA (run on a GPU: scripts/gpu_check_local_copy.py)."""
 
 from __future__ import annotations
 

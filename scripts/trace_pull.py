@@ -1,4 +1,4 @@
-"""Run: .venv/bin/python tools/trace_pull.py
+"""Run: .venv/bin/python scripts/trace_pull.py
 
 Which kvd modules one Pull passes through, from the engine face to its answer.
 

@@ -20,7 +20,7 @@ from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 from kvd.tools.localcluster import free_port  # noqa: E402
-from kvd.tools.router import Router, RouterConfig, prefill_request  # noqa: E402
+from kvd.tools.router.app import Router, RouterConfig, prefill_request  # noqa: E402
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[3, 4], [7]], "kvd_receipt": "r-1",
           "nested": {"opaque": [1, 2.5, None]}}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check of kvd in one call on a lent GPU machine (a bare image with CUDA torch):
-#   bash tools/gpu_session.sh            (results under $OUT, or /tmp/kvd-gpu-out)
+#   bash scripts/gpu_session.sh            (results under $OUT, or /tmp/kvd-gpu-out)
 # kvd's other dependencies travel as one archive, .whl/site.tar.xz (nixl-cu13 without its
 # expert-parallel extension, pyzmq, msgspec: see docs/notes/2026-11-27-gpu-local-copy.md).
 # Build it where pip works (git-ignore .whl/; cp312 wheels for a Python 3.12 GPU image):
@@ -33,7 +33,7 @@ echo "== copier tests rc=$? at +$(( $(date +%s) - t0 )) s"; tail -6 "$OUT/pytest
 timeout "$(cap "${KVD_GPU_BENCH_S:-170}")" python3 -m kvd bench vram --json --nbytes-mib 1024 \
   >"$OUT/bench_vram.json" 2>"$OUT/bench_vram.err"
 echo "== bench vram rc=$? at +$(( $(date +%s) - t0 )) s"; head -c 2500 "$OUT/bench_vram.json"; tail -3 "$OUT/bench_vram.err"
-timeout "$(cap "${KVD_GPU_COPIER_S:-90}")" python3 tools/gpu_check_local_copy.py --no-tests \
+timeout "$(cap "${KVD_GPU_COPIER_S:-90}")" python3 scripts/gpu_check_local_copy.py --no-tests \
   --out "$OUT/gpu_check_local_copy.json" >"$OUT/gpu_check.log" 2>&1
 echo "== copier check rc=$? at +$(( $(date +%s) - t0 )) s"
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); b=r.get('blocks_1GiB',{}); print(json.dumps({k: b.get(k) for k in ('kernel_compile_s','shapes','post_us_max_over_min','one_block_latency','error')})[:2500])" "$OUT/gpu_check_local_copy.json" 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One call on a GPU machine: the CUDA copier's tests, then its figures, as JSON.
 
-    PYTHONPATH=. python3 tools/gpu_check_local_copy.py [--out FILE] [--quick]
+    PYTHONPATH=. python3 scripts/gpu_check_local_copy.py [--out FILE] [--quick]
 
 Needs only torch (CUDA build), numpy, pytest and hypothesis: kvd is imported from the
 checkout (PYTHONPATH=.), not installed, so a bare GPU image with PyTorch runs it.

@@ -1,7 +1,7 @@
 """Regenerate proto/kvd.schema.json, the language-neutral wire schema, from kvd.wire.protocol.
 
-    python tools/gen_proto.py          # rewrite it
-    python tools/gen_proto.py --check  # exit 1 if the committed file is stale (CI)
+    python scripts/gen_proto.py          # rewrite it
+    python scripts/gen_proto.py --check  # exit 1 if the committed file is stale (CI)
 
 The schema is produced by ``kvd.wire.protocol.schema()`` (msgspec's JSON Schema of every
 message struct plus the framing summary); proto/README.md describes the framing and
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     want = schema_json()
     if args.check:
         if not path.is_file() or path.read_text() != want:
-            print(f"stale: {SCHEMA_PATH} (run python tools/gen_proto.py)", file=sys.stderr)
+            print(f"stale: {SCHEMA_PATH} (run python scripts/gen_proto.py)", file=sys.stderr)
             return 1
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
