@@ -6,7 +6,7 @@
 Needs only torch (CUDA build), numpy, pytest and hypothesis: kvd is imported from the
 checkout (PYTHONPATH=.), not installed, so a bare GPU image with PyTorch runs it.
 
-1. pytest: tests/transport/test_cudacopy_cuda.py (real GPU), test_cudacopy_plan.py and
+1. pytest: tests/transport/copies/test_cudacopy_cuda.py (real GPU), test_cudacopy_plan.py and
    test_localcopy.py (CPU), without the suite's conftest (it needs kvd's full deps).
 2. 1 GiB device-to-device: CudaCopier (1/2/4 streams, per-piece cudaMemcpyAsync and,
    where the runtime has it, cudaMemcpyBatchAsync) against torch's copy of one
@@ -44,9 +44,10 @@ MIB, GIB = 1 << 20, 1 << 30
 
 def run_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
-           "-o", "addopts=", "tests/transport/test_cudacopy_cuda.py",
-           "tests/transport/test_cudacopy_plan.py", "tests/transport/test_cudacopy_blocks.py",
-           "tests/transport/test_localcopy.py"]
+           "-o", "addopts=", "tests/transport/copies/test_cudacopy_cuda.py",
+           "tests/transport/copies/test_cudacopy_plan.py",
+           "tests/transport/copies/test_cudacopy_blocks.py",
+           "tests/transport/copies/test_localcopy.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

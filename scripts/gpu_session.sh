@@ -26,8 +26,8 @@ left() { echo $(( total - ($(date +%s) - t0) )); }
 cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo $(( l > 5 ? l : 5 )); }
 { nvidia-smi -L; python3 -c "import sys, torch, zmq, msgspec; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.zmq_version()); from kvd.transport.remote.nixl import import_nixl; print(import_nixl().__name__)"; } 2>&1 | tee "$OUT/env.txt"
 timeout "$(cap "${KVD_GPU_COPIER_TESTS_S:-70}")" python3 -m pytest -q -p no:cacheprovider -rs \
-  --timeout 60 tests/transport/test_cudacopy_cuda.py tests/transport/test_cudacopy_blocks.py \
-  tests/transport/test_cudacopy_plan.py tests/transport/test_local_mover_cuda.py \
+  --timeout 60 tests/transport/copies/test_cudacopy_cuda.py tests/transport/copies/test_cudacopy_blocks.py \
+  tests/transport/copies/test_cudacopy_plan.py tests/daemon/pull/test_local_mover_cuda.py \
   >"$OUT/pytest.log" 2>&1
 echo "== copier tests rc=$? at +$(( $(date +%s) - t0 )) s"; tail -6 "$OUT/pytest.log"
 timeout "$(cap "${KVD_GPU_BENCH_S:-170}")" python3 -m kvd bench vram --json --nbytes-mib 1024 \

@@ -325,7 +325,7 @@ class CudaCopier:
         TransferError if it cannot be built; None: where it builds, else per-piece
         copies; False: never). ``_runtime``: (torch-like module, cudart-like object)
         instead of torch and libcudart: the CPU suite's simulated GPU
-        (tests/transport/test_cudacopy_plan.py), which has no kernel."""
+        (tests/transport/copies/test_cudacopy_plan.py), which has no kernel."""
         if not 1 <= streams_per_device <= MAX_STREAMS_PER_DEVICE or slots < 1 \
                 or slot_nbytes < 1:
             raise ValueError("streams_per_device 1..16, slots >= 1, slot_nbytes >= 1")

@@ -102,7 +102,7 @@ def _net_devices(devices: str) -> Iterator[None]:
     """UCX_NET_DEVICES=devices while an agent is created: UCX reads its configuration
     once, when NIXL creates the backend's UCP context, so each agent keeps its own.
     (NIXL 1.5's ``ucx_devices`` backend parameter is listed but did not restrict the
-    devices, measured with two veth rails: tests/transport/test_rails.py.) Agents are
+    devices, measured with two veth rails: tests/transport/remote/test_rails.py.) Agents are
     created on the daemon's NIXL thread at start, before any other UCX use."""
     if not devices:
         yield

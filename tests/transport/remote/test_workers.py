@@ -1,7 +1,7 @@
 """Posting workers (kvd.transport.remote.workers, rails): the split, composite completion and
 failure, and how many workers a config gives. Loopback agents: fast, logic only; the
 byte-exact proof through real NIXL between daemons is
-tests/transport/test_posting_workers.py."""
+tests/transport/remote/test_posting_workers.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Splitting a READ by bytes (kvd.transport.remote.split): properties over any descriptor
 pattern, and the split through posting workers, contiguous and fragmented, byte-exact
-(loopback agents; the real-NIXL proof is tests/transport/test_posting_workers.py)."""
+(loopback agents; the real-NIXL proof is tests/transport/remote/test_posting_workers.py)."""
 
 from __future__ import annotations
 

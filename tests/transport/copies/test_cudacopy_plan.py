@@ -4,7 +4,7 @@ whose "device memory" is host memory and whose streams run only when told to.
 
 The simulation proves the copier's bookkeeping (completion only once every event is
 observed, staging pipeline, release waits, failures), not CUDA's behaviour: that is
-tests/transport/test_cudacopy_cuda.py, on a GPU (scripts/gpu_check_local_copy.py)."""
+tests/transport/copies/test_cudacopy_cuda.py, on a GPU (scripts/gpu_check_local_copy.py)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_cudacopy_plan import SimGpu
 
 from kvd.daemon.pull.local import LocalMover
 from kvd.transport.base import ReadPost
 from kvd.transport.copies.cudacopy import HOST, CudaCopier
 from kvd.transport.copies.localcopy import LocalCopier
+from tests.support.sim_gpu import SimGpu
 
 BLOCK = 4096
 

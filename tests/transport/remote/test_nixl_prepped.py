@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nixl_peer import pattern, serve
 
 from kvd.errors import TransferError
 from kvd.transport.base import DescRows, PreppedRead, ReadPost
 from kvd.transport.remote.nixl import NixlTransport
+from tests.support.nixl_peer import pattern, serve
 
 pytestmark = pytest.mark.nixl
 
