@@ -61,6 +61,7 @@ import numpy as np
 
 from kvd.errors import BusyError, TransferError
 from kvd.planner.blocks import BlockCopy, BlockTable, check_ids
+from kvd.transport.base import HOST_DEVICE
 from kvd.transport.copies.copyplan import (
     MAX_PIECE_NBYTES,
     CopyPart,
@@ -80,7 +81,7 @@ from kvd.transport.copies.gather import (
 
 log = logging.getLogger("kvd.transport")
 
-HOST = -1
+HOST = HOST_DEVICE  # host (DRAM) memory in dst_devs / src_devs
 # Page-locked staging: slots of this size, this many (a copy through unregistered host
 # memory moves one slot on the GPU while the host thread empties/fills another).
 STAGING_SLOT_NBYTES = 32 << 20
