@@ -209,9 +209,9 @@ def test_a_cuda_daemon_hosts_dram_engines_too(tmp_path):
     without a GPU; a pull between two such engines is a local copy, byte-exact (TP4 ->
     TP2); an engine's ranks cannot mix DRAM and VRAM; below -1 is refused."""
     from support.cluster import metric, run_transfer
+    from support.matrix_cases import CASES
 
     from kvd.errors import IncompatibleError
-    from tests.daemon.pull.test_matrix import CASES
 
     d = DaemonProcess.start("cuda-dram", tmp_path, extra_args=["--device", "cuda"])
     try:

@@ -1,4 +1,4 @@
-"""A small pull in the engine's request itself (issue 23.4), through real NIXL between
+"""A small pull in the engine's request itself, through real NIXL between
 daemon processes: its READ is posted inline before the Acquire's reply, and it is
 reported in the same step when both are in. The bytes count only once the Acquire
 confirms: refused after the READ was posted, the pull fails with every local block

@@ -1,4 +1,4 @@
-"""A partition mid-pull never writes into memory kvd has handed back (issue 21).
+"""A partition mid-pull never writes into memory kvd has handed back.
 
 The decode node's link is cut at a point of a pull (before its first byte, in the
 middle, near its last byte) and brought back after the failure is reported. The moment
@@ -26,7 +26,7 @@ BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # 128 KiB
 NUM_BLOCKS = 160
 PULL_BLOCKS = 128  # 16 MiB: ~1.4 s at 100 Mbit/s
 RATE_MBIT = 100
-# Issue 21.2: a partition or a dead/frozen peer is noticed within peer_liveness_timeout_s
+# A partition or a dead/frozen peer is noticed within peer_liveness_timeout_s
 # (default 3 s) and the engine hears of it within one more poll; POLL_MARGIN_S is that
 # poll plus scheduling on a loaded 2-core machine.
 LIVENESS_S = 3.0
@@ -61,7 +61,7 @@ def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
     c.cut(1)
 
 
-# UCX 1.23 (nixl-cu12 1.5.1), issue 21.4: when a producer's endpoint to a consumer fails
+# UCX 1.23 (nixl-cu12 1.5.1): when a producer's endpoint to a consumer fails
 # while software-emulated GET replies (UCX over TCP) wait in its pending queue,
 # ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
 # deregisters memory by the reply request's never-set datatype: SIGSEGV at libucp
@@ -80,7 +80,7 @@ def _revive(c: Cluster) -> None:
 
 
 def _assert_alive(c: Cluster) -> None:
-    """Issue 21.4: a daemon that crashed fails the test (its log has faulthandler's
+    """A daemon that crashed fails the test (its log has faulthandler's
     stacks); it is restarted first, so that the next cases run."""
     for node in c.nodes:
         rc = node.call("returncode", name="kvd")
