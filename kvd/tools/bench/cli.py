@@ -99,7 +99,7 @@ def bench(
             raise typer.Exit(curves_main(as_json=as_json, max_mib=max_mib, repeats=repeats,
                                          kv_layout=kv_layout, shm_dir=shm_dir,
                                          plot_path=plot or None))
-        from kvd.tools.bench import main as bench_main
+        from kvd.tools.bench.run import main as bench_main
 
         raise typer.Exit(bench_main(as_json=as_json, nbytes_mib=nbytes_mib, repeats=repeats,
                                     skip_hetero=skip_hetero, kv_layout=kv_layout,
