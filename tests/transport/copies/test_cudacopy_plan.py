@@ -312,4 +312,6 @@ def test_a_caller_spinning_on_poll_does_not_starve_the_staging_thread():
             sys.setswitchinterval(old)
         c.release(h)
     np.testing.assert_array_equal(dst, want)
-    assert elapsed < 0.5, f"{elapsed:.2f} s: the poll loop starved the staging thread"
+    # Starved, the staging thread waits a whole switch interval (1 s) per slot; a busy
+    # host's scheduling costs far less than one interval.
+    assert elapsed < 1.0, f"{elapsed:.2f} s: the poll loop starved the staging thread"
