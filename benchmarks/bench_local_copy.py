@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from kvd.transport.copyplan import plan_copy
-from kvd.transport.localcopy import LocalCopier
-from kvd.transport.nixl import import_nixl
+from kvd.transport.copies.copyplan import plan_copy
+from kvd.transport.copies.localcopy import LocalCopier
+from kvd.transport.remote.nixl import import_nixl
 
 MIB = 1 << 20
 

@@ -12,7 +12,7 @@ the CUDA copier cost the daemon per pull, with pulls handed over as block ids
    nowhere): 1 GiB as 512 blocks of 1, 16 and 128 pieces (512, 8,192 and 65,536 pieces),
    ``post_blocks`` against ``post`` of the expanded descriptors.
 Medians; the best of a few runs for the assembly. On a GPU the copier's figures come
-from tools/gpu_check_local_copy.py (docs/notes/2026-11-28-vram-block-copies.md).
+from scripts/gpu_check_local_copy.py (docs/notes/2026-11-28-vram-block-copies.md).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def assembly(repeats: int = 7) -> list[dict]:
 
 def copier(repeats: int = 25, blocks: int = 512) -> list[dict]:
     from kvd.planner.blocks import BlockCopy, BlockTable
-    from kvd.transport.cudacopy import CudaCopier
+    from kvd.transport.copies.cudacopy import CudaCopier
     from tests.support.sim_gpu import SimGpu
 
     out = []

@@ -280,7 +280,7 @@ def demo(
     Two daemons on loopback with simulated engines: a same-node pull on one daemon (a
     local copy) and a pull between the two daemons (NIXL), each checked byte for byte."""
     from kvd.errors import KvdError
-    from kvd.tools.demo import run_demo
+    from kvd.tools.demo.run import run_demo
 
     try:
         raise typer.Exit(run_demo(prefill_tp=prefill_tp, decode_tp=decode_tp,
@@ -322,7 +322,7 @@ def router(
 
     def go() -> None:
         try:
-            from kvd.tools.router import RouterConfig, run_router
+            from kvd.tools.router.app import RouterConfig, run_router
         except ImportError as exc:
             _fail(f"kvd router needs aiohttp ({exc}): pip install 'kvd[router]'")
         run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
@@ -345,7 +345,7 @@ def tiny_model(
 
     def go() -> None:
         try:
-            from kvd.tools.tiny_model import build_tiny_llama
+            from kvd.tools.tiny_model.llama import build_tiny_llama
 
             typer.echo(build_tiny_llama(directory))
         except ImportError as exc:
@@ -356,7 +356,7 @@ def tiny_model(
 
 
 def _bench_app() -> typer.Typer:
-    from kvd.tools.bench_cli import bench_app
+    from kvd.tools.bench.cli import bench_app
 
     return bench_app
 

@@ -5,7 +5,7 @@ carries its type, its bounds or choices, and its help (``Annotated[..., Meta(...
 as kvd.wire.protocol declares messages). ``KNOBS`` reads that declaration once, and
 everything else is derived from it: validation (``validate``), the ``kvd serve`` flags
 and ``--set`` (kvd.cli), the ``KVD_*`` environment names and docs/configuration.md
-(tools/gen_docs.py). Adding a knob is adding a field.
+(scripts/gen_docs.py). Adding a knob is adding a field.
 
 Precedence is flag > environment (``KVD_<FIELD>``) > TOML file > default, so an
 operator can ship a ConfigMap and still override one value per pod. Every field
@@ -375,7 +375,7 @@ _DEVICE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 
 
 def parse_rails(setting: str) -> list[str] | None:
-    """The ``rails`` field: device names, [] for none, None for "auto" (kvd.transport.rails
+    """The ``rails`` field: device names, [] for none, None for "auto" (kvd.transport.remote.rails
     detects them). Raises ValueError naming a malformed device."""
     text = setting.strip()
     if text == "auto":

@@ -3,7 +3,7 @@
 A page that names `kvd/pool/hybrid.py` after the module moved sends a newcomer to
 nothing; this reads every path (`kvd/...`, `tests/...`, `tools/...`, `scripts/...`, ...),
 every path relative to a kvd package (`pool/adopt.py` in the layer drawing) and every
-dotted module name (`kvd.transport.rails`) in README.md, CONTRIBUTING.md and docs/*.md,
+dotted module name (`kvd.transport.remote.rails`) in README.md, CONTRIBUTING.md and docs/*.md,
 and fails on one that is not there. Dated notes (docs/notes/) are left as written.
 """
 

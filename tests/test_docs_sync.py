@@ -1,4 +1,4 @@
-"""Generated references and dashboard copies match what tools/gen_docs.py produces now."""
+"""Generated references and dashboard copies match what scripts/gen_docs.py produces now."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _gen_docs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools/gen_docs.py")
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts/gen_docs.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("gen_docs", module)
@@ -27,8 +27,8 @@ GEN = _gen_docs()
 @pytest.mark.parametrize("rel", sorted(GEN.TARGETS))
 def test_generated_file_is_up_to_date(rel: str) -> None:
     path = ROOT / rel
-    assert path.is_file(), f"{rel} missing: run python tools/gen_docs.py"
-    assert path.read_text() == GEN.TARGETS[rel](), f"{rel} is stale: run python tools/gen_docs.py"
+    assert path.is_file(), f"{rel} missing: run python scripts/gen_docs.py"
+    assert path.read_text() == GEN.TARGETS[rel](), f"{rel} is stale: run python scripts/gen_docs.py"
 
 
 def test_configuration_reference_names_every_field_and_env_var() -> None:

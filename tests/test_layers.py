@@ -8,6 +8,7 @@ docs/architecture.md draws the same order; change both together.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,16 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
         ("kvd.planner",),
         ("kvd.planner.hybrid",),  # attention groups beside Mamba state, over the above
     ],
+    "kvd.transport": [
+        ("kvd.transport",),  # base: the protocols (Transport, Copier, Mover); loopback
+        # NIXL reads, copies between mapped pools, same-host discovery: apart, over base
+        ("kvd.transport.remote", "kvd.transport.copies", "kvd.transport.samehost"),
+    ],
 }
-SIBLINGS = [("kvd.daemon.produce", "kvd.daemon.pull")]
+SIBLINGS = [("kvd.daemon.produce", "kvd.daemon.pull"),
+            ("kvd.transport.remote", "kvd.transport.copies"),
+            ("kvd.transport.remote", "kvd.transport.samehost"),
+            ("kvd.transport.copies", "kvd.transport.samehost")]
 
 
 def module_name(path: Path) -> str:
@@ -201,9 +210,69 @@ def test_no_sub_package_imports_a_higher_one_or_its_sibling():
     ("kvd.daemon.clock", "kvd.daemon", 0), ("kvd.daemon.engines.table", "kvd.daemon", 1),
     ("kvd.daemon.pull.machine", "kvd.daemon", 4), ("kvd.daemon.server", "kvd.daemon", 5),
     ("kvd.planner.assembly", "kvd.planner", 0), ("kvd.planner.hybrid.plan", "kvd.planner", 1),
+    ("kvd.transport.base", "kvd.transport", 0), ("kvd.transport.loopback", "kvd.transport", 0),
+    ("kvd.transport.remote.nixl", "kvd.transport", 1),
+    ("kvd.transport.copies.localcopy", "kvd.transport", 1),
 ])
 def test_sublayer_of_known_modules(module, package, sub):
     assert sublayer_of(module, package) == sub
+
+
+PULL = ROOT / "daemon" / "pull"
+# What a pull may take from the bytes layer's parts at module level: same-host discovery.
+# A copier or a NIXL agent is made inside a function (the one place that constructs it)
+# and held through kvd.transport.base's protocols.
+PULL_MAY_IMPORT = ("kvd.transport.base", "kvd.transport.samehost")
+
+
+def module_level_kvd_imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), str(path))
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
+             ast.AsyncFunctionDef)) for n in ast.walk(f)}
+    lines = {node.lineno for node in ast.walk(tree) if id(node) not in local
+             and isinstance(node, (ast.Import, ast.ImportFrom))}
+    return [(mod, line) for mod, _, line in imports_of(path) if line in lines]
+
+
+def copier_annotations_of(path: Path) -> list[tuple[str, str, int]]:
+    """(name, annotation, line) of every parameter or annotated name about a copier."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            out.append((node.arg, ast.unparse(node.annotation), node.lineno))
+        elif isinstance(node, ast.AnnAssign):
+            out.append((ast.unparse(node.target), ast.unparse(node.annotation), node.lineno))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns:
+            out.append((node.name, ast.unparse(node.returns), node.lineno))
+    return [(n, a, line) for n, a, line in out if "copier" in n.lower() or "_cuda" in n]
+
+
+def test_pull_holds_the_bytes_layer_through_its_protocols():
+    """kvd.daemon.pull types against kvd.transport.base (Mover, Copier): it imports no
+    copier or NIXL module at module level, and no copier is held as ``Any``."""
+    bad = []
+    for p in sorted(PULL.rglob("*.py")):
+        rel = p.relative_to(ROOT.parent)
+        for mod, line in module_level_kvd_imports(p):
+            if _in(mod, "kvd.transport") and not any(_in(mod, a) for a in PULL_MAY_IMPORT):
+                bad.append(f"{rel}:{line}: imports {mod} at module level")
+        for name, ann, line in copier_annotations_of(p):
+            held = ann.replace("dict[str, Any]", "")  # keyword arguments, not a copier
+            if re.search(r"\bAny\b|^'?object'?$", held):
+                bad.append(f"{rel}:{line}: {name}: {ann} (use kvd.transport.base.Copier)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_protocols_check_sees_a_copier_as_any(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("def f(copier: Any, n: int) -> None: ...\n"
+                   "class M:\n    _cuda: Any = None\n"
+                   "def _cuda_copier() -> object: ...\n"
+                   "def _for(copier: C) -> tuple[C, dict[str, Any]]: ...\n")
+    found = copier_annotations_of(src)
+    assert ("copier", "Any", 1) in found and ("_cuda", "Any", 3) in found
+    assert ("_cuda_copier", "object", 4) in found
+    assert all(n != "n" for n, _, _ in found)
 
 
 def test_only_cli_config_and_errors_stay_at_the_root():
@@ -249,7 +318,7 @@ GUARDED = ("vllm", "nixl", "torch", "aiohttp", "typer")
 # nixl ships as nixl, nixl_cu12 or nixl_cu13; one name for all three.
 ALIASES = {"nixl_cu12": "nixl", "nixl_cu13": "nixl"}
 # Modules that import by a computed name (importlib.import_module(f"...")), and what.
-DYNAMIC_IMPORTS = {"kvd.transport.nixl": "nixl"}
+DYNAMIC_IMPORTS = {"kvd.transport.remote.nixl": "nixl"}
 
 
 def allowed_importers() -> dict[str, list[str]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ["kvd", "tests", "tools", "benchmarks"]
+TREES = ["kvd", "tests", "scripts", "benchmarks"]
 
 
 def _ruff(*args: str) -> subprocess.CompletedProcess[str]:

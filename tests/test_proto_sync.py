@@ -1,5 +1,5 @@
 """proto/ stays in step with kvd/wire/protocol.py: the committed JSON Schema is exactly what
-tools/gen_proto.py generates, and proto/README.md names every message and error code."""
+scripts/gen_proto.py generates, and proto/README.md names every message and error code."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ EXTRA_CODES = ("unauthorized", "internal")
 
 
 def _gen_proto() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "tools/gen_proto.py")
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts/gen_proto.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("gen_proto", module)
@@ -41,9 +41,10 @@ def _structs() -> list[type]:
 
 def test_committed_schema_matches_code() -> None:
     path = ROOT / GEN.SCHEMA_PATH
-    assert path.is_file(), f"{GEN.SCHEMA_PATH} missing: run python tools/gen_proto.py"
+    assert path.is_file(), f"{GEN.SCHEMA_PATH} missing: run python scripts/gen_proto.py"
     assert path.read_text() == GEN.schema_json(), (
-        f"{GEN.SCHEMA_PATH} is stale (kvd/wire/protocol.py changed): run python tools/gen_proto.py"
+        f"{GEN.SCHEMA_PATH} is stale (kvd/wire/protocol.py changed): "
+        "run python scripts/gen_proto.py"
     )
 
 

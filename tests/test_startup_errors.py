@@ -176,7 +176,7 @@ def test_missing_optional_dependency_is_one_line(monkeypatch: pytest.MonkeyPatch
     from kvd.cli import app
 
     monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
-    monkeypatch.delitem(sys.modules, "kvd.tools.router", raising=False)
+    monkeypatch.delitem(sys.modules, "kvd.tools.router.app", raising=False)
     out = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args])
     assert out.exit_code == 2, out.output
     lines = out.output.strip().splitlines()

@@ -10,7 +10,7 @@ inline on the loop when the lock is free, saving the hop to the thread and back
 holds the lock (a large ``transfer()``), they hop like the rest.
 
 Error contract: the transport maps NIXL's exceptions to ``TransferError`` (in one
-place, kvd.transport.nixl); this layer passes those objects on as they are, as
+place, kvd.transport.remote.nixl); this layer passes those objects on as they are, as
 typed results (``PostResult``, ``XferStatus``) or raised, never as strings.
 """
 
@@ -33,7 +33,7 @@ from kvd.transport.base import (
     XferState,
     XferStatus,
 )
-from kvd.transport.workers import poster_for
+from kvd.transport.remote.workers import poster_for
 
 T = TypeVar("T")
 log = logging.getLogger("kvd.datapath")

@@ -168,8 +168,8 @@ class Daemon:
         self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
 
     def _nixl_factory(self) -> Transport:
-        from kvd.transport import rails
-        from kvd.transport.nixl import NixlTransport
+        from kvd.transport.remote import rails
+        from kvd.transport.remote.nixl import NixlTransport
 
         def make(index: int, devices: str) -> Transport:
             suffix = f"-w{index}" if index else ""  # agent 0: the one peers know

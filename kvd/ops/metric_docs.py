@@ -1,7 +1,7 @@
 """The table of every Prometheus metric kvd exports: name, type, labels, help.
 
 This table is the single source of truth: :class:`kvd.ops.metrics.Metrics` builds its
-metrics from it and ``tools/gen_docs.py`` renders ``docs/metrics.md`` from it, so
+metrics from it and ``scripts/gen_docs.py`` renders ``docs/metrics.md`` from it, so
 the reference cannot drift from the code.
 
 Labels are bounded enums only (role, outcome, face, reason): a per-request or

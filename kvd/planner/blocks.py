@@ -9,7 +9,7 @@ Row ``j`` of block pair ``i`` copies ``nbytes[j]`` from ``src[j] + src_ids[i] *
 src_stride[j]`` to ``dst[j] + dst_ids[i] * dst_stride[j]``.
 
 A copier that computes addresses itself (the CUDA copier's block kernel,
-kvd.transport.cudacopy) takes this form as is, so the host's work per pull grows with
+kvd.transport.copies.cudacopy) takes this form as is, so the host's work per pull grows with
 its blocks, not with how finely each block is cut; any other consumer asks for
 `BlockCopy.expand` (the same bytes as descriptor arrays). Like NIXL's prepared lists,
 the table is built once and a pull only names indices.

@@ -1,17 +1,19 @@
-"""Tooling around kvd, kept apart from the product.
+"""The ``kvd`` commands besides ``serve``, each in a package named for it.
 
-The product is what a deployment runs: the daemon (``kvd.daemon``), the engine API
-(``kvd.client``, ``kvd.pool.shm``), the planner, the protocol, configuration and metrics.
-This package holds what is used to exercise, measure and demonstrate it:
+These are part of the product a user installs, but nothing a running daemon needs:
 
-- ``demo``: ``kvd demo``, two daemons and simulated engines on one machine, byte-exact;
-- ``bench``, ``bench_cli``: ``kvd bench`` and its subcommands (memcpy vs raw NIXL vs kvd);
+- ``router``: ``kvd router``, an OpenAI-compatible prefill/decode router for vLLM;
+- ``bench``: ``kvd bench`` and its subcommands (``cli`` is the command line);
+- ``plan``: ``kvd plan``, what a pull between two engine shapes would read;
+- ``tiny_model``: ``kvd tiny-model DIR``, a tiny Llama that vLLM loads (quickstart, tests);
+- ``demo``: ``kvd demo``, two daemons and simulated engines on loopback, byte-exact;
+
+and the harness they share (also used by the tests):
+
 - ``sim``: simulated engines that write and check the global KV pattern in any layout;
-- ``localcluster``: start and stop ``kvd serve`` processes locally (tests, demo, bench).
+- ``localcluster``: start and stop ``kvd serve`` processes locally.
 
-It is apart so that the product never depends on it (no product module imports it;
-only ``kvd.cli``'s ``demo`` / ``bench`` commands do, lazily), so that a reader can tell
-at a glance what runs in production, and so that tooling can grow helpers without
-widening the product's surface. Its modules use only public names of the product and
-of one another.
+The layer sits above the daemon and the connector (tests/test_layers.py): no module
+below imports it, ``kvd.cli`` imports each command lazily, and its modules use only
+public names of the rest of kvd and of one another.
 """

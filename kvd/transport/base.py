@@ -1,6 +1,16 @@
-"""The small interface kvd needs from NIXL.
+"""What the daemon holds the bytes layer by: the protocols and the values they pass.
 
-The daemon talks only to this protocol; `NixlTransport` implements it with the
+- `Transport`: the small interface kvd needs from NIXL (kvd.transport.remote.nixl);
+- `Copier`: a copy between memory this process maps, with transfer handles
+  (kvd.transport.copies: `LocalCopier` for DRAM, `CudaCopier` for VRAM);
+- `Mover`: how a pull's bytes get from the producer's pools into the consumer's,
+  over either of the above (kvd.daemon.pull.movers, kvd.daemon.pull.local).
+
+The sub-packages of kvd.transport never import each other, only this module (and
+kvd.daemon.pull types against these protocols, never against a copier's class:
+tests/test_layers.py holds both rules).
+
+The daemon talks to NIXL only through `Transport`; `NixlTransport` implements it with the
 real agent, `LoopbackTransport` (tests) with memcpy inside one process. Every
 method is called from one dedicated thread (see kvd.daemon.datapath), so
 implementations need no locking.
@@ -22,8 +32,9 @@ Two ways to post a READ:
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,7 +80,7 @@ class ReadPost:
     """One READ of many descriptors from one peer: parallel arrays, one row each.
 
     ``local_pools`` / ``remote_pools``: the pools the descriptors lie in (this side's
-    and the peer's). Optional; with them, `kvd.transport.prepped.PreppedPoster` posts
+    and the peer's). Optional; with them, `kvd.transport.remote.prepped.PreppedPoster` posts
     the READ through prepared lists (adjacent descriptors merge), without them it
     falls back to a fresh list.
     """
@@ -314,3 +325,77 @@ class PostResult:
     done: bool
     error: TransferError | None = None
     timing: PostTiming | None = None  # where the post's time went (transport.last_post)
+
+
+# ----------------------------------------------------------------- copies and movers
+
+# The device id that names host (DRAM) memory in a copy between devices (a `Copier`'s
+# ``dst_devs`` / ``src_devs``); GPUs are 0, 1, ...
+HOST_DEVICE = -1
+
+
+class Copier(Protocol):
+    """Copies ``dst[i] <- src[i]`` (``nbytes[i]`` each) between memory this process maps,
+    as transfer handles: `post` starts a copy (a small one may have ended when it
+    returns), `poll` says whether it ended (raising TransferError when it failed),
+    `release` forgets it. Any thread may call them. Implementations:
+    kvd.transport.copies.localcopy.LocalCopier (DRAM; ``dst_regions`` / ``src_regions``
+    bound the descriptors) and kvd.transport.copies.cudacopy.CudaCopier (``dst_devs`` /
+    ``src_devs``: a GPU index per descriptor, or `HOST_DEVICE`)."""
+
+    def post(self, dst_addrs: Any, src_addrs: Any, nbytes: Any, **where: Any) -> int:
+        """Start a copy; returns its handle. ValueError for malformed descriptors,
+        TransferError for ones outside the memory named, BusyError when full."""
+        ...
+
+    def poll(self, handle: int) -> bool:
+        """True when the copy ended; raises TransferError when it failed."""
+        ...
+
+    def wait(self, handle: int, timeout_s: float | None = None) -> bool:
+        """Block until the copy ends (or ``timeout_s``); then as `poll`."""
+        ...
+
+    def release(self, handle: int, timeout_s: float | None = None) -> None:
+        """Forget a copy; one still running is waited for (a copy cannot be recalled)."""
+        ...
+
+    def close(self) -> None:
+        """Wait for every copy and stop the copier's threads."""
+        ...
+
+
+class BlockCopier(Copier, Protocol):
+    """A `Copier` that also takes a copy as block ids over a prepared table and makes the
+    addresses itself (CudaCopier, on the GPU)."""
+
+    def post_blocks(self, blocks: BlockCopy) -> int: ...
+
+
+class Mover(Protocol):
+    """Moves a pull's bytes and reports each transfer's end. A pull
+    (kvd.daemon.pull.machine) decides what to move and when; the consumer chooses its
+    mover: NIXL READs from another daemon's agent (kvd.daemon.pull.movers.NixlMover) or
+    copies through a `Copier` (kvd.daemon.pull.local.LocalMover)."""
+
+    path: str  # "remote", "local" or "host": in kvd status, the logs and the metrics' labels
+
+    def can_post_now(self, posts: list[ReadPost]) -> bool:
+        """Whether `post_now` would post these without waiting (unless a lock is taken)."""
+        ...
+
+    def post_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
+        """Post inline, or None (nothing posted) when that cannot be done now."""
+        ...
+
+    async def post(self, posts: list[ReadPost]) -> list[PostResult]: ...
+
+    async def poll(self, handles: list[int]) -> dict[int, XferStatus]: ...
+
+    async def release(self, handles: list[int]) -> None:
+        """Only handles whose transfer ended (or every one, when the daemon stops)."""
+        ...
+
+    async def sever(self, producers: Mapping[str, tuple[str, ...]]) -> None:
+        """Make the transfers from these producers (agent -> control addresses) end."""
+        ...

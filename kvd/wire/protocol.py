@@ -371,7 +371,7 @@ class PullStatus(msgspec.Struct, frozen=True):
 
 
 class RailStatus(msgspec.Struct, frozen=True):
-    """One posting worker (kvd.transport.workers): its rail ("" for UCX's choice) and the
+    """One posting worker (kvd.transport.remote.workers): its rail ("" for UCX's choice) and the
     READs (parts of pulls) it posted, and their bytes, since the daemon started."""
 
     worker: int
@@ -424,7 +424,7 @@ class HelloReply(msgspec.Struct, frozen=True):
     engine: EngineDesc
     engine_daemons: list[str]
     # Same-host pulls (older daemons send neither: their pulls go over the network): the
-    # producer daemon's host token (kvd.transport.samehost.same_host_token) and, per rank
+    # producer daemon's host token (kvd.transport.samehost.discovery.same_host_token) and, per rank
     # of ``engine.ranks`` in that order, its pool file.
     host_token: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     pool_files: Annotated[list[PoolFile], msgspec.Meta(max_length=4096)] = msgspec.field(

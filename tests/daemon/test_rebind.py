@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from support.schedstat import own_time_until
 
 from kvd.daemon.faces import Face, claim_ipc_path
 from kvd.ops.metrics import Metrics
@@ -64,16 +65,11 @@ def _time_wait_on(port: int) -> bool:
     return bool(out.strip())
 
 
-def _wait_livez(port: int, timeout_s: float) -> float:
-    """Seconds until /livez answers 200."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if _get(f"http://127.0.0.1:{port}/livez") == 200:
-                return time.monotonic() - start
-        except OSError:
-            time.sleep(0.02)
-    raise AssertionError(f"/livez not up after {timeout_s}s")
+def _livez_up(port: int) -> bool:
+    try:
+        return _get(f"http://127.0.0.1:{port}/livez") == 200
+    except OSError:
+        return False
 
 
 @pytest.mark.nixl
@@ -99,15 +95,21 @@ def test_restart_right_after_a_probe_is_up_at_once(tmp_path: Path) -> None:
         t0 = time.monotonic()
         again = DaemonProcess._spawn("rebind2", tmp_path, None, None, first.engine_address,
                                      first.peer_address, first.metrics_port, "")
-        up_s = _wait_livez(first.metrics_port, 10.0)
-        again.wait_ready(10.0)
+        up_s, own_s = own_time_until(again.proc.pid, lambda: _livez_up(first.metrics_port),
+                                     30.0)
+        again.wait_ready(30.0)
         ready_s = time.monotonic() - t0
         log = again.log_path.read_text()
         assert "Address already in use" not in log, log[-2000:]
         assert again.proc.poll() is None, log[-2000:]
         # /livez answers once the daemon is serving (the faces bind before the HTTP server).
-        assert up_s < RESTART_BUDGET_S, f"/livez up {up_s:.2f}s after the restart"
-        print(f"restart after a probe: /livez {up_s:.2f}s, engine face {ready_s:.2f}s")
+        # Judged on the restarted process's own time: its wall time less the time it
+        # waited for a CPU (a busy host's share, not kvd's); a restart that waits for the
+        # port (TIME_WAIT lasts 60 s) or retries a bind still fails it.
+        assert own_s < RESTART_BUDGET_S, (
+            f"/livez up {up_s:.2f}s after the restart, {own_s:.2f}s of it the daemon's own")
+        print(f"restart after a probe: /livez {up_s:.2f}s ({own_s:.2f}s not waiting for a "
+              f"CPU), engine face {ready_s:.2f}s")
     finally:
         first.kill()
         if again is not None:

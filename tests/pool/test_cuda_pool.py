@@ -146,7 +146,7 @@ def test_vram_pull_between_two_daemons_is_byte_exact(workers):
                     "here")
 def test_local_vram_pull_on_one_daemon_is_a_device_copy():
     """Both engines on one kvd serve --device cuda: the pull is a copy the daemon issues on
-    the GPU (kvd.transport.cudacopy), every block compared with the prefill pool."""
+    the GPU (kvd.transport.copies.cudacopy), every block compared with the prefill pool."""
     from kvd.tools.bench.geometry import DEFAULT_KV_LAYOUT
     from kvd.tools.bench.vram import kvd_pulls
 
@@ -209,9 +209,9 @@ def test_a_cuda_daemon_hosts_dram_engines_too(tmp_path):
     without a GPU; a pull between two such engines is a local copy, byte-exact (TP4 ->
     TP2); an engine's ranks cannot mix DRAM and VRAM; below -1 is refused."""
     from support.cluster import metric, run_transfer
+    from support.matrix_cases import CASES
 
     from kvd.errors import IncompatibleError
-    from tests.daemon.pull.test_matrix import CASES
 
     d = DaemonProcess.start("cuda-dram", tmp_path, extra_args=["--device", "cuda"])
     try:

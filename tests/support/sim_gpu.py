@@ -1,5 +1,5 @@
 """A simulated GPU for the CUDA copier's tests without CUDA: "device memory" is host
-memory and streams run only when told to (kvd.transport.cudacopy's ``_runtime``).
+memory and streams run only when told to (kvd.transport.copies.cudacopy's ``_runtime``).
 
 With ``kernels=True`` it also "compiles" the copier's two kernels (after
 ``compile_delay_s``, or failing with ``compile_error``) and runs them as numpy loops
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from kvd.transport.cudacopy import CUDA_MEMCPY_DEFAULT
+from kvd.transport.copies.cudacopy import CUDA_MEMCPY_DEFAULT
 
 
 class SimStream:

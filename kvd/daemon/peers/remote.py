@@ -18,7 +18,7 @@ class RemoteDaemon:
     agent: str  # NIXL agent name
     instance: str  # incarnation that answered the handshake
     epoch: int  # the engine's epoch on that daemon at handshake time
-    host_token: str = ""  # its host (kvd.transport.samehost), "" from an older daemon
+    host_token: str = ""  # its host (kvd.transport.samehost.discovery), "" from an older daemon
 
 
 @dataclass

@@ -33,7 +33,7 @@ from kvd.errors import (
 )
 from kvd.planner import Parallelism, check_parallelism
 from kvd.pool.geometry import geometry, parallelism
-from kvd.transport.samehost import host_facts, same_host_token
+from kvd.transport.samehost.discovery import host_facts, same_host_token
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.producer")
@@ -143,7 +143,7 @@ class Producer:
     @functools.cached_property
     def _host_token(self) -> str:
         """This daemon's host, IPC namespace and pool directory, for a consumer daemon to
-        tell whether it can map our pool files (kvd.transport.samehost)."""
+        tell whether it can map our pool files (kvd.transport.samehost.discovery)."""
         try:
             return same_host_token(host_facts(self.svc.cfg.shm_dir))
         except ValueError:  # an absurdly long pool directory path: no same-host pulls

@@ -42,7 +42,7 @@ from kvd.daemon.pull.driver import Peers, PullDriver
 from kvd.daemon.pull.hostmap import HostMapper, HostMaps
 from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
-from kvd.daemon.pull.movers import Mover, NixlMover
+from kvd.daemon.pull.movers import NixlMover
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S
 from kvd.daemon.services import Services
@@ -52,7 +52,8 @@ from kvd.errors import (
     KvdError,
     TooLargeError,
 )
-from kvd.transport.samehost import host_facts, local_host_names, names_this_daemon
+from kvd.transport.base import Copier, Mover
+from kvd.transport.samehost.discovery import host_facts, local_host_names, names_this_daemon
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")
@@ -67,8 +68,8 @@ class Route(NamedTuple):
     peers: Peers
 
 
-def _cuda_copier() -> object:
-    from kvd.transport.cudacopy import CudaCopier
+def _cuda_copier() -> Copier:
+    from kvd.transport.copies.cudacopy import CudaCopier
 
     return CudaCopier()
 

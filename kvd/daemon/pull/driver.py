@@ -48,11 +48,12 @@ from kvd.daemon.pull.actions import (
     Warn,
 )
 from kvd.daemon.pull.machine import Pull
-from kvd.daemon.pull.movers import Mover, build_posts
+from kvd.daemon.pull.movers import build_posts
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.daemon.services import Services
 from kvd.errors import DrainingError, KvdError, ProtocolError, TransferError
 from kvd.planner.assembly import ProducerReads
+from kvd.transport.base import Mover
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.consumer")

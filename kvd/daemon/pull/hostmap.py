@@ -30,7 +30,13 @@ import numpy as np
 from kvd.daemon.peers.remote import RemoteEngine
 from kvd.planner import RankId
 from kvd.pool.owner import OwnerWatch, owner_lock_name
-from kvd.transport.samehost import HostFacts, Reach, dram_reachable, parse_host_token, stat_dir
+from kvd.transport.samehost.discovery import (
+    HostFacts,
+    Reach,
+    dram_reachable,
+    parse_host_token,
+    stat_dir,
+)
 
 log = logging.getLogger("kvd.consumer")
 
@@ -43,7 +49,7 @@ def host_reach(mine: HostFacts, remote: RemoteEngine,
     """Whether every pool of ``remote`` (a handshake) can be mapped here, and why (not).
 
     Every daemon hosting one of its ranks must be on this kernel with its pool directory
-    or IPC namespace shared with us (kvd.transport.samehost.dram_reachable), and every
+    or IPC namespace shared with us (kvd.transport.samehost.discovery.dram_reachable), and every
     rank's pool must be a file (memfd pools have no path to open). Whether each file is
     really there is checked when it is mapped (`HostMaps.open`)."""
     if remote.desc.mem_type != "DRAM":

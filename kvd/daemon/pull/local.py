@@ -1,7 +1,8 @@
 """A pull whose producer engine is hosted by this very daemon: no network at all.
 
-The daemon owns both pools, so the bytes are copied here (`LocalMover`, over
-kvd.transport.localcopy for DRAM and kvd.transport.cudacopy for VRAM), and the control
+The daemon owns both pools, so the bytes are copied here (`LocalMover`, through a
+`kvd.transport.base.Copier`: kvd.transport.copies.localcopy for DRAM,
+kvd.transport.copies.cudacopy for VRAM), and the control
 messages a remote pull sends to the producer's daemon (Acquire, Heartbeat, ReadNotice,
 Abandon) go to this daemon's own producer side in-process (`LocalPeers`, through the
 dispatch the server hands over): no handshake, no Acquire round trip, no NIXL. The pull
@@ -18,7 +19,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.engines.table import Engine
@@ -26,9 +27,15 @@ from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.peers.reply import Reply
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
-from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
-from kvd.transport.cudacopy import HOST as HOST_DEVICE
-from kvd.transport.localcopy import LocalCopier
+from kvd.transport.base import (
+    HOST_DEVICE,
+    BlockCopier,
+    Copier,
+    PostResult,
+    ReadPost,
+    XferState,
+    XferStatus,
+)
 
 log = logging.getLogger("kvd.consumer")
 
@@ -141,8 +148,10 @@ class LocalPeers:
 INLINE_MAX_NBYTES = 4 << 20
 
 
-def local_copier(threads: int) -> LocalCopier:
+def local_copier(threads: int) -> Copier:
     """The DRAM copier of a daemon's local pulls (``copy_threads`` copy threads)."""
+    from kvd.transport.copies.localcopy import LocalCopier
+
     return LocalCopier(threads=threads, inline_max_nbytes=INLINE_MAX_NBYTES)
 
 
@@ -158,7 +167,7 @@ MAX_WAITERS = 8
 WAITER_TIMEOUT_S = 30.0
 
 
-def _wait_end(copier: Any, handle: int) -> None:
+def _wait_end(copier: Copier, handle: int) -> None:
     """A waiter thread's work: block until the copy ends (its outcome is read by poll)."""
     try:
         copier.wait(handle, WAITER_TIMEOUT_S)
@@ -177,18 +186,18 @@ class LocalMover:
 
     path = "local"
 
-    def __init__(self, copier: LocalCopier,
-                 cuda_copier: Callable[[], Any] | None = None) -> None:
+    def __init__(self, copier: Copier,
+                 cuda_copier: Callable[[], Copier] | None = None) -> None:
         self.copier = copier
         self._make_cuda = cuda_copier
-        self._cuda: Any = None
-        self._cuda_started: concurrent.futures.Future[Any] | None = None
-        self._where: dict[int, Any] = {}  # handle -> the copier that holds it
+        self._cuda: Copier | None = None
+        self._cuda_started: concurrent.futures.Future[Copier] | None = None
+        self._where: dict[int, Copier] = {}  # handle -> the copier that holds it
         # handle -> done when its copy has ended (or its waiter gave up): wakes the poll
         self._wakes: dict[int, asyncio.Future[None]] = {}
         self._waiters: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def _copier_for(self, post: ReadPost) -> tuple[Any, dict[str, Any]]:
+    def _copier_for(self, post: ReadPost) -> tuple[Copier, dict[str, Any]]:
         """DRAM to DRAM: the copy threads. Any side in VRAM: the CUDA copier, a DRAM
         side named as the host (its copies staged through page-locked slots)."""
         local_mem = post.local_mem_type or post.mem_type
@@ -214,7 +223,7 @@ class LocalMover:
         would otherwise create it; pulls while they compile copy piece by piece)."""
         if self._make_cuda is None or self._cuda_started is not None or self._cuda is not None:
             return
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut: concurrent.futures.Future[Copier] = concurrent.futures.Future()
 
         def make() -> None:
             try:
@@ -234,7 +243,8 @@ class LocalMover:
             try:
                 copier, extra = self._copier_for(post)
                 if post.blocks is not None and hasattr(copier, "post_blocks"):
-                    handle = copier.post_blocks(post.blocks)  # addresses made on the GPU
+                    # addresses made on the GPU
+                    handle = cast(BlockCopier, copier).post_blocks(post.blocks)
                 else:
                     handle = copier.post(post.local_addrs, post.remote_addrs, post.nbytes,
                                          **extra)
@@ -260,7 +270,7 @@ class LocalMover:
                 results.append(PostResult(handle, False))
         return results
 
-    def _watch(self, copier: Any, handle: int) -> None:
+    def _watch(self, copier: Copier, handle: int) -> None:
         """Have a waiter thread wake the event loop when this copy ends."""
         try:
             loop = asyncio.get_running_loop()
@@ -326,7 +336,7 @@ class LocalMover:
             self._waiters.shutdown(wait=False)
 
 
-def _ended(copier: Any, handle: int) -> bool:
+def _ended(copier: Copier, handle: int) -> bool:
     try:
         return bool(copier.poll(handle))
     except TransferError:

@@ -1,10 +1,10 @@
 """Movers: how a pull's bytes get from the producer's pools into the consumer's.
 
-A pull (kvd.daemon.pull.machine) decides what to move and when; a `Mover` moves it and
-reports each transfer's end. `NixlMover` posts NIXL READs from another daemon's agent
-(kvd.daemon.datapath). The consumer chooses a pull's mover: its route first
-(`Consumer.route_for`: local or network), then, for a network pull once its handshake
-is known, host copy or NIXL READs (`Consumer.pick`).
+A pull (kvd.daemon.pull.machine) decides what to move and when; a `Mover`
+(kvd.transport.base) moves it and reports each transfer's end. `NixlMover` posts NIXL
+READs from another daemon's agent (kvd.daemon.datapath). The consumer chooses a pull's
+mover: its route first (`Consumer.route_for`: local or network), then, for a network
+pull once its handshake is known, host copy or NIXL READs (`Consumer.pick`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Protocol
 
 import numpy as np
 
@@ -31,30 +30,6 @@ log = logging.getLogger("kvd.consumer")
 # Transfers of at most this many descriptors are posted on fresh lists: NIXL validates a
 # few descriptors faster than kvd maps them onto prepared lists (and none merge).
 FRESH_POST_MAX_DESCRIPTORS = 8
-
-
-class Mover(Protocol):
-    path: str  # "remote", "local" or "host": in kvd status, the logs and the metrics' labels
-
-    def can_post_now(self, posts: list[ReadPost]) -> bool:
-        """Whether `post_now` would post these without waiting (unless a lock is taken)."""
-        ...
-
-    def post_now(self, posts: list[ReadPost]) -> list[PostResult] | None:
-        """Post inline, or None (nothing posted) when that cannot be done now."""
-        ...
-
-    async def post(self, posts: list[ReadPost]) -> list[PostResult]: ...
-
-    async def poll(self, handles: list[int]) -> dict[int, XferStatus]: ...
-
-    async def release(self, handles: list[int]) -> None:
-        """Only handles whose transfer ended (or every one, when the daemon stops)."""
-        ...
-
-    async def sever(self, producers: Mapping[str, tuple[str, ...]]) -> None:
-        """Make the transfers from these producers (agent -> control addresses) end."""
-        ...
 
 
 def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,

@@ -151,7 +151,7 @@ def local_verified(local: dict[str, Any]) -> bool:
 
 
 class CopierTimer:
-    """The copy primitive alone: `kvd.transport.localcopy.LocalCopier` (the daemon's
+    """The copy primitive alone: `kvd.transport.copies.localcopy.LocalCopier` (the daemon's
     copier, ``threads`` copy threads) copying one pull's descriptors between two shm
     buffers like the pools, in this process; no daemon, no messages."""
 

@@ -84,7 +84,7 @@ def _memcpy(kind: str, nbytes: int, repeats: int, dirs: dict[str, str]) -> dict[
 
 
 def _target(conn: Any, stop: Any, kind: str, nbytes: int, dirs: dict[str, str]) -> None:
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     t = NixlTransport(name=f"pages-target-{os.getpid()}")
     buf, owner = _alloc(kind, nbytes, dirs)
@@ -104,7 +104,7 @@ def _target(conn: Any, stop: Any, kind: str, nbytes: int, dirs: dict[str, str]) 
 def _initiator(conn: Any, meta: bytes, remote_base: int, kind: str, nbytes: int, chunk: int,
                repeats: int, dirs: dict[str, str], seed: int) -> None:
     from kvd.transport.base import DescRows, PreppedRead
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     t = NixlTransport(name=f"pages-init-{os.getpid()}")
     buf, owner = _alloc(kind, nbytes, dirs)

@@ -9,7 +9,7 @@ into a destination pool, both pools ``pool_factor`` x the request, and times:
   an (N, 3) array per side, ``get_xfer_descs`` + ``initialize_xfer``, ``transfer``;
 * ``prepped``: both pools prepared once as a grid of chunks (one strided row each),
   then per READ the int32 index arrays and ``make_prepped_xfer``, ``transfer``;
-* ``poster``: the daemon's wiring (``kvd.transport.prepped.PreppedPoster``): the same
+* ``poster``: the daemon's wiring (``kvd.transport.remote.prepped.PreppedPoster``): the same
   ReadPost as ``fresh``, turned into indices of pool grids (chunk = gcd of the READ);
 * ``*_consecutive``: consecutive ids on both sides (prepared lists merge them into one
   descriptor; fresh lists never merge).
@@ -50,7 +50,7 @@ def _pool(nbytes: int) -> np.ndarray:
 
 def _target(conn: Any, stop: Any, nbytes: int) -> None:
     from kvd.tools.bench.raw import fill_test_pattern
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     t = NixlTransport(name=f"post-target-{os.getpid()}")
     buf = _pool(nbytes)
@@ -84,8 +84,8 @@ def _wait(t: Any, xfer_id: int, done: bool) -> None:
 def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, nbytes: int,
                chunks: list[int], repeats: int, seed: int) -> None:
     from kvd.transport.base import DescRows, PreppedRead, ReadPost, merged_count
-    from kvd.transport.nixl import NixlTransport
-    from kvd.transport.prepped import PoolSpan, PreppedPoster
+    from kvd.transport.remote.nixl import NixlTransport
+    from kvd.transport.remote.prepped import PoolSpan, PreppedPoster
 
     t = NixlTransport(name=f"post-init-{os.getpid()}")
     buf = _pool(pool_nbytes)

@@ -99,7 +99,7 @@ def check_test_pattern(buf: np.ndarray) -> bool:
 def new_agent(name: str) -> Any:
     import logging
 
-    from kvd.transport.nixl import import_nixl
+    from kvd.transport.remote.nixl import import_nixl
 
     api = import_nixl()
     logging.getLogger("nixl").setLevel(logging.WARNING)

@@ -5,12 +5,12 @@ NIXL progress; the initiator owns a `WorkerSet` of ``workers`` NIXL agents (what
 daemon with ``posting_workers = N`` has) over a pool of the same kind and READs one
 contiguous descriptor of each size (the pull that the planner merged into one),
 whole on worker 0 (as every READ below twice the threshold is) or cut by bytes into
-2 .. ``workers`` parts (``kvd.transport.split``), each part on its worker's thread;
+2 .. ``workers`` parts (``kvd.transport.remote.split``), each part on its worker's thread;
 a fresh descriptor list each, as the daemon posts a READ of a few descriptors.
 Per size the variants take turns read by read (the same background load falls on
 each), each at a new offset of the pool (no read comes from a cache), timed from the
 post to DONE; medians. The part size where the split first wins is the threshold
-(``kvd.transport.workers.MIN_PART_NBYTES``); the destination is checked byte for byte.
+(``kvd.transport.remote.workers.MIN_PART_NBYTES``); the destination is checked byte for byte.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TARGET_POLL_S = 0.0002  # the target's progress loop (kvd's producer polls every
 
 def _target(conn: Any, stop: Any, nbytes: int, shm_dir: str) -> None:
     from kvd.tools.bench.raw import alloc_buffer, fill_test_pattern
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     t = NixlTransport(name=f"split-target-{os.getpid()}")
     buf, pool = alloc_buffer("shm", nbytes, shm_dir)
@@ -53,8 +53,8 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, pool_nbytes: int, sizes
                parts: list[int], workers: int, repeats: int, shm_dir: str) -> None:
     from kvd.tools.bench.raw import alloc_buffer
     from kvd.transport.base import ReadPost
-    from kvd.transport.nixl import NixlTransport
-    from kvd.transport.workers import WorkerSet
+    from kvd.transport.remote.nixl import NixlTransport
+    from kvd.transport.remote.workers import WorkerSet
 
     ws = WorkerSet([NixlTransport(name=f"split-init-{os.getpid()}-{i}")
                     for i in range(workers)], min_part_nbytes=1)

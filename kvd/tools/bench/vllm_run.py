@@ -290,7 +290,7 @@ class Running:
 
 
 def _prompt(seed: int, length: int) -> list[int]:
-    from kvd.tools.tiny_model import prompt_ids
+    from kvd.tools.tiny_model.llama import prompt_ids
 
     return prompt_ids(seed, length)
 
@@ -672,7 +672,7 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
     keep = work_dir is not None
     work = Path(work_dir or tempfile.mkdtemp(prefix="kvd-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
-    from kvd.tools.tiny_model import build_tiny_llama
+    from kvd.tools.tiny_model.llama import build_tiny_llama
 
     model = build_tiny_llama(work / "model")
     bench = VllmBench(cfg, work, model, log)

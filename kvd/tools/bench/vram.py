@@ -105,12 +105,12 @@ def copy_ceiling(nbytes: int, device: str, gpu: int, repeats: int) -> float:
 
 def copier_on_descriptors(pool_nbytes: int, desc: tuple[np.ndarray, np.ndarray, np.ndarray],
                           gpu: int, repeats: int) -> dict[str, Any]:
-    """The daemon's CUDA copier alone (kvd.transport.cudacopy, as a local pull uses it)
+    """The daemon's CUDA copier alone (kvd.transport.copies.cudacopy, as a local pull uses it)
     on exactly kvd's descriptors between two GPU buffers: post -> completion observed,
     median; and the bytes checked once against a gather done by torch."""
     import torch
 
-    from kvd.transport.cudacopy import CudaCopier
+    from kvd.transport.copies.cudacopy import CudaCopier
 
     lo, ro, nb = desc
     src = torch.empty(pool_nbytes, dtype=torch.uint8, device=f"cuda:{gpu}")
@@ -153,7 +153,7 @@ def _mem_type(device: str) -> str:
 def _target(conn: Any, stop: Any, nbytes: int, device: str, gpu: int, seed: int) -> None:
     import torch
 
-    from kvd.transport.nixl import NixlTransport
+    from kvd.transport.remote.nixl import NixlTransport
 
     dev = _torch_device(device, gpu)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -175,8 +175,8 @@ def _initiator(conn: Any, meta: bytes, remote_base: int, nbytes: int, device: st
     import torch
 
     from kvd.transport.base import DescRows, PreppedRead, ReadPost
-    from kvd.transport.nixl import NixlTransport
-    from kvd.transport.prepped import PoolSpan, PreppedPoster
+    from kvd.transport.remote.nixl import NixlTransport
+    from kvd.transport.remote.prepped import PoolSpan, PreppedPoster
 
     dev = _torch_device(device, gpu)
     dev_id = gpu if device == "cuda" else 0

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from support.cluster import Pair, metric, run_transfer, start_daemon, stop_and_check_clean
-from test_hybrid import CASES as HYBRID_CASES
-from test_hybrid import run_hybrid, spec
-from test_matrix import CASES
+from support.hybrid_cases import CASES as HYBRID_CASES
+from support.hybrid_cases import run_hybrid, spec
+from support.matrix_cases import CASES
 
 from kvd.pool.mapping import numpy_dtype
 

@@ -28,7 +28,7 @@ from support.cluster import (
     unique,
     wait_until,
 )
-from test_matrix import CASES, model, shape
+from support.matrix_cases import CASES, model, shape
 
 from kvd.errors import KvdTimeoutError
 from kvd.ops.status import format_status
@@ -192,8 +192,8 @@ def test_memfd_pools_go_over_the_network_and_status_says_why(tmp_path) -> None:
 @pytest.mark.parametrize("case", ["tp4-tp1", "tp1-tp4", "pp2-tp2-prefix-hit"])
 def test_a_hybrid_pull_takes_the_host_path(two, case: str) -> None:
     """Every KV-cache group and the Mamba state, read from the mapped pool files."""
-    from test_hybrid import CASES as HYBRID_CASES
-    from test_hybrid import run_hybrid, spec
+    from support.hybrid_cases import CASES as HYBRID_CASES
+    from support.hybrid_cases import run_hybrid, spec
 
     p = two
     pshape, dshape, tokens, skip = HYBRID_CASES[case]

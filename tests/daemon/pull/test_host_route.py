@@ -13,7 +13,7 @@ from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.pull.hostmap import HostMapper, HostMaps, host_bases, host_reach
 from kvd.planner import RankId
 from kvd.pool.owner import PoolOwner
-from kvd.transport.samehost import HostFacts, same_host_token
+from kvd.transport.samehost.discovery import HostFacts, same_host_token
 from kvd.wire import protocol as P
 
 NBYTES = 1 << 16

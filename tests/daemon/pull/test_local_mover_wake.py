@@ -14,7 +14,7 @@ import numpy as np
 from kvd.daemon.pull import local as localmod
 from kvd.daemon.pull.local import LocalMover
 from kvd.transport.base import ReadPost, XferState
-from kvd.transport.localcopy import LocalCopier, memmove_copy
+from kvd.transport.copies.localcopy import LocalCopier, memmove_copy
 
 
 class Gate:
@@ -42,7 +42,11 @@ def _mover(gate: Gate) -> LocalMover:
     return LocalMover(LocalCopier(threads=1, inline_max_nbytes=0, copy_fn=gate))
 
 
-def test_poll_returns_done_as_soon_as_the_copy_ends() -> None:
+def test_poll_returns_done_as_soon_as_the_copy_ends(monkeypatch) -> None:
+    # A poll not woken waits WAKE_WAIT_S, then reads DONE all the same: only its time
+    # tells the two apart. A long wait makes that tell a host's slowness from a missed
+    # wake-up (0.05 s, the default, is one busy host's scheduling hiccup).
+    monkeypatch.setattr(localmod, "WAKE_WAIT_S", 5.0)
     gate = Gate()
     mover = _mover(gate)
     src = np.arange(1 << 16, dtype=np.uint8)

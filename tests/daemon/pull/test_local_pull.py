@@ -17,7 +17,7 @@ from support.cluster import (
     start_daemon,
     stop_and_check_clean,
 )
-from test_matrix import CASES, model, shape
+from support.matrix_cases import CASES, model, shape
 
 from kvd.client import KvdClient
 from kvd.tools.localcluster import DaemonProcess

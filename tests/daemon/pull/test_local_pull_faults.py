@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from support.cluster import deregister_and_check_freed, metric, register, unique
-from test_hybrid import CASES as HYBRID_CASES
-from test_hybrid import run_hybrid, spec
+from support.hybrid_cases import CASES as HYBRID_CASES
+from support.hybrid_cases import run_hybrid, spec
 
 from kvd.errors import KvdTimeoutError
 from kvd.pool.shm import kvd_segments

@@ -1,4 +1,4 @@
-"""A partition mid-pull never writes into memory kvd has handed back (issue 21).
+"""A partition mid-pull never writes into memory kvd has handed back.
 
 The decode node's link is cut at a point of a pull (before its first byte, in the
 middle, near its last byte) and brought back after the failure is reported. The moment
@@ -26,7 +26,7 @@ BLOCK_BYTES = 4 * 8 * 2 * 16 * 64 * 2  # 128 KiB
 NUM_BLOCKS = 160
 PULL_BLOCKS = 128  # 16 MiB: ~1.4 s at 100 Mbit/s
 RATE_MBIT = 100
-# Issue 21.2: a partition or a dead/frozen peer is noticed within peer_liveness_timeout_s
+# A partition or a dead/frozen peer is noticed within peer_liveness_timeout_s
 # (default 3 s) and the engine hears of it within one more poll; POLL_MARGIN_S is that
 # poll plus scheduling on a loaded 2-core machine.
 LIVENESS_S = 3.0
@@ -61,11 +61,11 @@ def _cut_when(c: Cluster, point: str, before: int, start_s: float) -> None:
     c.cut(1)
 
 
-# UCX 1.23 (nixl-cu12 1.5.1), issue 21.4: when a producer's endpoint to a consumer fails
+# UCX 1.23 (nixl-cu12 1.5.1): when a producer's endpoint to a consumer fails
 # while software-emulated GET replies (UCX over TCP) wait in its pending queue,
 # ucp_worker_discard_uct_ep -> uct_tcp_ep_pending_purge -> ucp_request_send_state_ff
 # deregisters memory by the reply request's never-set datatype: SIGSEGV at libucp
-# +0x4e18d when the pool's recycled bytes read as an IOV. kvd.transport.ucx_heap makes
+# +0x4e18d when the pool's recycled bytes read as an IOV. kvd.transport.remote.ucx_heap makes
 # malloc hand UCX zeroed memory (docs/reliability.md), which makes it rare, not gone: a
 # crash inside NIXL's Python API (faulthandler's dump names the frame) is reported xfail,
 # any other crash fails the test.
@@ -80,7 +80,7 @@ def _revive(c: Cluster) -> None:
 
 
 def _assert_alive(c: Cluster) -> None:
-    """Issue 21.4: a daemon that crashed fails the test (its log has faulthandler's
+    """A daemon that crashed fails the test (its log has faulthandler's
     stacks); it is restarted first, so that the next cases run."""
     for node in c.nodes:
         rc = node.call("returncode", name="kvd")
@@ -89,7 +89,7 @@ def _assert_alive(c: Cluster) -> None:
         site = node.call("crash_site", name="kvd")
         node.call("restart_daemon", name="kvd")
         if rc in (-11, -6) and KNOWN_UCX_CRASH in site:
-            # The upstream UCX bug (a purged GET reply; rarer with kvd.transport.ucx_heap,
+            # The upstream UCX bug (a purged GET reply; rarer with kvd.transport.remote.ucx_heap,
             # 0/60 frozen cases and 2/102 repro rounds, not gone): reported, never passed,
             # and not a reason to fail every unrelated change in CI.
             pytest.xfail(f"node {node.index}'s daemon hit the UCX 1.23 pending GET reply "

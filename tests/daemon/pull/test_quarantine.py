@@ -1,4 +1,4 @@
-"""A READ that never ends (NIXL PR #2047) and the bounded quarantine (issues 20.4, 21.1).
+"""A READ that never ends (NIXL PR #2047) and the bounded quarantine.
 
 In-process daemons over LoopbackTransport, whose ``hold_reads`` keeps a READ in
 progress until cleared and whose ``sever_peer`` fails a held READ as NIXL's fail once

@@ -32,7 +32,7 @@ from engine_proc import EngineProc
 from shm_reaper import SHM_DIR, reap_vllm_segments
 from tiny_hybrid_model import build_tiny_nemotron_h
 
-from kvd.tools.tiny_model import build_tiny_llama
+from kvd.tools.tiny_model.llama import build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from engine_proc import EngineProc
 
-from kvd.tools.tiny_model import STAMP_FILE, build_tiny_llama, prompt_ids, spec_hash
+from kvd.tools.tiny_model.llama import STAMP_FILE, build_tiny_llama, prompt_ids, spec_hash
 
 pytestmark = pytest.mark.vllm
 

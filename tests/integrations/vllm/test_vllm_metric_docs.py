@@ -1,4 +1,4 @@
-"""docs/vllm.md's metric table (generated from the connector's source by tools/gen_docs.py,
+"""docs/vllm.md's metric table (generated from the connector's source by scripts/gen_docs.py,
 without vLLM) names exactly what the connector registers with vLLM's Prometheus."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _gen_docs():  # noqa: ANN202 - a module loaded from a path
-    spec = importlib.util.spec_from_file_location("gen_docs_vllm", ROOT / "tools/gen_docs.py")
+    spec = importlib.util.spec_from_file_location("gen_docs_vllm", ROOT / "scripts/gen_docs.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

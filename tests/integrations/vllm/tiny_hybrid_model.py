@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.tools.tiny_model import VOCAB_SIZE, build_model_dir, write_tokenizer
+from kvd.tools.tiny_model.llama import VOCAB_SIZE, build_model_dir, write_tokenizer
 
 BUILDER_VERSION = 1
 SEED = 20261124

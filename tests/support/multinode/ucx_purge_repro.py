@@ -3,7 +3,7 @@
 Two processes on loopback, UCX over TCP only (``UCX_TLS=tcp``: a READ is emulated with
 GET request/reply active messages, as between nodes). The consumer posts one READ of
 many descriptors, lets it run ``--sever-after-s``, then aborts its TCP connections to
-the producer in the kernel (`kvd.transport.sockets.shut_connections_to`: a reset, what
+the producer in the kernel (`kvd.transport.remote.sockets.shut_connections_to`: a reset, what
 kvd's quarantine does). The producer, which has GET replies queued in its endpoint's
 pending queue, then fails the endpoint; UCX 1.23 may SIGSEGV there. Prints one line per
 round: ``producer rc`` (``-11``: the crash) and how the READ ended.
@@ -27,7 +27,7 @@ import numpy as np
 
 
 def _agent(name: str):  # noqa: ANN202 - nixl's type
-    from kvd.transport.nixl import import_nixl
+    from kvd.transport.remote.nixl import import_nixl
 
     api = import_nixl()
     return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
@@ -41,7 +41,7 @@ def producer(meta_path: str, nbytes: int, zero_heap: bool) -> int:
 
         resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY,) * 2)
     if zero_heap:  # what kvd's NixlTransport does before its agent
-        from kvd.transport.ucx_heap import zero_fresh_heap
+        from kvd.transport.remote.ucx_heap import zero_fresh_heap
 
         assert zero_fresh_heap()
     agent = _agent("P")
@@ -58,7 +58,7 @@ def producer(meta_path: str, nbytes: int, zero_heap: bool) -> int:
 
 def consumer(meta_path: str, nbytes: int, desc_bytes: int, sever_after_s: float,
              freeze_pid: int) -> str:
-    from kvd.transport.sockets import shut_connections_to
+    from kvd.transport.remote.sockets import shut_connections_to
 
     with open(meta_path, "rb") as f:
         raw = f.read()
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--sever-after-s", type=float, default=0.05)
     ap.add_argument("--freeze", action="store_true", help="SIGSTOP the producer around the sever")
     ap.add_argument("--zero-heap", action="store_true",
-                    help="the producer applies kvd.transport.ucx_heap (kvd's workaround)")
+                    help="the producer applies kvd.transport.remote.ucx_heap (kvd's workaround)")
     ap.add_argument("--alternate", action="store_true",
                     help="every other round with --zero-heap: both arms in one run")
     ap.add_argument("--producer-env", action="append", default=[],
@@ -157,8 +157,8 @@ def main() -> int:
                     os.unlink(path)
     for zero in (False, True):
         if rounds[zero]:
-            print(f"{'with' if zero else 'without'} kvd.transport.ucx_heap: producer crashed "
-                  f"in {crashes[zero]}/{rounds[zero]} rounds")
+            print(f"{'with' if zero else 'without'} kvd.transport.remote.ucx_heap: "
+                  f"producer crashed in {crashes[zero]}/{rounds[zero]} rounds")
     return 0
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.tools.bench import run_bench
 from kvd.tools.bench.floor import POOL_BLOCKS, FloorPipeline
 from kvd.tools.bench.raw import RawStream
+from kvd.tools.bench.run import run_bench
 
 pytestmark = pytest.mark.nixl
 

@@ -114,7 +114,7 @@ def test_render_shows_each_row_and_the_targets() -> None:
 
 
 def test_bench_exit_code_needs_the_local_bytes_verified(monkeypatch, capsys) -> None:
-    import kvd.tools.bench as bench
+    import kvd.tools.bench.run as bench
 
     good = _local([_row("local_tp1_tp1", 1, 1, 2, 1.0)], 0.4)
     fake = {"scenarios": [{"verified": True}], "local": good}

@@ -51,7 +51,7 @@ def test_png_is_written(tmp_path: Path) -> None:
 def test_cli_refuses_plot_without_a_curve_and_both_curves_at_once() -> None:
     from typer.testing import CliRunner
 
-    from kvd.tools.bench_cli import bench_app
+    from kvd.tools.bench.cli import bench_app
 
     res = CliRunner().invoke(bench_app, ["--plot", "x.png"])
     assert res.exit_code == 2 and "--workers-curve" in res.output

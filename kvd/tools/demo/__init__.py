@@ -1,0 +1,2 @@
+"""`kvd demo`: two daemons and simulated engines on loopback, checked byte for byte
+(``run``)."""

@@ -1,0 +1,1 @@
+"""`kvd router`: an OpenAI-compatible prefill/decode router for vLLM engines (``app``)."""
