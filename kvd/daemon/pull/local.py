@@ -24,6 +24,7 @@ from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.state import Path
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
 from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
@@ -175,7 +176,7 @@ class LocalMover:
     copier, created at start-up by `start_cuda` or at first use). A copy always ends:
     nothing to sever."""
 
-    path = "local"
+    path = Path.LOCAL
 
     def __init__(self, copier: LocalCopier,
                  cuda_copier: Callable[[], Any] | None = None) -> None:

@@ -22,6 +22,7 @@ from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.pull.actions import Notice
 from kvd.daemon.pull.hostmap import host_bases
+from kvd.daemon.pull.state import Path
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PoolSpan, PostResult, ReadPost, XferStatus
 from kvd.wire import protocol as P
@@ -34,7 +35,7 @@ FRESH_POST_MAX_DESCRIPTORS = 8
 
 
 class Mover(Protocol):
-    path: str  # "remote", "local" or "host": in kvd status, the logs and the metrics' labels
+    path: Path  # in kvd status, the logs and the metrics' labels
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
         """Whether `post_now` would post these without waiting (unless a lock is taken)."""
@@ -119,7 +120,7 @@ def _host_port(address: str) -> tuple[str, int]:
 class NixlMover:
     """NIXL READs from another daemon's agent, through this daemon's data path."""
 
-    path = "remote"
+    path = Path.REMOTE
 
     def __init__(self, datapath: DataPath, peers: PeerTable, own_ports: tuple[int, ...]
                  ) -> None:

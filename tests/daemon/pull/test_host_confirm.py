@@ -102,7 +102,7 @@ def test_a_quarantine_on_a_clock_far_from_zero_waits_before_severing() -> None:
     err = TransferError("nixlRemoteDisconnectError")
     acts = pull.on_poll({11: XferStatus(XferState.FAILED, err),
                          12: XferStatus(XferState.PENDING)}, now + 0.3)
-    assert acts == [M.Probe((A, B), err)]
+    assert acts == [M.Probe(A, err, drop=(A, B))]
     ack = Reply(P.HeartbeatAck(unknown=[]), "i", now + 0.4)
     acts = pull.on_probed(err, {A: ack, B: ack}, now + 0.4)
     assert pull.state is PullState.QUARANTINED
