@@ -1048,6 +1048,9 @@ class SimDriver:
 
     def do(self, act: M.Action, rest: list[M.Action]) -> list[M.Action] | None:
         pull, d, sim = self.pull, self.d, self.sim
+        if isinstance(act, M.KeepLeases):
+            self.renew()
+            return []
         polled, self.polled = self.polled, False
         if isinstance(act, M.WaitRanks):  # as PullDriver's: the same registration, or fail
             reg = d.svc.registry.engines.get(pull.msg.engine_id)
@@ -1080,7 +1083,6 @@ class SimDriver:
                 return None
             return pull.handle(RepliesIn(list(self.acq or {}), got), sim.now)
         if isinstance(act, M.PollAfter):
-            self.renew()
             self.wait()
             self.later(act.delay_s, self._polled, rest)
             return None
@@ -1089,7 +1091,6 @@ class SimDriver:
             self.wait()
             return None
         if isinstance(act, M.Discard):  # every transfer ended
-            self.renew()
             if polled:  # released in the poll's own step
                 self.release()
                 return pull.handle(Discarded(), sim.now)
@@ -1285,7 +1286,7 @@ class SimDriver:
             ask()
 
     def renew(self) -> None:
-        if not self.beating and self.pull.renewing:
+        if not self.beating:
             self.beating = True
             self.d.after(self.sim.cfg.heartbeat_interval_s, self._beat)
 

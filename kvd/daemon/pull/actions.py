@@ -66,6 +66,13 @@ class PollAfter:
 
 
 @dataclass(frozen=True)
+class KeepLeases:
+    """From now until the pull reported, renew the producers' leases on its READs
+    (heartbeats every ``heartbeat_interval_s`` to `Pull.lease_addresses`): a big READ can
+    outlast a lease."""
+
+
+@dataclass(frozen=True)
 class Probe:
     """A transfer failed: is the producer daemon at ``address`` still the incarnation we
     greeted (`Probed`)? The first probe of a failure drops the cached
@@ -127,5 +134,6 @@ class Report:
 
 
 Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
-          | PollAfter | Probe | Confirm | Discard | Sever | Quarantine | Warn | Release | Report)
+          | PollAfter | KeepLeases | Probe | Confirm | Discard | Sever | Quarantine | Warn
+          | Release | Report)
 

@@ -36,6 +36,7 @@ from kvd.daemon.pull.actions import (
     Discard,
     ForgetHandshake,
     Greet,
+    KeepLeases,
     PollAfter,
     Post,
     Probe,
@@ -203,6 +204,9 @@ class PullDriver:
         if isinstance(act, Quarantine):
             (self.quarantine.enter if act.enter else self.quarantine.leave)(act.nbytes)
             return []
+        if isinstance(act, KeepLeases):
+            self._heartbeat = self.svc.spawn(self._beat())
+            return []
         if isinstance(act, ForgetHandshake):
             msg = self.pull.msg
             self.peers.forget(msg.engine_id, msg.remote_engine_id)
@@ -309,7 +313,6 @@ class PullDriver:
             assert self.acquiring is not None
             return self._replies(await self.acquiring.wait())
         if isinstance(act, PollAfter):
-            self._renew()
             await clock.sleep(act.delay_s)
             states = await self.mover.poll(sorted(pull.live))
             return pull.handle(Polled(states, self._unreachable()), clock.now())
@@ -318,7 +321,6 @@ class PullDriver:
                 self.peers.drop_address(addr, "READ failed")
             return pull.handle(Probed(act.address, await self._ask(act.address)), clock.now())
         if isinstance(act, Discard):  # every transfer ended
-            self._renew()
             await self._release()
             return pull.handle(Discarded(), clock.now())
         if isinstance(act, Sever):
@@ -460,10 +462,6 @@ class PullDriver:
             return None
 
     # ------------------------------------------------------------ leases
-
-    def _renew(self) -> None:
-        if self._heartbeat is None and self.pull.renewing:
-            self._heartbeat = self.svc.spawn(self._beat())
 
     async def _beat(self) -> None:
         """Keep the producers' leases alive while our transfers run; notice a lost request."""

@@ -47,6 +47,7 @@ from kvd.daemon.pull.actions import (  # the steps' return values; re-exported h
     Discard,
     ForgetHandshake,
     Greet,
+    KeepLeases,
     Notice,
     PollAfter,
     Post,
@@ -136,6 +137,7 @@ class Pull:
     _post_errors: list[TransferError] = field(default_factory=list)
     _failure: str = ""  # an assembly failure, reported once the replies say who holds it
     _then: Then | None = None  # what follows the discard (DISCARDING)
+    _leases_kept: bool = False  # KeepLeases returned
     _regreeted: bool = False  # greeted once more after a handshake with retired mappings
     _probing: list[str] = field(default_factory=list)  # producer daemons left to probe
     _probe_error: TransferError | None = None  # the failure the probes explain, or not
@@ -306,7 +308,7 @@ class Pull:
 
     def _poll_or_finish(self) -> list[Action]:
         if self.reading_from:
-            return [PollAfter(self._next_poll_s())]
+            return [*self._keep_leases(), PollAfter(self._next_poll_s())]
         if self.path is Path.HOST:
             return [Confirm()]
         return self._end(Outcome.OK, "")
@@ -337,7 +339,8 @@ class Pull:
         stall = self._stalled(now_s)
         if self.state is PullState.DISCARDING:  # only their end matters
             self._stall = self._stall or stall
-            return [PollAfter(self._discard_poll_s())] if self.live else [Discard()]
+            return [*self._keep_leases(),
+                    PollAfter(self._discard_poll_s()) if self.live else Discard()]
         if stall:
             return self.fail(stall, now_s)
         failed = [s.error for s in states.values() if s.error is not None]
@@ -429,7 +432,7 @@ class Pull:
         """Let every transfer posted end (polled), then release them (`Discard`)."""
         self._to(On.DISCARD)
         self._then = then
-        return [PollAfter(0.0)] if self.live else [Discard()]
+        return [*self._keep_leases(), PollAfter(0.0) if self.live else Discard()]
 
     def discarded(self, now_s: float) -> list[Action]:
         """The discarded transfers ended and were released, the pools unpinned."""
@@ -459,6 +462,13 @@ class Pull:
         ends before a read-again), a big READ can outlast a lease."""
         return (self.state in (PullState.READING, PullState.DISCARDING)
                 and bool(self.reading_from))
+
+    def _keep_leases(self) -> list[Action]:
+        """`KeepLeases`, once: when transfers first run (or end before a read-again)."""
+        if self._leases_kept or not self.renewing:
+            return []
+        self._leases_kept = True
+        return [KeepLeases()]
 
     def lease_addresses(self) -> list[str]:
         """Producer daemons holding a READ of ours still pending (and not lost); none

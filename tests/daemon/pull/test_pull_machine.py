@@ -173,7 +173,7 @@ def test_a_big_pull_waits_for_the_replies_before_posting() -> None:
 def test_a_read_failing_under_a_restarted_producer_is_peer_lost() -> None:
     pull, _ = _pull()
     _posted_running(pull)
-    assert pull.on_replies([ADDR], [_reply()], 1.0) == [M.PollAfter(0.0)]
+    assert pull.on_replies([ADDR], [_reply()], 1.0) == [M.KeepLeases(), M.PollAfter(0.0)]
     err = TransferError("nixlRemoteDisconnectError")
     acts = pull.on_poll({11: XferStatus(XferState.FAILED, err)}, 1.1)
     assert acts == [M.Probe(ADDR, err, drop=(ADDR,))]
@@ -258,7 +258,7 @@ def test_a_stale_handshake_discards_the_early_read_and_greets_again_twice_at_mos
     pull, _ = _pull()
     _posted_running(pull)
     acts = pull.on_replies([ADDR], [_reply(instance="inst-b")], 1.0)
-    assert acts == [M.PollAfter(0.0)] and pull.state is PullState.DISCARDING
+    assert acts == [M.KeepLeases(), M.PollAfter(0.0)] and pull.state is PullState.DISCARDING
     assert pull.on_poll({11: DONE}, 1.1) == [M.Discard()]  # the discarded READ ended
     acts = pull.discarded(1.2)
     assert acts == [M.ForgetHandshake(), M.WaitRanks()]
@@ -277,7 +277,7 @@ def test_a_read_that_may_predate_the_publish_is_read_again() -> None:
     _posted_running(pull)
     # held 0.1 s when the Acquire came, 0.5 s after the READ was posted: too young
     acts = pull.on_replies([ADDR], [_reply(held_s=0.1, received_s=1.0)], 1.0)
-    assert isinstance(acts[0], M.Warn) and acts[1] == M.PollAfter(0.0)
+    assert isinstance(acts[0], M.Warn) and acts[1:] == [M.KeepLeases(), M.PollAfter(0.0)]
     assert pull.renewing  # leases kept alive while the first READ ends
     assert pull.on_poll({11: DONE}, 1.1) == [M.Discard()]
     assert pull.discarded(1.1) == [M.Post((_post(),), again=True)]
