@@ -13,7 +13,6 @@ from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull.actions import Notice
 from kvd.daemon.pull.state import Path
-from kvd.errors import KvdError
 from kvd.transport.base import PostResult, ReadPost, XferStatus
 
 
@@ -134,13 +133,6 @@ class Raised:
     error: BaseException
 
 
-@dataclass(frozen=True)
-class Cancel:
-    """The daemon stops (drain timeout): fail without waiting for any transfer."""
-
-    reason: KvdError
-
-
 Input = (Begin | RanksReady | Greeted | AcquireSent | Assembled | AssemblyFailed | Posted
          | RepliesIn | Polled | Probed | Confirmed | Discarded | Released | LeaseReply
-         | Interrupted | Raised | Cancel)
+         | Interrupted | Raised)

@@ -65,7 +65,6 @@ from kvd.daemon.pull.inputs import (
     Assembled,
     AssemblyFailed,
     Begin,
-    Cancel,
     Confirmed,
     Discarded,
     Greeted,
@@ -222,8 +221,6 @@ class Pull:
                     "pull cancelled (engine gone or daemon stopping)"))
             case Raised(error):
                 return self.fail(self.describe(error), now_s)
-            case Cancel(reason):
-                return self.cancel(reason)
         raise AssertionError(f"not an input of a pull: {event!r}")
 
     # ------------------------------------------------------------ setting out
