@@ -10,8 +10,11 @@ carries the actions out: the task's `_do` is `_now` (every step that needs no wa
 same code the inline path runs) followed, only when that cannot finish it, by `_wait`
 (the awaiting part alone).
 
-The task also keeps the producers' leases alive while transfers run (heartbeats), and
-owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
+The driver decides nothing about the pull: it gathers facts (a poll's states, a reply,
+whether the engine registered again, which mover a handshake gets) and feeds them to the
+machine's one entry point, `Pull.handle`, whose actions it carries out next. The task
+keeps the producers' leases alive while the machine says so (`KeepLeases`: heartbeats),
+and owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
 fails the pull. The end of a pull (quarantine, release, report) is shielded from any
 further cancellation, so every pull is reported exactly once.
 """
