@@ -1056,7 +1056,8 @@ class SimDriver:
             reg = d.svc.registry.engines.get(pull.msg.engine_id)
             if reg is None:
                 raise NotFoundError(f"engine {pull.msg.engine_id!r} is not registered")
-            return pull.handle(RanksReady(again=reg is not self.reg), sim.now)
+            again, self.reg = reg is not self.reg, reg  # as PullDriver: the machine judges
+            return pull.handle(RanksReady(again), sim.now)
         if isinstance(act, M.Greet):
             self.greet(rest)
             self.wait()
