@@ -415,7 +415,7 @@ def test_third_party_finder_sees_local_dynamic_and_from_imports(tmp_path):
 
 
 def test_the_pull_machine_and_its_rules_load_no_io() -> None:
-    """The sans-IO pull (and its table, actions and Acquire rules) imports nothing that
+    """The sans-IO pull (and its table, inputs, actions and Acquire rules) imports nothing that
     does I/O: a simulator, a unit test or another driver can run it without a loop, a
     socket, metrics or a transport (checked in a fresh interpreter)."""
     import subprocess
@@ -423,7 +423,7 @@ def test_the_pull_machine_and_its_rules_load_no_io() -> None:
 
     code = ("import sys\n"
             "import kvd.daemon.pull.machine, kvd.daemon.pull.state, kvd.daemon.pull.actions\n"
-            "import kvd.daemon.pull.acquire\n"
+            "import kvd.daemon.pull.acquire, kvd.daemon.pull.inputs\n"
             "bad = [m for m in ('asyncio', 'zmq', 'prometheus_client', 'nixl', 'nixl_cu12',\n"
             "       'uvloop', 'torch') if m in sys.modules]\n"
             "print(','.join(bad))\n")

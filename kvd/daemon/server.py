@@ -223,9 +223,9 @@ class Daemon:
         """SIGTERM: refuse new work, let held requests and pulls end within drain_timeout_s;
         then fail the pulls left (``draining``), release their READs, and stop."""
         self.draining = True
-        log.info("draining: %d held, %d pulls", len(self.producer.held), len(self.consumer.jobs))
+        log.info("draining: %d held, %d pulls", len(self.producer.held), len(self.consumer.pulls))
         deadline = self.clock.now() + self.cfg.drain_timeout_s
-        while (self.producer.held.items or self.consumer.jobs) and self.clock.now() < deadline:
+        while (self.producer.held.items or self.consumer.pulls) and self.clock.now() < deadline:
             await self.clock.sleep(DRAIN_POLL_S)
         failing = self.consumer.cancel_all(DrainingError(
             f"daemon stopped (drain_timeout_s={self.cfg.drain_timeout_s}) before the pull ended"))

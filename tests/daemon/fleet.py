@@ -46,7 +46,25 @@ from kvd.daemon.produce.held import HeldState
 from kvd.daemon.produce.producer import ACQUIRE_WAITS_FOR_PUBLISH_S, Producer
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.driver import PROBE_TIMEOUT_S, PullDriver
-from kvd.daemon.pull.state import PullState
+from kvd.daemon.pull.inputs import (
+    AcquireSent,
+    Assembled,
+    AssemblyFailed,
+    Begin,
+    Confirmed,
+    Discarded,
+    Greeted,
+    Interrupted,
+    LeaseReply,
+    Polled,
+    Posted,
+    Probed,
+    Raised,
+    RanksReady,
+    Released,
+    RepliesIn,
+)
+from kvd.daemon.pull.state import Path, PullState
 from kvd.errors import (
     BusyError,
     KvdError,
@@ -830,7 +848,7 @@ class Daemon:
         producer = sim.by_addr.get(msg.remote_address)
         host = (producer is not None and producer is not self
                 and {self.index, producer.index} <= set(sim.knobs.host_daemons))
-        pull = M.Pull(msg=msg, started_s=sim.now, path="host" if host else "remote",
+        pull = M.Pull(msg=msg, started_s=sim.now, path=Path.HOST if host else Path.REMOTE,
                       liveness_timeout_s=sim.cfg.peer_liveness_timeout_s,
                       transfer_timeout_s=sim.cfg.transfer_timeout_s)
         drv = SimDriver(self, pull, rec, reg)
@@ -970,6 +988,7 @@ class SimDriver:
         self.acq_token = 0
         self.acq_rest: list[M.Action] = []
         self.pending_acts: list[M.Action] = []
+        self.polled = False  # carrying out the first action after a poll
 
     # plumbing
 
@@ -987,14 +1006,14 @@ class SimDriver:
         pull, sim = self.pull, self.sim
         self.d.after(max(0.0, pull.transfer_timeout_s - (sim.now - pull.started_s)),
                      self._deadline)
-        self.go(pull.begin(cached))
+        self.go(pull.handle(Begin(cached, pull.path), sim.now))
 
     def _deadline(self) -> None:
         if self.reported or self.in_end or self.pull.ending:
             return
         self.token += 1  # cancels whatever the pull waits for
         self.acq_waiting = False
-        self.go(self.pull.on_deadline(self.sim.now))
+        self.go(self.pull.handle(Interrupted(deadline=True), self.sim.now))
 
     def go(self, acts: list[M.Action]) -> None:
         try:
@@ -1023,26 +1042,29 @@ class SimDriver:
     def fail_with(self, exc: KvdError, rest: list[M.Action]) -> None:
         self.token += 1
         self.acq_waiting = False
-        self.go(self.pull.fail(self.pull.describe(exc), self.sim.now))
+        self.go(self.pull.handle(Raised(exc), self.sim.now))
 
     # the actions
 
     def do(self, act: M.Action, rest: list[M.Action]) -> list[M.Action] | None:
         pull, d, sim = self.pull, self.d, self.sim
+        if isinstance(act, M.KeepLeases):
+            self.renew()
+            return []
+        polled, self.polled = self.polled, False
         if isinstance(act, M.WaitRanks):  # as PullDriver's: the same registration, or fail
             reg = d.svc.registry.engines.get(pull.msg.engine_id)
             if reg is None:
                 raise NotFoundError(f"engine {pull.msg.engine_id!r} is not registered")
-            if reg is not self.reg:
-                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the pull")
-            return pull.ranks_ready()
+            again, self.reg = reg is not self.reg, reg  # as PullDriver: the machine judges
+            return pull.handle(RanksReady(again), sim.now)
         if isinstance(act, M.Greet):
             self.greet(rest)
             self.wait()
             return None
         if isinstance(act, M.SendAcquire):
             self.send_acquire()
-            return []
+            return pull.handle(AcquireSent(), sim.now)
         if isinstance(act, M.Assemble):
             return self.assemble()
         if isinstance(act, M.Post):
@@ -1051,7 +1073,7 @@ class SimDriver:
             self.pin()
             results = sim.transport.post(d, list(act.posts), self.rec, self.reg,
                                          host=pull.path == "host")
-            return pull.posted(results, sim.now, 0.0)
+            return pull.handle(Posted(results, sim.now, 0.0), sim.now)
         if isinstance(act, M.AwaitReplies):
             got = self.replies()
             if got is None:
@@ -1060,9 +1082,8 @@ class SimDriver:
                 self.acq_rest = rest
                 self.wait()
                 return None
-            return pull.on_replies(list(self.acq or {}), got, sim.now)
+            return pull.handle(RepliesIn(list(self.acq or {}), got), sim.now)
         if isinstance(act, M.PollAfter):
-            self.renew()
             self.wait()
             self.later(act.delay_s, self._polled, rest)
             return None
@@ -1070,10 +1091,12 @@ class SimDriver:
             self.probe(act, rest)
             self.wait()
             return None
-        if isinstance(act, M.Discard):
-            self.renew()
+        if isinstance(act, M.Discard):  # every transfer ended
+            if polled:  # released in the poll's own step
+                self.release()
+                return pull.handle(Discarded(), sim.now)
             self.wait()
-            self.later(0.0, self._discard_poll, rest)
+            self.later(0.0, self._discarded, rest)
             return None
         if isinstance(act, M.Sever):
             for agent, addrs in act.producers.items():
@@ -1083,7 +1106,7 @@ class SimDriver:
             return []
         if isinstance(act, M.Release):
             self.release()
-            return pull.released(sim.now)
+            return pull.handle(Released(), sim.now)
         if isinstance(act, M.Report):
             self.report(act)
             return []
@@ -1098,7 +1121,7 @@ class SimDriver:
             d.remotes.pop((pull.msg.engine_id, pull.msg.remote_engine_id), None)
             return []
         if isinstance(act, M.Confirm):  # as HostMaps.owner_gone: the owner still alive?
-            return pull.confirmed(self.owner_gone(), sim.now)
+            return pull.handle(Confirmed(self.owner_gone()), sim.now)
         raise AssertionError(act)
 
     def owner_gone(self) -> str:
@@ -1113,19 +1136,13 @@ class SimDriver:
         pull, sim = self.pull, self.sim
         states = sim.transport.poll(sorted(pull.live))
         unreachable = self.d.unreachable(list(pull.remote.daemons) if pull.remote else [])
-        self.resume(pull.on_poll(states, sim.now, unreachable), rest)
+        acts = pull.handle(Polled(states, unreachable), sim.now)
+        self.polled = True  # for the first of ``acts`` (`do`)
+        self.resume(acts, rest)
 
-    def _discard_poll(self, rest: list[M.Action]) -> None:
-        pull, sim = self.pull, self.sim
-        if pull.live:
-            follow = pull.on_poll(sim.transport.poll(sorted(pull.live)), sim.now)
-            if follow:
-                (step,) = follow
-                assert isinstance(step, M.PollAfter)
-                self.later(step.delay_s, self._discard_poll, rest)
-                return
+    def _discarded(self, rest: list[M.Action]) -> None:
         self.release()
-        self.resume(pull.discarded(sim.now), rest)
+        self.resume(self.pull.handle(Discarded(), self.sim.now), rest)
 
     # the parts
 
@@ -1135,7 +1152,8 @@ class SimDriver:
         key = (msg.engine_id, msg.remote_engine_id)
         cached = d.remotes.get(key)
         if cached is not None and msg.remote_address in cached.daemons:
-            self.later(0.0, lambda: self.resume(pull.greeted(cached), rest))
+            self.later(0.0, lambda: self.resume(
+                pull.handle(Greeted(cached, pull.path), self.sim.now), rest))
             return
         d.remotes.pop(key, None)
         addr = msg.remote_address
@@ -1158,7 +1176,7 @@ class SimDriver:
                 addr: RemoteDaemon(addr, agent=agent, instance=r.instance, epoch=epoch)},
                 pools=pool_uid)
             d.remotes[key] = remote
-            self.resume(pull.greeted(remote), rest)
+            self.resume(pull.handle(Greeted(remote, pull.path), self.sim.now), rest)
 
         d.request(addr, hello, None, answered)
 
@@ -1180,10 +1198,9 @@ class SimDriver:
                 if (self.acq is acq and self.acq_waiting and self.token == self.acq_token
                         and self.replies() is not None):
                     self.acq_waiting = False
-                    self.resume(self.pull.on_replies(list(acq), self.replies(),  # type: ignore
-                                                     self.sim.now), self.acq_rest)
+                    self.resume(self.pull.handle(RepliesIn(list(acq), self.replies()),  # type: ignore
+                                                 self.sim.now), self.acq_rest)
             d.request(addr, msg, None, got)
-        pull.acquire_sent(self.sim.now)
 
     def replies(self) -> list[Reply | BaseException] | None:
         if self.acq is None or any(v is None for v in self.acq.values()):
@@ -1193,8 +1210,9 @@ class SimDriver:
     def assemble(self) -> list[M.Action]:
         pull, rec = self.pull, self.rec
         if not self.reg.live_ranks():
-            return pull.assembly_failed(f"{KvdError.code}: engine {pull.msg.engine_id!r} left "
-                                        "before its READs were posted")
+            return pull.handle(AssemblyFailed(f"{KvdError.code}: engine "
+                                              f"{pull.msg.engine_id!r} left before its READs "
+                                              "were posted"), self.sim.now)
         remote = pull.remote
         assert remote is not None
         (addr,) = remote.daemons
@@ -1212,7 +1230,8 @@ class SimDriver:
                                       producer_engine_id=pull.msg.remote_engine_id,
                                       consumer_engine_id=pull.msg.engine_id, reads=1,
                                       nbytes=nbytes))
-        return pull.assembled([post], [notice], nbytes, n, self.replies() is not None)
+        return pull.handle(Assembled([post], [notice], nbytes, n, self.replies() is not None),
+                           self.sim.now)
 
     @property
     def engine(self) -> Reg:  # what PullDriver._pin and _unpin read
@@ -1238,46 +1257,37 @@ class SimDriver:
         self.unpin()
 
     def probe(self, act: M.Probe, rest: list[M.Action]) -> None:
+        """As PullDriver: drop the cached daemons (the first probe), then ask this one."""
         d, pull = self.d, self.pull
-        for addr in act.addresses:
+        for addr in act.drop:
             d.drop_address(addr)
-        answers: dict[str, Reply | None] = {}
-        addrs = list(act.addresses)
-        unreachable = d.unreachable(addrs)
+        addr = act.address
+        unreachable = d.unreachable([addr])
         token = self.token
 
-        def step(i: int) -> None:
-            if i == len(addrs):
-                self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
-                return
-            addr = addrs[i]
+        def answer(reply: Reply | None) -> None:
+            self.resume(pull.handle(Probed(addr, reply), self.sim.now), rest)
+
+        def ask() -> None:
             if addr in unreachable:
-                answers[addr] = None
-                self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
+                answer(None)
                 return
 
             def got(r: Reply | KvdError) -> None:
-                if self.token != token:
-                    return
-                if isinstance(r, KvdError):
-                    answers[addr] = None
-                    self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
-                    return
-                answers[addr] = r
-                assert pull.remote is not None
-                if r.instance != pull.remote.daemons[addr].instance:
-                    self.resume(pull.on_probed(act.error, answers, self.sim.now), rest)
-                    return
-                step(i + 1)
+                if self.token == token:
+                    answer(None if isinstance(r, KvdError) else r)
 
             d.request(addr, P.Heartbeat(producer_engine_id=pull.msg.remote_engine_id,
                                         request_ids=[]),
                       min(PROBE_TIMEOUT_S, self.sim.cfg.handshake_timeout_s), got)
 
-        self.later(0.0, step, 0)
+        if act.drop:
+            self.later(0.0, ask)
+        else:
+            ask()
 
     def renew(self) -> None:
-        if not self.beating and self.pull.renewing:
+        if not self.beating:
             self.beating = True
             self.d.after(self.sim.cfg.heartbeat_interval_s, self._beat)
 
@@ -1286,10 +1296,7 @@ class SimDriver:
         pull, d = self.pull, self.d
         if self.reported:
             return
-        if not pull.renewing:
-            d.after(self.sim.cfg.heartbeat_interval_s, self._beat)
-            return
-        addrs = pull.lease_addresses()
+        addrs = pull.lease_addresses()  # none while nothing needs renewing
         beat = P.Heartbeat(producer_engine_id=pull.msg.remote_engine_id,
                            request_ids=[pull.msg.producer_request_id])
 
@@ -1304,7 +1311,7 @@ class SimDriver:
                 if self.reported:
                     return
                 if not isinstance(r, KvdError):
-                    pull.on_lease_reply(addrs[i], r, self.sim.now)
+                    pull.handle(LeaseReply(addrs[i], r), self.sim.now)
                 step(i + 1)
 
             d.request(addrs[i], beat, None, got)

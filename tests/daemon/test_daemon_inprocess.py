@@ -241,7 +241,7 @@ def test_a_read_again_keeps_the_lease_alive_while_the_first_read_ends(
             await p.pc.publish("pre", "r1", [1, 2])  # lease 5 s of fake time
             p.decode.datapath.transport.hold_reads = True
             await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [1, 2], [5, 6])
-            await _until_state(p.dc, p.clock, "pulls", "reading")
+            await _until_state(p.dc, p.clock, "pulls", "discarding")
             for _ in range(5):  # 20 s of fake time: four leases
                 await p.clock.run(4.0, step_s=0.05)
                 assert [h.state for h in (await p.pc.status()).held] == ["reading"], \

@@ -19,6 +19,7 @@ from fleet import Fault, Knobs, Sim, SimDriver, fails, fault_schedule, report, r
 from kvd.config import validate
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.driver import PullDriver
+from kvd.daemon.pull.inputs import RanksReady
 from kvd.errors import ConfigError
 
 SEEDS = 3000
@@ -215,7 +216,8 @@ def test_busier_schedules_keep_every_invariant() -> None:
 # producer frozen) and greet again; meanwhile the consumer engine left and registered
 # again with a new pool. Greeting again, the pull took the engine's new registration and
 # read into the new pool's blocks, which the new engine had not given it. Fixed in
-# PullDriver (WaitRanks): another registration of the engine than the Pull's fails it.
+# PullDriver (WaitRanks), now in the machine: `RanksReady(again)`, another registration
+# of the engine than the Pull's, fails it.
 WIDE = Knobs(daemons=4, max_faults=12, ops=20, max_freeze_s=4.0)
 CONSUMER_ENGINE_REGISTERED_AGAIN = [
     Fault(kind="leave", at_s=0.7017, dur_s=1.0155, a=3, b=1),
@@ -225,11 +227,22 @@ CONSUMER_ENGINE_REGISTERED_AGAIN = [
 ]
 
 
-def test_a_pull_greeting_again_never_writes_into_a_new_registration() -> None:
+def test_a_pull_greeting_again_never_writes_into_a_new_registration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     sim = run(552, CONSUMER_ENGINE_REGISTERED_AGAIN, WIDE)
     (pull,) = [p for p in sim.pulls if p.label == "pull#58(e11:r56)"]
     assert pull.outcome == "failed"
     assert not any(w[4] == pull.label for w in sim.transport.writes)
+    handle = M.Pull.handle
+
+    def careless(self: M.Pull, event: object, now_s: float) -> list[M.Action]:
+        if isinstance(event, RanksReady):  # before the fix: any registration will do
+            event = RanksReady(again=False)
+        return handle(self, event, now_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(M.Pull, "handle", careless)
+    why = fails(552, CONSUMER_ENGINE_REGISTERED_AGAIN, WIDE)
+    assert why is not None and "READ of pull#58(e11:r56) wrote block" in why, why
 
 
 def test_wider_fleets_keep_every_invariant() -> None:

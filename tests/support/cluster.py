@@ -222,8 +222,8 @@ def kill_producer_mid_pulls(dc: KvdClient, victim: DaemonProcess, model: ModelSp
         for rid, pi, di in reqs:
             dc.pull(d.engine_id, rid, p.engine_id, victim.peer_address, pi, di)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not any(
-                j.state == "reading" for j in dc.status().pulls):
+        while time.monotonic() < deadline and not any(  # its Acquire out, or reading
+                j.state in ("acquiring", "reading") for j in dc.status().pulls):
             pass
         os.kill(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(10)

@@ -1,6 +1,7 @@
-"""What a pull's steps return: the actions its driver carries out (kvd.daemon.pull.
+"""What a pull's machine returns: the actions its driver carries out (kvd.daemon.pull.
 machine decides them, kvd.daemon.pull.driver carries them out; both import them from
-here). Each is a small frozen value; none does anything by itself."""
+here; what the driver feeds back is in kvd.daemon.pull.inputs). Each is a small frozen
+value; none does anything by itself."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class SendAcquire:
 
 @dataclass(frozen=True)
 class Assemble:
-    """Plan the descriptors and build the transfers (`Pull.assembled`)."""
+    """Plan the descriptors and build the transfers (then `Assembled` or `AssemblyFailed`)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Post:
 
 @dataclass(frozen=True)
 class AwaitReplies:
-    """Every reply to the Acquire is needed before going on (`Pull.on_replies`)."""
+    """Every reply to the Acquire is needed before going on (`RepliesIn`)."""
 
 
 @dataclass(frozen=True)
@@ -65,25 +66,34 @@ class PollAfter:
 
 
 @dataclass(frozen=True)
-class Probe:
-    """A transfer failed: drop the cached producer daemons and ask each whether it is
-    still the incarnation we greeted (`Pull.on_probed`)."""
+class KeepLeases:
+    """From now until the pull reported, renew the producers' leases on its READs
+    (heartbeats every ``heartbeat_interval_s`` to `Pull.lease_addresses`): a big READ can
+    outlast a lease."""
 
-    addresses: tuple[str, ...]
+
+@dataclass(frozen=True)
+class Probe:
+    """A transfer failed: is the producer daemon at ``address`` still the incarnation we
+    greeted (`Probed`)? The first probe of a failure drops the cached
+    producer daemons (``drop``) before asking."""
+
+    address: str
     error: TransferError
+    drop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Confirm:
     """Every copy of a host-path pull ended: is the daemon incarnation owning the pool
-    files it read still alive (`Pull.confirmed`)? A successor could have adopted them and
+    files it read still alive (`Confirmed`)? A successor could have adopted them and
     its engine reused the blocks under the copy, which never fails by itself."""
 
 
 @dataclass(frozen=True)
 class Discard:
-    """Let every transfer posted end (failed or not), release them, unpin
-    (`Pull.discarded`): their bytes are not trusted."""
+    """Every transfer posted ended (failed or not; their bytes are not trusted): release
+    them and unpin, then `Discarded`."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,7 @@ class Warn:
 @dataclass(frozen=True)
 class Release:
     """Release every transfer handle (none can land any more), unpin, then
-    `Pull.released`."""
+    `Released`."""
 
 
 @dataclass(frozen=True)
@@ -124,5 +134,6 @@ class Report:
 
 
 Action = (WaitRanks | Greet | ForgetHandshake | SendAcquire | Assemble | Post | AwaitReplies
-          | PollAfter | Probe | Confirm | Discard | Sever | Quarantine | Warn | Release | Report)
+          | PollAfter | KeepLeases | Probe | Confirm | Discard | Sever | Quarantine | Warn
+          | Release | Report)
 

@@ -8,19 +8,27 @@ kvd.daemon.pull.assemble. Its states:
 
     queued --early_acquire--> acquiring
     queued --wait_ranks--> waiting_ranks
-    queued --fail--> failed
+    queued --fail--> failing
     waiting_ranks --handshake--> handshaking
-    waiting_ranks --fail--> failed
+    waiting_ranks --fail--> failing
     handshaking --acquire--> acquiring
-    handshaking --fail--> failed
-    acquiring --assembled--> reading
-    acquiring --fail--> failed
-    reading --post--> reading
+    handshaking --fail--> failing
+    acquiring --post--> reading
+    acquiring --stale--> waiting_ranks
+    acquiring --finish--> releasing
+    acquiring --fail--> failing
+    reading --discard--> discarding
     reading --stale--> waiting_ranks
-    reading --finish--> done
-    reading --fail--> failed
+    reading --finish--> releasing
     reading --quarantine--> quarantined
-    quarantined --fail--> failed
+    reading --fail--> failing
+    discarding --post--> reading
+    discarding --stale--> waiting_ranks
+    discarding --quarantine--> quarantined
+    discarding --fail--> failing
+    releasing --released--> done
+    failing --released--> failed
+    quarantined --fail--> failing
 
 A producer found restarted or gone while the pull depends on it fails the pull with
 ``peer_lost``; the cached handshake is dropped so the next pull greets the new
@@ -44,7 +52,7 @@ from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import NixlMover
 from kvd.daemon.pull.quarantine import QuarantineCounts
-from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S
+from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S, Path
 from kvd.daemon.services import Services
 from kvd.errors import (
     BlockIdError,
@@ -79,8 +87,8 @@ class Consumer:
 
     def __init__(self, svc: Services, local_dispatch: Dispatch | None = None) -> None:
         self.svc = svc
-        self.jobs: dict[tuple[str, str], Pull] = {}
-        self.drivers: dict[tuple[str, str], PullDriver] = {}
+        # every pull in flight, by (engine, request): its driver, which holds its Pull
+        self.pulls: dict[tuple[str, str], PullDriver] = {}
         self.finished: deque[Pull] = deque(maxlen=FINISHED_KEEP)
         self.assembler = PullAssembler(svc.metrics)
         self.quarantine = QuarantineCounts(svc.cfg, svc.metrics)
@@ -93,7 +101,7 @@ class Consumer:
         # Another daemon on this host whose pool files map here: copied, like a local pull,
         # with the control messages still going to that daemon (kvd.daemon.pull.hostmap).
         self._host_mover = LocalMover(self._copier)
-        self._host_mover.path = "host"
+        self._host_mover.path = Path.HOST
         self.hosts = HostMapper(host_facts(cfg.shm_dir), enabled=cfg.host_pulls)
         self._local: Route | None = None
         if local_dispatch is not None:
@@ -163,10 +171,10 @@ class Consumer:
         as the answer to that one request."""
         cfg = self.svc.cfg
         engine = self.svc.registry.get(msg.engine_id)
-        if (msg.engine_id, msg.request_id) in self.jobs:
+        if (msg.engine_id, msg.request_id) in self.pulls:
             raise KvdError(f"request {msg.request_id!r} is already being pulled")
-        if len(self.jobs) >= cfg.max_inflight_pulls:
-            raise BusyError(f"{len(self.jobs)} pulls in flight (max_inflight_pulls)")
+        if len(self.pulls) >= cfg.max_inflight_pulls:
+            raise BusyError(f"{len(self.pulls)} pulls in flight (max_inflight_pulls)")
         for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
             if len(ids) > cfg.max_blocks_per_request:
                 raise TooLargeError(f"{len(ids)} {name} blocks exceed max_blocks_per_request "
@@ -180,12 +188,11 @@ class Consumer:
         pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
                     path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=cfg.transfer_timeout_s)
-        self.jobs[pull.key] = pull
         self.svc.metrics.inflight_transfers.inc()
         driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
                             self.assembler, self._reported,
                             pick=self.pick if route is self._remote else None)
-        self.drivers[pull.key] = driver
+        self.pulls[pull.key] = driver
         if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
             driver.task = self.svc.spawn(driver.run())
 
@@ -199,14 +206,13 @@ class Consumer:
         return remote
 
     def _reported(self, pull: Pull) -> None:
-        self.jobs.pop(pull.key, None)
-        self.drivers.pop(pull.key, None)
+        self.pulls.pop(pull.key, None)
         self.finished.append(pull)
 
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its transfers, then reports."""
         tasks = []
-        for driver in list(self.drivers.values()):
+        for driver in list(self.pulls.values()):
             task = driver.task
             if task is not None and not task.done():
                 driver.pull.cancel_reason = reason
@@ -219,7 +225,7 @@ class Consumer:
         now = self.svc.clock.now()
         while self.finished and now - self.finished[0].finished_s > FINISHED_KEEP_S:
             self.finished.popleft()
-        return ([_row(p, now) for p in self.jobs.values()],
+        return ([_row(d.pull, now) for d in self.pulls.values()],
                 [_row(p, now) for p in self.finished])
 
 

@@ -10,8 +10,11 @@ carries the actions out: the task's `_do` is `_now` (every step that needs no wa
 same code the inline path runs) followed, only when that cannot finish it, by `_wait`
 (the awaiting part alone).
 
-The task also keeps the producers' leases alive while transfers run (heartbeats), and
-owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
+The driver decides nothing about the pull: it gathers facts (a poll's states, a reply,
+whether the engine registered again, which mover a handshake gets) and feeds them to the
+machine's one entry point, `Pull.handle`, whose actions it carries out next. The task
+keeps the producers' leases alive while the machine says so (`KeepLeases`: heartbeats),
+and owns the deadline: past ``transfer_timeout_s`` it cancels whatever the task awaits and
 fails the pull. The end of a pull (quarantine, release, report) is shielded from any
 further cancellation, so every pull is reported exactly once.
 """
@@ -36,6 +39,7 @@ from kvd.daemon.pull.actions import (
     Discard,
     ForgetHandshake,
     Greet,
+    KeepLeases,
     PollAfter,
     Post,
     Probe,
@@ -47,11 +51,30 @@ from kvd.daemon.pull.actions import (
     WaitRanks,
     Warn,
 )
+from kvd.daemon.pull.inputs import (
+    AcquireSent,
+    Assembled,
+    AssemblyFailed,
+    Begin,
+    Confirmed,
+    Discarded,
+    Greeted,
+    Interrupted,
+    LeaseReply,
+    Polled,
+    Posted,
+    Probed,
+    Raised,
+    RanksReady,
+    Released,
+    RepliesIn,
+)
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import build_posts
 from kvd.daemon.pull.quarantine import QuarantineCounts
+from kvd.daemon.pull.state import Path
 from kvd.daemon.services import Services
-from kvd.errors import DrainingError, KvdError, ProtocolError, TransferError
+from kvd.errors import KvdError, ProtocolError, TransferError
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import Mover
 from kvd.wire import protocol as P
@@ -123,9 +146,8 @@ class PullDriver:
         """Drive the pull without waiting; True when it is reported already (else start
         `run`, which goes on from where this stopped)."""
         self.engine = engine
-        if cached is not None and not self._choose(cached):
-            cached = None  # its mappings were retired: greet afresh
-        acts = self.pull.begin(cached)
+        path = self._choose(cached) if cached is not None else None
+        acts = self.pull.handle(Begin(cached, path), self.svc.clock.now())
         while acts:
             more = self._now(acts[0])
             if more is None:
@@ -144,7 +166,7 @@ class PullDriver:
             except Exception:  # noqa: BLE001 - the task sends it again, and reports its failure
                 log.debug("early Acquire not sent", exc_info=True)
                 return None
-            return []
+            return pull.handle(AcquireSent(), svc.clock.now())
         if isinstance(act, Assemble):
             return self._assembled()
         if isinstance(act, Post):
@@ -161,7 +183,7 @@ class PullDriver:
             if results is None:  # the NIXL lock was taken meanwhile (a thread): not posted
                 self._unpin()
                 return None
-            return pull.posted(results, posted_s, time.perf_counter() - t0)
+            return pull.handle(Posted(results, posted_s, time.perf_counter() - t0), posted_s)
         if isinstance(act, AwaitReplies):
             assert self.acquiring is not None
             got = self.acquiring.ready()
@@ -172,7 +194,7 @@ class PullDriver:
             if pull.handles:
                 return None
             self._unpin()
-            return pull.released(svc.clock.now())
+            return pull.handle(Released(), svc.clock.now())
         return self._simple(act)
 
     def _simple(self, act: Action) -> list[Action] | None:
@@ -186,6 +208,9 @@ class PullDriver:
         if isinstance(act, Quarantine):
             (self.quarantine.enter if act.enter else self.quarantine.leave)(act.nbytes)
             return []
+        if isinstance(act, KeepLeases):
+            self._heartbeat = self.svc.spawn(self._beat())
+            return []
         if isinstance(act, ForgetHandshake):
             msg = self.pull.msg
             self.peers.forget(msg.engine_id, msg.remote_engine_id)
@@ -193,7 +218,7 @@ class PullDriver:
         if isinstance(act, Confirm):
             gone = (self._maps.owner_gone() if self._maps is not None
                     else "no mapping of the producer's pools to confirm the copy by")
-            return self.pull.confirmed(gone, self.svc.clock.now())
+            return self.pull.handle(Confirmed(gone), self.svc.clock.now())
         return None
 
     # ------------------------------------------------------------ the task
@@ -211,16 +236,13 @@ class PullDriver:
         try:
             acts = await self._drive(acts)
         except asyncio.CancelledError:
-            if self._timing_out and pull.cancel_reason is None:
+            if self._timing_out:  # our own cancel (`_time_out`), not the daemon's
                 task.uncancel()
-                acts = pull.on_deadline(clock.now())
-            else:
-                acts = pull.cancel(pull.cancel_reason or DrainingError(
-                    "pull cancelled (engine gone or daemon stopping)"))
+            acts = pull.handle(Interrupted(deadline=self._timing_out), clock.now())
         except Exception as exc:  # noqa: BLE001 - never let one pull take the daemon down
             if not isinstance(exc, (KvdError, TimeoutError)):
                 log.exception("pull %s crashed", pull.msg.request_id)
-            acts = pull.fail(pull.describe(exc), clock.now())
+            acts = pull.handle(Raised(exc), clock.now())
         finally:
             timer.cancel()
         # The end: quarantine, release, report. In this same step when nothing of it needs
@@ -278,79 +300,59 @@ class PullDriver:
         if isinstance(act, WaitRanks):
             engine = await svc.registry.complete(pull.msg.engine_id,
                                                  svc.cfg.handshake_timeout_s)
-            if self.engine is not None and engine is not self.engine:
-                # It left and registered again (greeting again, or waiting for its ranks):
-                # the pull's blocks are the old registration's, not the new pool's.
-                raise KvdError(f"engine {pull.msg.engine_id!r} registered again during the "
-                               "pull")
-            self.engine = engine
-            return pull.ranks_ready()
+            again, self.engine = engine is not self.engine, engine
+            return pull.handle(RanksReady(again), clock.now())
         if isinstance(act, Greet):
             assert self.engine is not None
             msg = pull.msg
             remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
                                                     msg.remote_address)
-            if not self._choose(remote):  # its producer freed a pool meanwhile: once more
-                self.peers.forget(msg.engine_id, msg.remote_engine_id)
-                remote = await self.peers.remote_engine(self.engine, msg.remote_engine_id,
-                                                        msg.remote_address)
-                if not self._choose(remote):
-                    raise KvdError(f"engine {msg.remote_engine_id!r}: its pools keep "
-                                   "being freed")
-            return pull.greeted(remote)
+            return pull.handle(Greeted(remote, self._choose(remote)), clock.now())
         if isinstance(act, SendAcquire):  # it failed now: again, raising what fails it
             self._send_acquire()
-            return []
+            return pull.handle(AcquireSent(), clock.now())
         if isinstance(act, Post):  # a large post, or one that must fail: see `_post`
             return await self._post(act)
         if isinstance(act, AwaitReplies):
             assert self.acquiring is not None
             return self._replies(await self.acquiring.wait())
         if isinstance(act, PollAfter):
-            self._renew()
             await clock.sleep(act.delay_s)
-            return pull.on_poll(await self.mover.poll(sorted(pull.live)), clock.now(),
-                                self._unreachable())
+            states = await self.mover.poll(sorted(pull.live))
+            return pull.handle(Polled(states, self._unreachable()), clock.now())
         if isinstance(act, Probe):
-            answers = await self._probe(act)
-            return pull.on_probed(act.error, answers, clock.now())
-        if isinstance(act, Discard):
-            self._renew()
-            follow: list[Action] = [PollAfter(0.0)] if pull.live else []
-            while follow:
-                (step,) = follow
-                assert isinstance(step, PollAfter)
-                await clock.sleep(step.delay_s)
-                follow = pull.on_poll(await self.mover.poll(sorted(pull.live)), clock.now())
+            for addr in act.drop:
+                self.peers.drop_address(addr, "READ failed")
+            return pull.handle(Probed(act.address, await self._ask(act.address)), clock.now())
+        if isinstance(act, Discard):  # every transfer ended
             await self._release()
-            return pull.discarded(clock.now())
+            return pull.handle(Discarded(), clock.now())
         if isinstance(act, Sever):
             await self.mover.sever(act.producers)
             return []
         if isinstance(act, Release):  # transfer handles to release first
             await self._release()
-            return pull.released(clock.now())
+            return pull.handle(Released(), clock.now())
         raise AssertionError(f"{act} can always be carried out at once")
 
     # ------------------------------------------------------------ the parts
 
-    def _choose(self, remote: RemoteEngine) -> bool:
+    def _choose(self, remote: RemoteEngine) -> Path | None:
         """The mover for this handshake (no transfer of the pull is out: it is chosen
-        before the pull assembles, again after each greeting); pins its mappings, if
-        any, until the pull reported. False: the handshake is stale."""
+        before the pull assembles, again after each greeting), and its path; pins its
+        mappings, if any, until the pull reported. None: the handshake is stale."""
         if self._pick is None:
-            return True
+            return self.mover.path
         assert not self.pull.handles
         picked = self._pick(remote)
         if picked is None:
-            return False
+            return None
         mover, maps = picked
         self._unpin_maps()
         if maps is not None:
             maps.pin()
         self.mover, self._maps = mover, maps
-        self.pull.path = mover.path
-        return True
+        return mover.path
 
     def _unpin_maps(self) -> None:
         if self._maps is not None:
@@ -373,7 +375,6 @@ class PullDriver:
         self.acquiring = Acquiring({a: self.peers.send(a, msg) for a in remote.daemons},
                                    self.peers.take_ready)
         self._acquired_from = remote
-        pull.acquire_sent(svc.clock.now())
 
 
     def _assembled(self) -> list[Action]:
@@ -384,16 +385,17 @@ class PullDriver:
         except Exception as exc:  # noqa: BLE001 - reported once the replies are in
             if not isinstance(exc, KvdError):
                 log.exception("pull %s: assembly crashed", pull.msg.request_id)
-            return pull.assembly_failed(pull.describe(exc))
+            return pull.handle(AssemblyFailed(pull.describe(exc)), self.svc.clock.now())
         posts, notices, nbytes, descriptors = build_posts(pull.msg, self.engine, pull.remote,
                                                           groups)
         assert self.acquiring is not None
-        return pull.assembled(posts, notices, nbytes, descriptors, self.acquiring.answered)
+        return pull.handle(Assembled(posts, notices, nbytes, descriptors,
+                                     self.acquiring.answered), self.svc.clock.now())
 
     def _replies(self, got: list[Reply | BaseException]) -> list[Action]:
         assert self.acquiring is not None
         addrs = self.acquiring.addresses
-        return self.pull.on_replies(addrs, got, self.svc.clock.now())
+        return self.pull.handle(RepliesIn(addrs, got), self.svc.clock.now())
 
     async def _post(self, act: Post) -> list[Action]:
         """A post `_now` could not make: raise what refuses it (the quarantine caps, the
@@ -410,9 +412,9 @@ class PullDriver:
         try:
             results = await asyncio.shield(post)
         except asyncio.CancelledError:
-            pull.posted(await post, posted_s, time.perf_counter() - t0)
+            pull.handle(Posted(await post, posted_s, time.perf_counter() - t0), posted_s)
             raise
-        return pull.posted(results, posted_s, time.perf_counter() - t0)
+        return pull.handle(Posted(results, posted_s, time.perf_counter() - t0), posted_s)
 
     async def _release(self) -> None:
         pull = self.pull
@@ -451,36 +453,19 @@ class PullDriver:
         return frozenset(a for a in remote.daemons
                          if (c := conns.get(a)) is not None and c.connected is False)
 
-    async def _probe(self, act: Probe) -> dict[str, Reply | None]:
-        """Drop the cached producer daemons; then ask each, in order, whether it is still
-        the incarnation we greeted, up to the first that is not (None: unreachable)."""
-        svc, pull = self.svc, self.pull
-        assert pull.remote is not None
-        for addr in act.addresses:
-            self.peers.drop_address(addr, "READ failed")
-        answers: dict[str, Reply | None] = {}
-        unreachable = self._unreachable()
-        for addr in act.addresses:
-            if addr in unreachable:
-                answers[addr] = None
-                break
-            try:
-                reply = await self.peers.request(addr, P.Heartbeat(
-                    producer_engine_id=pull.msg.remote_engine_id, request_ids=[]),
-                    min(PROBE_TIMEOUT_S, svc.cfg.handshake_timeout_s))
-            except KvdError:
-                answers[addr] = None
-                break
-            answers[addr] = reply
-            if reply.instance != pull.remote.daemons[addr].instance:
-                break
-        return answers
+    async def _ask(self, addr: str) -> Reply | None:
+        """Which incarnation the producer daemon at ``addr`` is, after a failed transfer
+        (None: unreachable, by liveness or by the probe's own timeout)."""
+        if addr in self._unreachable():
+            return None
+        try:
+            return await self.peers.request(addr, P.Heartbeat(
+                producer_engine_id=self.pull.msg.remote_engine_id, request_ids=[]),
+                min(PROBE_TIMEOUT_S, self.svc.cfg.handshake_timeout_s))
+        except KvdError:
+            return None
 
     # ------------------------------------------------------------ leases
-
-    def _renew(self) -> None:
-        if self._heartbeat is None and self.pull.renewing:
-            self._heartbeat = self.svc.spawn(self._beat())
 
     async def _beat(self) -> None:
         """Keep the producers' leases alive while our transfers run; notice a lost request."""
@@ -489,16 +474,14 @@ class PullDriver:
                            request_ids=[pull.msg.producer_request_id])
         while True:
             await svc.clock.sleep(svc.cfg.heartbeat_interval_s)
-            if not pull.renewing:
-                continue
-            for addr in pull.lease_addresses():
+            for addr in pull.lease_addresses():  # none while nothing needs renewing
                 try:
                     reply = await self.peers.request(addr, beat)
                 except KvdError as exc:
                     log.warning("lease heartbeat to %s failed: %s", addr, exc,
                                 extra={"request_id": pull.msg.request_id, "peer": addr})
                     continue
-                pull.on_lease_reply(addr, reply, svc.clock.now())
+                pull.handle(LeaseReply(addr, reply), svc.clock.now())
 
     # ------------------------------------------------------------ the report
 

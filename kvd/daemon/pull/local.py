@@ -25,6 +25,7 @@ from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.state import Path
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
 from kvd.transport.base import (
@@ -184,7 +185,7 @@ class LocalMover:
     copier, created at start-up by `start_cuda` or at first use). A copy always ends:
     nothing to sever."""
 
-    path = "local"
+    path = Path.LOCAL
 
     def __init__(self, copier: Copier,
                  cuda_copier: Callable[[], Copier] | None = None) -> None:

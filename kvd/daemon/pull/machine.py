@@ -1,14 +1,15 @@
 """One pull, as a sans-IO object: its record, and every decision about it.
 
-`Pull` owns everything known about one consumer pull (what the PullJob record and four
-modules used to share) and changes its own state only through the table in
-kvd.daemon.pull.state. Its steps take what happened (the handshake, the assembled
-transfers, their post results, the Acquire's replies, a poll, a lease renewal's
-answer, a probe, the deadline, a failure) and return what to do next, as `Action`
-values; they never wait, never call a socket or NIXL, and read time only from the
-``now_s`` they are given. kvd.daemon.pull.driver carries the actions out, inline in the
-engine's request while nothing needs waiting and then in the pull's task, on the same
-object; a simulator or a unit test can drive it as well.
+`Pull` owns everything known about one consumer pull and changes its own state only
+through the table in kvd.daemon.pull.state. It has one entry point, `Pull.handle`: it
+takes what happened (an input of kvd.daemon.pull.inputs: the handshake, the assembled
+transfers, their post results, the Acquire's replies, a poll, a probe's answer, a lease
+renewal's answer, the deadline, a failure) with the time, and returns what to do next,
+as `Action` values. It never waits, never calls a socket or NIXL, imports nothing that
+does, and reads time only from the ``now_s`` it is given. kvd.daemon.pull.driver carries
+the actions out (inline in the engine's request while nothing needs waiting, then in the
+pull's task, on the same object) and feeds what happened back; a simulator or a unit
+test can drive it as well.
 
 The rules it keeps:
 
@@ -46,6 +47,7 @@ from kvd.daemon.pull.actions import (  # the steps' return values; re-exported h
     Discard,
     ForgetHandshake,
     Greet,
+    KeepLeases,
     Notice,
     PollAfter,
     Post,
@@ -58,8 +60,27 @@ from kvd.daemon.pull.actions import (  # the steps' return values; re-exported h
     WaitRanks,
     Warn,
 )
-from kvd.daemon.pull.state import On, PullState, next_state
-from kvd.errors import KvdError, PeerLostError, TransferError
+from kvd.daemon.pull.inputs import (
+    AcquireSent,
+    Assembled,
+    AssemblyFailed,
+    Begin,
+    Confirmed,
+    Discarded,
+    Greeted,
+    Input,
+    Interrupted,
+    LeaseReply,
+    Polled,
+    Posted,
+    Probed,
+    Raised,
+    RanksReady,
+    Released,
+    RepliesIn,
+)
+from kvd.daemon.pull.state import On, Outcome, Path, PullState, Then, next_state
+from kvd.errors import DrainingError, KvdError, PeerLostError, TransferError
 from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
 from kvd.wire import protocol as P
 
@@ -87,7 +108,7 @@ class Pull:
     msg: P.Pull
     started_s: float
     reply_to: tuple[bytes, int] | None = None  # (identity, request id): answer when done
-    path: str = "remote"  # which mover carries it: "remote" (NIXL READs) or "local"
+    path: Path = Path.REMOTE  # which mover carries it
     liveness_timeout_s: float = 10.0  # producers of a quarantined pull severed after it
     transfer_timeout_s: float = 60.0
     state: PullState = PullState.QUEUED
@@ -108,14 +129,17 @@ class Pull:
     post_records: list[tuple[float, int, list[Any]]] = field(default_factory=list)
     timed_out: bool = False
     cancel_reason: KvdError | None = None  # why the daemon stops the pull (draining)
-    outcome: str = ""  # "" while running; then "ok", "failed" or "cancelled"
+    outcome: Outcome | None = None  # None while running
     error: str = ""
     greetings_left: int = GREETINGS
     finished_s: float = 0.0
     _post_errors: list[TransferError] = field(default_factory=list)
     _failure: str = ""  # an assembly failure, reported once the replies say who holds it
-    _then: str = ""  # what follows a Discard: "post" (read again) or "greet"
-    _posted: bool = False  # the transfers went out (since the last discard)
+    _then: Then | None = None  # what follows the discard (DISCARDING)
+    _leases_kept: bool = False  # KeepLeases returned
+    _regreeted: bool = False  # greeted once more after a handshake with retired mappings
+    _probing: list[str] = field(default_factory=list)  # producer daemons left to probe
+    _probe_error: TransferError | None = None  # the failure the probes explain, or not
     _polls: int = 0
     _poll_s: float = FIRST_POLL_S
     _quarantined_s: float = 0.0
@@ -124,16 +148,65 @@ class Pull:
     _stepped_s: float | None = None  # the read phase's last step (`_stalled`)
     _stall: str = ""  # a stall seen while discarding: the pull fails once that ends
 
+    def __post_init__(self) -> None:
+        if type(self.path) is not Path:  # its name (an enum lookup costs a microsecond)
+            self.path = Path(self.path)
+
     @property
     def key(self) -> tuple[str, str]:
         return (self.msg.engine_id, self.msg.request_id)
 
     @property
     def ending(self) -> bool:
-        return bool(self.outcome)
+        return self.outcome is not None
 
     def _to(self, event: On) -> None:
         self.state = next_state(self.state, event)
+
+    # ------------------------------------------------------------ the entry point
+
+    def handle(self, event: Input, now_s: float) -> list[Action]:
+        """What happened, at ``now_s`` (the clock's time): the actions that follow. (One
+        table lookup by the input's type: this runs on every step of every pull.)"""
+        return _ON[type(event)](self, event, now_s)
+
+    def _on_begin(self, e: Begin, now_s: float) -> list[Action]:
+        if e.cached is None or e.path is None:  # no mover for it: greet afresh
+            return self.begin(None)
+        self.path = e.path
+        return self.begin(e.cached)
+
+    def _on_ranks(self, e: RanksReady, now_s: float) -> list[Action]:
+        if e.again:
+            # It left and registered again (greeting again, or waiting for its ranks): the
+            # pull's blocks are the old registration's, not the new pool's.
+            return self.fail(f"{KvdError.code}: engine {self.msg.engine_id!r} registered "
+                             "again during the pull", now_s)
+        return self.ranks_ready()
+
+    def _on_greeted(self, e: Greeted, now_s: float) -> list[Action]:
+        if e.path is not None:
+            self.path = e.path
+            return self.greeted(e.remote)
+        if self._regreeted:
+            return self.fail(f"{KvdError.code}: engine {self.msg.remote_engine_id!r}: its "
+                             "pools keep being freed", now_s)
+        self._regreeted = True  # its producer freed a pool meanwhile: once more
+        return [ForgetHandshake(), Greet()]
+
+    def _on_acquire_sent(self, e: AcquireSent, now_s: float) -> list[Action]:
+        self.acquire_sent(now_s)
+        return []
+
+    def _on_interrupted(self, e: Interrupted, now_s: float) -> list[Action]:
+        if e.deadline and self.cancel_reason is None:
+            return self.on_deadline(now_s)
+        return self.cancel(self.cancel_reason or DrainingError(
+            "pull cancelled (engine gone or daemon stopping)"))
+
+    def _on_lease_reply(self, e: LeaseReply, now_s: float) -> list[Action]:
+        self.on_lease_reply(e.address, e.reply, now_s)
+        return []
 
     # ------------------------------------------------------------ setting out
 
@@ -160,8 +233,8 @@ class Pull:
                   descriptors: int, answered: bool) -> list[Action]:
         """The pull's transfers (one per producer daemon with descriptors) and notices (one
         per producer daemon). A small one (or one whose publish receipt rules out a
-        read-again) is posted before the Acquire's replies come; the rest waits for them."""
-        self._to(On.ASSEMBLED)
+        read-again) is posted before the Acquire's replies come; the rest waits for them
+        (still ACQUIRING)."""
         self.posts, self.notices = tuple(posts), tuple(notices)
         self.nbytes, self.descriptors = nbytes, descriptors
         if posts and not answered and self.posts_early():
@@ -189,7 +262,6 @@ class Pull:
         """The transfers' handles (done ones are released already). Post errors are judged
         once the replies are: a refused Acquire explains a failed READ better."""
         self._to(On.POST)
-        self._posted = True
         self.posted_s = posted_s
         self._stepped_s = posted_s + post_s  # a large post itself may take a while
         self.handles = [r.xfer_id for r in results if r.xfer_id is not None]
@@ -209,22 +281,26 @@ class Pull:
         return self._poll_or_finish()
 
     def _probe(self, error: TransferError) -> list[Action]:
+        """Drop the cached producer daemons; then ask each, in order, whether it is still
+        the incarnation we greeted, up to the first that is not (`on_probe_answer`)."""
         assert self.remote is not None
-        return [Probe(tuple(self.remote.daemons), error)]
+        first, *self._probing = self.remote.daemons
+        self._probe_error = error
+        return [Probe(first, error, drop=tuple(self.remote.daemons))]
 
     def _poll_or_finish(self) -> list[Action]:
         if self.reading_from:
-            return [PollAfter(self._next_poll_s())]
-        if self.path == "host":
+            return [*self._keep_leases(), PollAfter(self._next_poll_s())]
+        if self.path is Path.HOST:
             return [Confirm()]
-        return self._end("ok", "")
+        return self._end(Outcome.OK, "")
 
     def confirmed(self, gone: str, now_s: float) -> list[Action]:
         """The answer to `Confirm`: "" when the producer's incarnation outlived every copy,
         else why not (the pull fails: its bytes may be another request's)."""
         if gone:
             return self.fail(f"{PeerLostError.code}: {gone}", now_s)
-        return self._end("ok", "")
+        return self._end(Outcome.OK, "")
 
     def _next_poll_s(self) -> float:
         if self._polls < SPIN_POLLS:  # a small READ ends within a few loop turns
@@ -243,9 +319,10 @@ class Pull:
         if self.state is PullState.QUARANTINED:
             return self._quarantine_step(now_s, unreachable)
         stall = self._stalled(now_s)
-        if self._then:  # discarding: only their end matters
+        if self.state is PullState.DISCARDING:  # only their end matters
             self._stall = self._stall or stall
-            return [PollAfter(self._discard_poll_s())] if self.live else []
+            return [*self._keep_leases(),
+                    PollAfter(self._discard_poll_s()) if self.live else Discard()]
         if stall:
             return self.fail(stall, now_s)
         failed = [s.error for s in states.values() if s.error is not None]
@@ -266,23 +343,37 @@ class Pull:
                 return self.fail(f"{exc.code}: {exc}", now_s)
         return self._poll_or_finish()
 
+    def on_probe_answer(self, address: str, reply: Reply | None, now_s: float
+                        ) -> list[Action]:
+        """One producer daemon's answer to the probe (None: unreachable): the first that is
+        lost or restarted names the failure; when every one answered as greeted, the
+        transfer error itself does."""
+        assert self.remote is not None and self._probe_error is not None
+        error = self._probe_error
+        exc: KvdError = error
+        if reply is None:
+            exc = PeerLostError(f"producer daemon {address} is unreachable after a failed "
+                                f"READ ({error})")
+        elif reply.instance != self.remote.daemons[address].instance:
+            exc = PeerLostError(f"producer daemon {address} restarted during the pull "
+                                f"({error})")
+        elif self._probing:
+            return [Probe(self._probing.pop(0), error)]
+        self._probing = []
+        return self.fail(f"{exc.code}: {exc}", now_s)
+
     def on_probed(self, error: TransferError, answers: Mapping[str, Reply | None],
                   now_s: float) -> list[Action]:
-        """What each producer daemon said after a failed transfer (None: unreachable, by
-        liveness or by the probe), in order; the first that is lost or restarted names the
-        failure, else the transfer error itself."""
-        assert self.remote is not None
-        exc: KvdError = error
-        for addr, reply in answers.items():
-            if reply is None:
-                exc = PeerLostError(f"producer daemon {addr} is unreachable after a failed "
-                                    f"READ ({error})")
+        """The answers to the probes at once, in order (as `on_probe_answer` one by one)."""
+        self._probe_error = error
+        items = list(answers.items())
+        acts: list[Action] = []
+        for i, (addr, reply) in enumerate(items):
+            self._probing = [a for a, _ in items[i + 1:]]
+            acts = self.on_probe_answer(addr, reply, now_s)
+            if self.ending:
                 break
-            if reply.instance != self.remote.daemons[addr].instance:
-                exc = PeerLostError(f"producer daemon {addr} restarted during the pull "
-                                    f"({error})")
-                break
-        return self.fail(f"{exc.code}: {exc}", now_s)
+        return acts
 
     # ------------------------------------------------------------ the Acquire
 
@@ -304,31 +395,34 @@ class Pull:
         if not self.replies.current(self.remote.daemons):
             # A producer daemon restarted, or its pools changed, since we cached this.
             if self.handles:
-                self._then = "greet"
-                return [Discard()]
+                return self._discard(Then.GREET_AGAIN)
             return self._greet_again(now_s)
-        if not self._posted:
+        if self.state is PullState.ACQUIRING:  # nothing posted yet
             if not self.posts:  # nothing to read here: the notices only
-                return self._end("ok", "")
+                return self._end(Outcome.OK, "")
             return [Post(self.posts)]
         if any(may_predate_publish(self.msg, self.remote.daemons, self.replies, p.peer,
                                    self.posted_s) for p in self.posts):
             # Common when the Pull follows its Publish within a round trip (a benchmark);
             # rare in service, where the prefill's answer goes through the router first.
             # The first READs must end before new ones go out (leases kept alive meanwhile).
-            self._then = "post"
             return [Warn("READ posted before the request's hold was seen to be older: "
-                         "reading again"), Discard()]
+                         "reading again"), *self._discard(Then.READ_AGAIN)]
         return self._judge_reads()
+
+    def _discard(self, then: Then) -> list[Action]:
+        """Let every transfer posted end (polled), then release them (`Discard`)."""
+        self._to(On.DISCARD)
+        self._then = then
+        return [*self._keep_leases(), PollAfter(0.0) if self.live else Discard()]
 
     def discarded(self, now_s: float) -> list[Action]:
         """The discarded transfers ended and were released, the pools unpinned."""
-        then, self._then = self._then, ""
+        then, self._then = self._then, None
         self.handles, self.live, self.reading_from = [], set(), {}
-        self._posted = False
         if self._stall:
             return self.fail(self._stall, now_s)
-        if then == "post":
+        if then is Then.READ_AGAIN:
             return [Post(self.posts, again=True)]
         return self._greet_again(now_s)
 
@@ -339,7 +433,6 @@ class Pull:
                              "changing its pools or daemons", now_s)
         self._to(On.STALE)
         self.replies, self.posts, self.notices, self.acquired = None, (), (), []
-        self._posted = False
         self._stepped_s = None  # a new handshake and Acquire: a new read phase
         return [ForgetHandshake(), WaitRanks()]
 
@@ -349,11 +442,20 @@ class Pull:
     def renewing(self) -> bool:
         """Whether the producers' leases need renewing: transfers run (or a discarded one
         ends before a read-again), a big READ can outlast a lease."""
-        return self.state is PullState.READING and bool(self.reading_from)
+        return (self.state in (PullState.READING, PullState.DISCARDING)
+                and bool(self.reading_from))
+
+    def _keep_leases(self) -> list[Action]:
+        """`KeepLeases`, once: when transfers first run (or end before a read-again)."""
+        if self._leases_kept or not self.renewing:
+            return []
+        self._leases_kept = True
+        return [KeepLeases()]
 
     def lease_addresses(self) -> list[str]:
-        """Producer daemons holding a READ of ours still pending (and not lost)."""
-        if self.remote is None:
+        """Producer daemons holding a READ of ours still pending (and not lost); none
+        while the leases need no renewing."""
+        if self.remote is None or not self.renewing:
             return []
         reading = set(self.reading_from.values())
         return [a for a, d in self.remote.daemons.items()
@@ -392,20 +494,24 @@ class Pull:
         self.cancel_reason = reason
         if self.ending:
             self.live.clear()
+            if self.state is PullState.QUARANTINED:
+                self._to(On.FAIL)
+                return [Quarantine(False, self.nbytes), Release()]
             return [Release()]
-        return self._end("cancelled", f"{reason.code}: {reason}")
+        return self._end(Outcome.CANCELLED, f"{reason.code}: {reason}")
 
     def fail(self, error: str, now_s: float) -> list[Action]:
         """Fail the pull: at once when no transfer of it can land any more, else through
         QUARANTINED until the transport ended each (`on_poll`)."""
         if self.ending:
             return []
-        return self._end("failed", error, now_s)
+        return self._end(Outcome.FAILED, error, now_s)
 
-    def _end(self, outcome: str, error: str, now_s: float | None = None) -> list[Action]:
+    def _end(self, outcome: Outcome, error: str, now_s: float | None = None
+             ) -> list[Action]:
         self.outcome, self.error = outcome, error
-        self._then = ""
-        if outcome != "cancelled" and self.live:
+        self._then = None
+        if outcome is not Outcome.CANCELLED and self.live:
             # Only a failure quarantines, and every failure passes the clock's time: the
             # wait before severing counts from now, never from the clock's zero.
             assert now_s is not None, "a pull quarantined without the time"
@@ -415,6 +521,7 @@ class Pull:
             self._poll_s = FIRST_POLL_S
             return [Quarantine(True, self.nbytes), *self._quarantine_step(now_s,
                                                                           frozenset())]
+        self._to(On.FINISH if outcome is Outcome.OK else On.FAIL)
         return [Release()]
 
     def acquire_sent(self, now_s: float) -> None:
@@ -433,7 +540,7 @@ class Pull:
         (kvd.daemon.produce.producer.Producer.expire). Not for a local pull: its producer
         is this very daemon, stalled with it, and moved its leases on by the same gap."""
         last, self._stepped_s = self._stepped_s, now_s
-        if (self.path == "local" or last is None
+        if (self.path is Path.LOCAL or last is None
                 or now_s - last <= self.liveness_timeout_s):
             return ""
         return (f"{PeerLostError.code}: this daemon stalled {now_s - last:.1f}s during the "
@@ -454,6 +561,7 @@ class Pull:
 
     def _quarantine_step(self, now_s: float, unreachable: frozenset[str]) -> list[Action]:
         if not self.live or self.cancel_reason is not None:
+            self._to(On.FAIL)
             return [Quarantine(False, self.nbytes), Release()]
         waited_s = now_s - self._quarantined_s
         due = {agent: addrs for agent, addrs in self._producers().items()
@@ -477,9 +585,9 @@ class Pull:
 
     def released(self, now_s: float) -> list[Action]:
         """Every handle released and the pools unpinned: report."""
-        self._to(On.FINISH if self.outcome == "ok" else On.FAIL)
+        self._to(On.RELEASED)
         self.finished_s = now_s
-        ok = self.outcome == "ok"
+        ok = self.outcome is Outcome.OK
         msg = self.msg
         event = P.Event(
             kind="done_recving", request_id=msg.request_id, ok=ok,
@@ -491,3 +599,22 @@ class Pull:
                        () if ok else tuple(self.acquired))]
 
 
+_ON: dict[type, Any] = {  # `Pull.handle`: each input to its step
+    Begin: Pull._on_begin,
+    RanksReady: Pull._on_ranks,
+    Greeted: Pull._on_greeted,
+    AcquireSent: Pull._on_acquire_sent,
+    Assembled: lambda p, e, now_s: p.assembled(e.posts, e.notices, e.nbytes, e.descriptors,
+                                               e.answered),
+    AssemblyFailed: lambda p, e, now_s: p.assembly_failed(e.error),
+    Posted: lambda p, e, now_s: p.posted(e.results, e.posted_s, e.post_s),
+    RepliesIn: lambda p, e, now_s: p.on_replies(e.addresses, e.got, now_s),
+    Polled: lambda p, e, now_s: p.on_poll(e.states, now_s, e.unreachable),
+    Probed: lambda p, e, now_s: p.on_probe_answer(e.address, e.reply, now_s),
+    Confirmed: lambda p, e, now_s: p.confirmed(e.gone, now_s),
+    Discarded: lambda p, e, now_s: p.discarded(now_s),
+    Released: lambda p, e, now_s: p.released(now_s),
+    LeaseReply: Pull._on_lease_reply,
+    Interrupted: Pull._on_interrupted,
+    Raised: lambda p, e, now_s: p.fail(p.describe(e.error), now_s),
+}

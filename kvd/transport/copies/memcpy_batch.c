@@ -1,4 +1,4 @@
-/* Copy many (dst, src, nbytes) descriptors in one call: kvd.transport.nativecopy.
+/* Copy many (dst, src, nbytes) descriptors in one call: kvd.transport.copies.nativecopy.
  *
  * A Python loop of ctypes.memmove costs ~0.6 us per descriptor and takes the GIL back
  * between calls; this loop costs nanoseconds and is called through ctypes, which

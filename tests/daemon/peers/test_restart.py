@@ -64,8 +64,8 @@ def test_prefill_daemon_killed_then_restarted_is_greeted_again(tmp_path: Path) -
             for rid, ids in reqs:
                 dc.pull("dec", rid, "pre", prefill.peer_address, ids, ids)
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not any(
-                    j.state == "reading" for j in dc.status().pulls):
+            while time.monotonic() < deadline and not any(  # its Acquire out, or reading
+                    j.state in ("acquiring", "reading") for j in dc.status().pulls):
                 pass
             kill9(prefill)
             t0 = time.monotonic()

@@ -76,7 +76,7 @@ def test_a_host_copy_asks_whether_its_producer_outlived_it_before_it_is_ok() -> 
 def test_a_host_copy_whose_producer_died_meanwhile_fails_with_every_block_invalid() -> None:
     pull = _pull("host")
     pull.posted([PostResult(11, False)], 0.5, 0.0)
-    assert pull.on_replies([A], [_reply(1.0)], 1.0) == [M.PollAfter(0.0)]
+    assert pull.on_replies([A], [_reply(1.0)], 1.0) == [M.KeepLeases(), M.PollAfter(0.0)]
     acts = pull.on_poll({11: XferStatus(XferState.DONE)}, 1.2)
     assert acts == [M.Confirm()]  # the copy ended: it would have been ok without asking
     event = _report(pull, pull.confirmed("the producer daemon died", 1.2), 1.3)
@@ -102,7 +102,7 @@ def test_a_quarantine_on_a_clock_far_from_zero_waits_before_severing() -> None:
     err = TransferError("nixlRemoteDisconnectError")
     acts = pull.on_poll({11: XferStatus(XferState.FAILED, err),
                          12: XferStatus(XferState.PENDING)}, now + 0.3)
-    assert acts == [M.Probe((A, B), err)]
+    assert acts == [M.Probe(A, err, drop=(A, B))]
     ack = Reply(P.HeartbeatAck(unknown=[]), "i", now + 0.4)
     acts = pull.on_probed(err, {A: ack, B: ack}, now + 0.4)
     assert pull.state is PullState.QUARANTINED

@@ -20,12 +20,24 @@ from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
 from kvd.daemon.peers.reply import Reply
 from kvd.daemon.pull import consumer as consumer_mod
 from kvd.daemon.pull import machine as M
+from kvd.daemon.pull.inputs import (
+    Begin,
+    Greeted,
+    Interrupted,
+    Polled,
+    Probed,
+    RanksReady,
+    Released,
+    RepliesIn,
+)
 from kvd.daemon.pull.state import (
     LIVE,
     TERMINAL,
     TRANSITIONS,
     BadTransition,
     On,
+    Outcome,
+    Path,
     PullState,
     diagram,
     next_state,
@@ -48,11 +60,14 @@ def test_every_state_has_a_row_and_the_terminal_ones_are_final() -> None:
     for s in TERMINAL:
         assert TRANSITIONS[s] == {}
     for s in LIVE:  # every live pull can fail
-        assert TRANSITIONS[s][On.FAIL] is PullState.FAILED
+        assert TRANSITIONS[s][On.FAIL] is PullState.FAILING
     # a transfer exists only in the read phase: only there can a pull be quarantined
     assert [s for s, moves in TRANSITIONS.items() if On.QUARANTINE in moves] == [
-        PullState.READING]
-    assert TRANSITIONS[PullState.QUARANTINED] == {On.FAIL: PullState.FAILED}
+        PullState.READING, PullState.DISCARDING]
+    assert TRANSITIONS[PullState.QUARANTINED] == {On.FAIL: PullState.FAILING}
+    # reported (DONE, FAILED) only from the ending states, once released
+    assert {s for s, moves in TRANSITIONS.items() if set(moves.values()) & set(TERMINAL)} == {
+        PullState.RELEASING, PullState.FAILING}
 
 
 @given(st.lists(st.sampled_from(list(On)), max_size=30))
@@ -138,9 +153,11 @@ DONE = XferStatus(XferState.DONE)
 
 def test_a_small_pull_posts_before_the_replies_and_ends_ok() -> None:
     pull, acts = _pull()
-    assert acts == [M.Post((_post(),))] and pull.state is PullState.READING
+    assert acts == [M.Post((_post(),))] and pull.state is PullState.ACQUIRING
     assert pull.posted([PostResult(None, True)], 0.5, 0.0) == [M.AwaitReplies()]
+    assert pull.state is PullState.READING
     acts = pull.on_replies([ADDR], [_reply()], now_s=1.0)
+    assert pull.state is PullState.RELEASING and pull.outcome is Outcome.OK
     report = _end(pull, acts, 1.5)
     assert report.event.ok and report.notices == (_notice(),) and not report.abandon
     assert pull.state is PullState.DONE
@@ -156,12 +173,13 @@ def test_a_big_pull_waits_for_the_replies_before_posting() -> None:
 def test_a_read_failing_under_a_restarted_producer_is_peer_lost() -> None:
     pull, _ = _pull()
     _posted_running(pull)
-    assert pull.on_replies([ADDR], [_reply()], 1.0) == [M.PollAfter(0.0)]
+    assert pull.on_replies([ADDR], [_reply()], 1.0) == [M.KeepLeases(), M.PollAfter(0.0)]
     err = TransferError("nixlRemoteDisconnectError")
     acts = pull.on_poll({11: XferStatus(XferState.FAILED, err)}, 1.1)
-    assert acts == [M.Probe((ADDR,), err)]
-    acts = pull.on_probed(err, {ADDR: _ack(instance="inst-b")}, 1.15)
+    assert acts == [M.Probe(ADDR, err, drop=(ADDR,))]
+    acts = pull.handle(Probed(ADDR, _ack(instance="inst-b")), 1.15)
     assert pull.error.startswith("peer_lost") and "restarted" in pull.error
+    assert pull.state is PullState.FAILING  # failed: never shown as reading any more
     report = _end(pull, acts, 1.2)  # the failed READ ended: nothing to quarantine
     assert not report.event.ok and report.event.invalid_block_ids == [5, 6]
     assert report.abandon == (ADDR,)  # it held the request for us
@@ -240,8 +258,8 @@ def test_a_stale_handshake_discards_the_early_read_and_greets_again_twice_at_mos
     pull, _ = _pull()
     _posted_running(pull)
     acts = pull.on_replies([ADDR], [_reply(instance="inst-b")], 1.0)
-    assert acts == [M.Discard()]
-    assert pull.on_poll({11: DONE}, 1.1) == []  # the discarded READ ended
+    assert acts == [M.KeepLeases(), M.PollAfter(0.0)] and pull.state is PullState.DISCARDING
+    assert pull.on_poll({11: DONE}, 1.1) == [M.Discard()]  # the discarded READ ended
     acts = pull.discarded(1.2)
     assert acts == [M.ForgetHandshake(), M.WaitRanks()]
     assert pull.state is PullState.WAITING_RANKS and pull.handles == []
@@ -259,9 +277,9 @@ def test_a_read_that_may_predate_the_publish_is_read_again() -> None:
     _posted_running(pull)
     # held 0.1 s when the Acquire came, 0.5 s after the READ was posted: too young
     acts = pull.on_replies([ADDR], [_reply(held_s=0.1, received_s=1.0)], 1.0)
-    assert isinstance(acts[0], M.Warn) and acts[1] == M.Discard()
+    assert isinstance(acts[0], M.Warn) and acts[1:] == [M.KeepLeases(), M.PollAfter(0.0)]
     assert pull.renewing  # leases kept alive while the first READ ends
-    assert pull.on_poll({11: DONE}, 1.1) == []
+    assert pull.on_poll({11: DONE}, 1.1) == [M.Discard()]
     assert pull.discarded(1.1) == [M.Post((_post(),), again=True)]
     acts = pull.posted([PostResult(None, True)], 1.2, 0.0)
     report = _end(pull, acts, 1.3)
@@ -292,7 +310,7 @@ def test_a_cancelled_pull_releases_without_quarantine() -> None:
     pull, _ = _pull()
     _posted_running(pull)
     acts = pull.cancel(DrainingError("daemon stopped"))
-    assert acts == [M.Release()] and pull.outcome == "cancelled"
+    assert acts == [M.Release()] and pull.outcome is Outcome.CANCELLED
     report = _end(pull, acts, 3.0)
     assert not report.event.ok and report.event.error.startswith("draining")
 
@@ -327,13 +345,100 @@ def test_a_local_pull_is_not_failed_by_a_stall_of_its_own_daemon() -> None:
     """Frozen with its daemon, a local pull's producer moved its leases on by the same gap:
     the stall rule that protects a remote pull would only fail it for nothing."""
     pull, _ = _pull()
-    pull.path = "local"
+    pull.path = Path.LOCAL
     _posted_running(pull)
     pull.on_replies([ADDR], [_reply()], 1.0)
     acts = pull.on_poll({11: DONE}, 1.0 + 10 * LIVENESS_S)
-    assert acts == [M.Release()] and pull.outcome == "ok"
+    assert acts == [M.Release()] and pull.outcome is Outcome.OK
     remote, _ = _pull()
     _posted_running(remote)
     remote.on_replies([ADDR], [_reply()], 1.0)
     remote.on_poll({11: DONE}, 1.0 + 10 * LIVENESS_S)
-    assert remote.outcome == "failed" and "stalled" in remote.error
+    assert remote.outcome is Outcome.FAILED and "stalled" in remote.error
+
+
+# ------------------------------------------------------------------ one entry point
+
+
+def test_the_driver_feeds_the_machine_through_handle_only() -> None:
+    """Every decision is the machine's: the driver calls no step of it but `handle`
+    (and reads its record and its lease query)."""
+    from kvd.daemon.pull import driver as driver_mod
+
+    src = inspect.getsource(driver_mod)
+    steps = [name for name, _ in inspect.getmembers(M.Pull, inspect.isfunction)
+             if not name.startswith("_") and name not in ("handle", "describe",
+                                                          "lease_addresses")]
+    called = [s for s in steps if f"pull.{s}(" in src]
+    assert called == [] and "pull.handle(" in src
+
+
+def test_a_failed_pull_is_never_shown_reading() -> None:
+    pull, _ = _pull()
+    _posted_running(pull)
+    assert pull.state is PullState.READING
+    pull.handle(RepliesIn([ADDR], [_reply()]), 1.0)
+    pull.handle(Polled({11: XferStatus(XferState.FAILED, TransferError("x"))}), 1.1)
+    assert pull.state is PullState.READING  # probing: not failed yet
+    pull.handle(Probed(ADDR, None), 1.2)
+    assert pull.ending and pull.state is PullState.FAILING
+    pull.handles = []
+    pull.handle(Released(), 1.3)
+    assert pull.state is PullState.FAILED
+
+
+def test_an_engine_registered_again_fails_the_pull_in_the_machine() -> None:
+    msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
+                 remote_address=ADDR, remote_block_ids=[1], local_block_ids=[5])
+    pull = M.Pull(msg=msg, started_s=0.0)
+    assert pull.handle(Begin(None), 0.0) == [M.WaitRanks()]
+    assert pull.handle(RanksReady(again=True), 0.1) == [M.Release()]
+    assert "registered again" in pull.error and pull.state is PullState.FAILING
+
+
+def test_a_cached_handshake_without_a_mover_greets_afresh_and_a_retired_one_once_more(
+        ) -> None:
+    msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
+                 remote_address=ADDR, remote_block_ids=[1], local_block_ids=[5])
+    pull = M.Pull(msg=msg, started_s=0.0)
+    assert pull.handle(Begin(_remote(), path=None), 0.0) == [M.WaitRanks()]
+    pull.handle(RanksReady(), 0.1)
+    assert pull.handle(Greeted(_remote(), None), 0.2) == [M.ForgetHandshake(), M.Greet()]
+    assert pull.state is PullState.HANDSHAKING
+    assert pull.handle(Greeted(_remote(), None), 0.3) == [M.Release()]
+    assert "keep being freed" in pull.error
+    pull = M.Pull(msg=msg, started_s=0.0)
+    pull.handle(Begin(None), 0.0)
+    pull.handle(RanksReady(), 0.1)
+    assert pull.handle(Greeted(_remote(), Path.HOST), 0.2) == [M.SendAcquire(), M.Assemble()]
+    assert pull.path is Path.HOST
+
+
+def test_the_machine_tells_a_deadline_from_a_drain() -> None:
+    pull, _ = _pull()
+    pull.handle(Interrupted(deadline=True), TIMEOUT_S)
+    assert pull.timed_out and pull.error.startswith("timeout")
+    pull, _ = _pull()
+    pull.cancel_reason = DrainingError("daemon stopped")
+    pull.handle(Interrupted(deadline=True), TIMEOUT_S)  # both: the drain's reason wins
+    assert pull.outcome is Outcome.CANCELLED and pull.error.startswith("draining")
+
+
+def test_probes_go_one_daemon_at_a_time_up_to_the_first_lost_one() -> None:
+    second = "tcp://p:2"
+    remote = RemoteEngine(desc=None, daemons={  # type: ignore[arg-type]
+        ADDR: RemoteDaemon(ADDR, agent=AGENT, instance="inst-a", epoch=1),
+        second: RemoteDaemon(second, agent="agent-q", instance="inst-q", epoch=1)})
+    msg = P.Pull(engine_id="dec", request_id="r1", remote_engine_id="pre",
+                 remote_address=ADDR, remote_block_ids=[1], local_block_ids=[5])
+    pull = M.Pull(msg=msg, started_s=0.0)
+    pull.handle(Begin(remote, Path.REMOTE), 0.0)
+    pull.assembled([_post()], [_notice()], 4096, 1, answered=False)
+    _posted_running(pull)
+    pull.handle(RepliesIn([ADDR, second], [_reply(), _reply("inst-q")]), 1.0)
+    err = TransferError("boom")
+    acts = pull.handle(Polled({11: XferStatus(XferState.FAILED, err)}), 1.1)
+    assert acts == [M.Probe(ADDR, err, drop=(ADDR, second))]
+    assert pull.handle(Probed(ADDR, _ack()), 1.2) == [M.Probe(second, err)]
+    pull.handle(Probed(second, _ack(instance="inst-r")), 1.3)
+    assert pull.error.startswith("peer_lost") and second in pull.error

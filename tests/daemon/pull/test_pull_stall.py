@@ -50,7 +50,7 @@ def _released(pull: M.Pull, acts: list[M.Action], now_s: float) -> P.Event:
 def test_polls_a_stall_apart_fail_the_pull_even_when_the_read_ended() -> None:
     pull = _pull()
     pull.posted([PostResult(11, False)], posted_s=1.0, post_s=0.0)
-    assert pull.on_replies([ADDR], [_reply(1.001)], 1.001) == [M.PollAfter(0.0)]
+    assert pull.on_replies([ADDR], [_reply(1.001)], 1.001) == [M.KeepLeases(), M.PollAfter(0.0)]
     pull.on_poll({11: PENDING}, 1.002)
     acts = pull.on_poll({11: DONE}, 1.002 + LIVENESS_S + 0.5)  # frozen in between
     event = _released(pull, acts, 5.0)
@@ -68,9 +68,9 @@ def test_a_stall_during_a_read_again_fails_once_the_discard_ended() -> None:
     pull = _pull()
     pull.posted([PostResult(11, False)], posted_s=1.0, post_s=0.0)
     acts = pull.on_replies([ADDR], [Reply(P.Acquired(epoch=1, held_s=0.0), "i", 1.5)], 1.5)
-    assert acts[-1] == M.Discard()
+    assert acts[-1] == M.PollAfter(0.0) and pull.state is PullState.DISCARDING
     assert pull.on_poll({11: PENDING}, 1.5 + LIVENESS_S + 1) != []  # the discard goes on
-    assert pull.on_poll({11: DONE}, 5.6) == []
+    assert pull.on_poll({11: DONE}, 5.6) == [M.Discard()]
     acts = pull.discarded(5.6)  # not read again: failed
     assert not _released(pull, acts, 5.6).ok and pull.state is PullState.FAILED
 
