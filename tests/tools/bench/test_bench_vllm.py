@@ -144,3 +144,38 @@ def test_render_shows_every_system_and_the_targets():
     }
     text = render(result)
     assert "| plain" in text and "target idle_le_0.05_core: True" in text
+
+
+def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
+    """Another process on the host (another test's `kvd demo`) may take a picked port
+    before the engine binds it: that exit is retried on new ports, BIND_TRIES times
+    in all; any other exit is not."""
+    import sys
+
+    from kvd.tools.bench.vllm_run import BIND_TRIES, Proc, Running, _Launch
+
+    run = Running(system_spec("nixl-noprog"), {"prefill": 8100})
+    args = engine_args("/m", 8100, 1 << 27, 2048, None)
+    launch = _Launch(run, "prefill", "p", args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"})
+    seen = {8100}
+    for _ in range(BIND_TRIES - 1):
+        assert launch.rebind()
+        assert launch.port not in seen and run.ports["prefill"] == launch.port
+        seen.add(launch.port)
+        assert launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != "5600"
+    assert not launch.rebind()  # it had its tries
+
+    def exited(text: str) -> Proc:
+        proc = Proc.start("e", [sys.executable, "-c", f"print({text!r}); raise SystemExit(1)"],
+                          tmp_path)
+        proc.proc.wait(timeout=30)
+        return proc
+
+    assert exited("OSError: [Errno 98] Address already in use").bind_failed()
+    assert not exited("RuntimeError: out of memory").bind_failed()
+    running = Proc.start("r", [sys.executable, "-c", "import time; time.sleep(30)"], tmp_path)
+    try:
+        assert not running.bind_failed()  # still running: not an exit at all
+    finally:
+        running.proc.kill()
+        running.proc.wait()
