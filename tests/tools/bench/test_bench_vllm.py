@@ -91,6 +91,16 @@ def test_summary_takes_the_warm_rounds_and_measures_a_batch_in_steps():
     assert s.bytes_per_request == 1000
 
 
+def test_a_batchs_step_leaves_out_tokens_the_client_read_together():
+    """A client that got no CPU for a while reads several tokens at once: gaps of ~0
+    (half of them in a busy run) are not engine steps; with them the median step was
+    0 ms and a batch's spread 62,139 steps."""
+    gaps = (0.0, 0.0, 0.0, 0.00002, 0.0, 0.012, 0.010, 0.0, 0.011, 0.0)
+    b = Batch("kvd-1d", 0, 10.0, (10.1, 10.12), (10.5, 10.5), gaps, 2, 2)
+    assert b.step_s == 0.011
+    assert Batch("kvd-1d", 0, 10.0, (10.1,), (10.5,), (0.0, 0.0), 1, 1).step_s == 0.0
+
+
 def test_failed_requests_are_counted_not_dropped():
     singles = [Single("nixl", 0, None, None, 0, 2, failed=2),
                Single("nixl", 1, 0.2, 0.3, 2, 2)]
