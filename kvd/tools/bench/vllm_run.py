@@ -124,27 +124,6 @@ class Proc:
         except OSError:
             return ""
 
-    def _start_router(self, run: Running) -> Proc:
-        run.router_port = free_port()
-        proc = Proc.start(f"{run.spec.name}-router", [
-            sys.executable, "-m", "kvd", "router",
-            "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
-            "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-            "--port", str(run.router_port),
-            *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
-        run.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def _not_up(what: str, procs: list[Proc]) -> str:
-        """What did not come up, with what tells a starved host from a hang: the
-        host's load, and each process's CPU time so far and its log's end."""
-        lines = [f"{what} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus):"]
-        for p in procs:
-            lines.append(f"--- {p.name}: running, {session_cpu_s(p.proc.pid):.0f} CPU s "
-                         f"used so far; log {p.log_path}, its end:\n{p.tail(1500)}")
-        return "\n".join(lines)
-
     def sessions(self) -> list[int]:
         """The session ids of every process this run started (stopped or not)."""
         return [p.proc.pid for r in self.systems.values() for p in r.procs] + [
@@ -374,7 +353,7 @@ class VllmBench:
     # -------------------------------------------------------------- start / stop
 
     def start(self) -> None:
-        pending: list[tuple[Running, str, list[str], dict[str, str]]] = []
+        pending: list[_Launch] = []
         for name in self.cfg.systems:
             spec = system_spec(name)
             run = Running(spec, {})
@@ -449,6 +428,27 @@ class VllmBench:
                 if time.monotonic() > deadline:
                     raise KvdError(f"router of {run.spec.name} did not warm its pair up")
                 time.sleep(0.2)
+
+    def _start_router(self, run: Running) -> Proc:
+        run.router_port = free_port()
+        proc = Proc.start(f"{run.spec.name}-router", [
+            sys.executable, "-m", "kvd", "router",
+            "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
+            "--decode", f"http://127.0.0.1:{run.ports['decode']}",
+            "--port", str(run.router_port),
+            *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
+        run.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _not_up(what: str, procs: list[Proc]) -> str:
+        """What did not come up, with what tells a starved host from a hang: the
+        host's load, and each process's CPU time so far and its log's end."""
+        lines = [f"{what} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus):"]
+        for p in procs:
+            lines.append(f"--- {p.name}: running, {session_cpu_s(p.proc.pid):.0f} CPU s "
+                         f"used so far; log {p.log_path}, its end:\n{p.tail(1500)}")
+        return "\n".join(lines)
 
     def sessions(self) -> list[int]:
         """The session ids of every process this run started (stopped or not)."""

@@ -189,3 +189,25 @@ def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
     finally:
         running.proc.kill()
         running.proc.wait()
+
+
+def test_a_pairs_router_starts_and_answers(tmp_path):
+    """The router of a P/D system (started again on a new port when its port was taken),
+    here with no engine behind it: it answers its health check, and stops."""
+    import time
+
+    from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench, _healthy
+
+    bench = VllmBench(BenchConfig(systems=("kvd-1d",)), tmp_path, tmp_path, log=lambda m: None)
+    run = Running(system_spec("kvd-1d"), {"prefill": 1, "decode": 2})
+    proc = bench._start_router(run)
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(run.router_port):
+            assert proc.proc.poll() is None, proc.tail()
+            assert time.monotonic() < deadline, "router not up in 60 s"
+            time.sleep(0.2)
+        assert proc in run.procs
+        assert "not up" in bench._not_up("router of kvd-1d not up", [proc])
+    finally:
+        proc.stop()
