@@ -169,7 +169,7 @@ class Config:
     )] = 2
     prefault_pools: Annotated[bool, Meta(
         description="Map every page of each DRAM pool the daemon creates ahead of traffic "
-                    "(a low-priority thread after registration), so that a pull into blocks "
+                    "(a thread after registration), so that a pull into blocks "
                     "never used before does not fault them in one by one on its path (a "
                     "first touch also zeroes the page). false: pages fault in as used.",
     )] = True

@@ -11,7 +11,7 @@ where the same pull into used blocks takes 1-2 ms.
 How: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) over the mapping, in chunks of
 `CHUNK_NBYTES`, through ctypes (the GIL is released for each call: Python's own
 ``mmap.madvise`` holds it, and would stall the event loop for the whole pool), on a
-thread at the lowest CPU priority, so that engines starting beside it come first.
+thread of its own at the usual priority (not a low one: see `CHUNK_NBYTES`).
 Contents are untouched. Another daemon's pool file mapped here read-only (the host
 path, kvd.daemon.pull.hostmap) is populated the same way with MADV_POPULATE_READ: its
 pages exist, so that costs only this process's page tables (~15 ms per 128 MiB).
@@ -31,7 +31,12 @@ log = logging.getLogger("kvd.pool")
 
 MADV_POPULATE_READ = 22  # a read-only mapping (another daemon's pool file)
 MADV_POPULATE_WRITE = 23
-CHUNK_NBYTES = 8 << 20  # ~60 ms of faults on a slow VM: how long a stop may wait
+# Populating holds the process's mmap lock (shared) for a chunk, and any mmap or munmap
+# of another thread (a large allocation of the event loop's) waits for it: chunks are
+# small (~7 ms of faults on a slow VM) and the thread runs at the usual priority. At
+# nice 19 on a host at load 12-37 it got almost no CPU, held the lock while preempted,
+# and the daemon's loop took a batch's pulls 800 ms late.
+CHUNK_NBYTES = 1 << 20
 _libc: ctypes.CDLL | None = None
 
 
@@ -68,10 +73,6 @@ class Prefault:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (OSError, AttributeError):
-            pass  # not Linux, or not allowed: at the usual priority
         try:
             madvise = _madvise()
             while self.populated < self.nbytes and not self._stop.is_set():
