@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--pulls", type=int, default=300)
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
+    # `python -m kvd` puts the working directory first on the daemons' sys.path: run
+    # from a neutral one, or a checkout there would shadow every tree's PYTHONPATH
+    os.chdir(tempfile.gettempdir())
     out: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for r in range(args.rounds):
         for k, (name, path) in enumerate(trees):

@@ -167,6 +167,12 @@ class Config:
                     "this daemon) between their pools, the copy split between them by "
                     "bytes.",
     )] = 2
+    prefault_pools: Annotated[bool, Meta(
+        description="Map every page of each DRAM pool the daemon creates ahead of traffic "
+                    "(a thread after registration), so that a pull into blocks "
+                    "never used before does not fault them in one by one on its path (a "
+                    "first touch also zeroes the page). false: pages fault in as used.",
+    )] = True
     host_pulls: Annotated[bool, Meta(
         description="Pull from another daemon on this host by mapping its DRAM pool files "
                     "and copying (control messages still go to that daemon), when the "

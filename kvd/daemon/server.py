@@ -325,6 +325,7 @@ class Daemon:
             async def registered() -> P.Registered:
                 reply = await reg.register(m)
                 self.connections.note(req.identity, req.fd, m.engine_id)
+                self.spawn(consumer.warm_local(m.engine_id))  # ahead of its first pulls
                 return reply
 
             # Answered when done: a pool's allocation and NIXL registration take a

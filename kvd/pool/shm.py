@@ -33,6 +33,7 @@ import numpy as np
 
 from kvd.errors import KvdError
 from kvd.pool.owner import PoolOwner
+from kvd.pool.prefault import Prefault
 from kvd.wire.protocol import PoolHandle
 
 log = logging.getLogger("kvd.pool.shm")
@@ -180,6 +181,14 @@ class ShmPool:
     page_nbytes: int = SMALL_PAGE_NBYTES
     fd: int | None = None  # memfd pools: kept open for the pool's lifetime
     adopted_from: str | None = None  # adopted file pools: the name the engine knows
+    prefault: Prefault | None = None  # its pages being mapped ahead of traffic
+
+    def prefault_in_background(self) -> Prefault:
+        """Map every page of the pool in this process on a thread, ahead of the
+        copies that would fault them in one by one (kvd.pool.prefault)."""
+        if self.prefault is None:
+            self.prefault = Prefault(self.addr, len(self.mm), self.name).start()
+        return self.prefault
 
     @property
     def addr(self) -> int:
@@ -312,6 +321,8 @@ class ShmPool:
 
     def close(self) -> None:
         """Unmap and remove. Only call once no READ can touch the region any more."""
+        if self.prefault is not None:  # not past the mapping's end
+            self.prefault.stop()
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.mm.close()

@@ -171,6 +171,8 @@ class EngineRegistry:
                           cache=cache, first_layer=first, pool=pool, reg_id=reg_id,
                           last_seen_s=self.clock.now(), device_id=device_id)
         self.table.add(msg, par, rank, mem_type)
+        if self.cfg.prefault_pools and isinstance(pool, ShmPool) and pool.adopted_from is None:
+            pool.prefault_in_background()  # a new pool's pages: none faulted yet
         self.metrics.pool_bytes.inc(pool.nbytes)
         self._pages_changed(pool, +1)
         self.metrics.engines.set(self.rank_count())

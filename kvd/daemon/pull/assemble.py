@@ -62,6 +62,11 @@ class PullAssembler:
         blocks = engine.mem_type == "VRAM" and remote.desc.mem_type == "VRAM"
         return self._prepared(engine, remote).assemble(local_ids, remote_ids, blocks)
 
+    def prepare(self, engine: Engine, remote: RemoteEngine) -> None:
+        """Plan and prepare the pair's assembly now, ahead of its first pull."""
+        if engine.model.hybrid is None and remote.compat == engine.compat:
+            self._prepared(engine, remote)
+
     def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
         """The assembly's inputs, bound once per (engine, peer engine) and reused while
         they stay the same: the local pools and geometry (the engine's epoch changes

@@ -117,6 +117,32 @@ class Consumer:
         self._local_hosts = local_host_names()
         self._names_me: dict[str, bool] = {}
 
+    async def warm_local(self, engine_id: str) -> None:
+        """An engine registered: what a local pull between it and every other engine
+        here would otherwise do first on its path (the in-process handshake, the plan
+        and the prepared assembly), done now, both ways. Pairs that cannot pull from
+        each other (incompatible, not every rank here yet) are skipped."""
+        if self._local is None:
+            return
+        registry, peers = self.svc.registry, self._local.peers
+        assert isinstance(peers, LocalPeers)
+        own = self.svc.cfg.peer_advertise
+        engine = registry.engines.get(engine_id)
+        if engine is None or engine.missing_ranks(own) or not engine.live_ranks():
+            return
+        for other in list(registry.engines.values()):
+            if other is engine or other.compat != engine.compat or other.missing_ranks(own) \
+                    or not other.live_ranks():
+                continue
+            for consumer, producer in ((engine, other), (other, engine)):
+                try:
+                    remote = await peers.remote_engine(consumer, producer.engine_id,
+                                                       peers.address)
+                    self.assembler.prepare(consumer, remote)
+                except KvdError as exc:  # the pull meets it again, and reports it
+                    log.debug("local pair %s <- %s not warmed: %s", consumer.engine_id,
+                              producer.engine_id, exc)
+
     def route_for(self, msg: P.Pull) -> Route:
         """A pull's route, the first of the two steps that choose its mover (the second is
         `pick`): a producer daemon address that names this very daemon, however it is

@@ -30,6 +30,7 @@ import numpy as np
 from kvd.daemon.peers.remote import RemoteEngine
 from kvd.planner import RankId
 from kvd.pool.owner import OwnerWatch, owner_lock_name
+from kvd.pool.prefault import MADV_POPULATE_READ, Prefault
 from kvd.transport.samehost.discovery import (
     HostFacts,
     Reach,
@@ -88,6 +89,7 @@ class _Mapped:
     mm: mmap.mmap
     view: np.ndarray  # keeps the address; dropped before the mapping is closed
     path: str
+    prefault: Prefault | None = None  # its pages mapped here ahead of the copies
 
 
 @dataclass
@@ -132,7 +134,11 @@ class HostMaps:
                     os.close(fd)
                     raise
                 view = np.frombuffer(mm, dtype=np.uint8)
-                maps.files.append(_Mapped(fd, mm, view, f.path))
+                # the pages exist (the producer's): only this process's page tables, on
+                # a thread, so that later copies do not fault them in one by one
+                ahead = Prefault(int(view.ctypes.data), len(mm), f.path,
+                                 MADV_POPULATE_READ).start()
+                maps.files.append(_Mapped(fd, mm, view, f.path, ahead))
                 maps.bases[rid] = int(view.ctypes.data)
         except BaseException:
             maps._unmap()
@@ -217,6 +223,8 @@ class HostMaps:
             watch.close()
         self.owners = []
         for f in self.files:
+            if f.prefault is not None:  # not past the mapping's end
+                f.prefault.stop()
             f.view = np.empty(0, np.uint8)  # drop the buffer export before closing
             try:
                 f.mm.close()

@@ -61,6 +61,11 @@ from kvd.tools.bench.vllm_systems import SYSTEMS, SystemSpec, engine_args, syste
 from kvd.tools.localcluster import DaemonProcess, free_port
 
 HTTP_TIMEOUT_S = 300.0
+# An engine or router that exits because another process took its port between the
+# pick and the bind (anything else on the host picking free ports: another test's
+# `kvd demo`) is started again on a new port, at most this many times.
+BIND_TRIES = 3
+BIND_FAILED = ("Address already in use", "[Errno 98]")
 # A batch's points, in the order a request passes them (the breakdown's landing table).
 LANDING_POINTS = ("decode_scheduled", "pull_sent", "daemon_pull", "daemon_event",
                   "daemon_event_sent", "event_taken", "recv_reported")
@@ -83,6 +88,7 @@ class BenchConfig:
     idle_s: float = 5.0
     start_parallel: int = 2  # engines starting at once
     start_timeout_s: float = 900.0
+    daemon_start_timeout_s: float = 120.0  # each kvd serve answering (a busy host: imports)
     seed: int = 0
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
     router_warm_up: bool = False  # routers hand one request over per pair before round 0
@@ -106,6 +112,11 @@ class Proc:
                                     env={**os.environ, **(env or {})},
                                     start_new_session=True)
         return cls(name, proc, log_path)
+
+    def bind_failed(self) -> bool:
+        """Whether it exited because its port was taken (its log says so)."""
+        return self.proc.poll() is not None and any(m in self.tail(20000)
+                                                    for m in BIND_FAILED)
 
     def tail(self, nchars: int = 3000) -> str:
         try:
@@ -289,6 +300,35 @@ class Running:
     daemons: list[DaemonProcess] = field(default_factory=list)
 
 
+@dataclass
+class _Launch:
+    """An engine to start: its server's arguments (a port among them) and environment."""
+
+    run: Running
+    role: str
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    tries: int = 1
+
+    @property
+    def port(self) -> int:
+        return int(self.args[self.args.index("--port") + 1])
+
+    def rebind(self) -> bool:
+        """New ports (the server's, NIXL's side channel) for another try; False when
+        it has had its BIND_TRIES."""
+        if self.tries >= BIND_TRIES:
+            return False
+        self.tries += 1
+        port = free_port()
+        self.args[self.args.index("--port") + 1] = str(port)
+        self.run.ports[self.role] = port
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in self.env:
+            self.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        return True
+
+
 def _prompt(seed: int, length: int) -> list[int]:
     from kvd.tools.tiny_model.llama import prompt_ids
 
@@ -313,7 +353,7 @@ class VllmBench:
     # -------------------------------------------------------------- start / stop
 
     def start(self) -> None:
-        pending: list[tuple[Running, str, list[str], dict[str, str]]] = []
+        pending: list[_Launch] = []
         for name in self.cfg.systems:
             spec = system_spec(name)
             run = Running(spec, {})
@@ -322,7 +362,8 @@ class VllmBench:
             daemon_env = {TRACE_ENV: str(self.work / "trace")} if self.cfg.breakdown else None
             for d in spec.daemons:
                 daemon = DaemonProcess.start(d.name, self.work, list(d.extra_args),
-                                             env=daemon_env)
+                                             env=daemon_env,
+                                             timeout_s=self.cfg.daemon_start_timeout_s)
                 run.daemons.append(daemon)
                 homes[d.name] = daemon.engine_address
             for e in spec.engines:
@@ -341,47 +382,73 @@ class VllmBench:
                 args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                         *engine_args(self.model, port, self.cfg.kv_cache_bytes,
                                      self.cfg.max_model_len, cfg)]
-                pending.append((run, e.name, args, env))
-        starting: list[tuple[Proc, int]] = []
+                pending.append(_Launch(run, e.role, e.name, args, env))
+        starting: list[tuple[Proc, _Launch]] = []
         deadline = time.monotonic() + self.cfg.start_timeout_s
         t0 = time.monotonic()
         while pending or starting:
             while pending and len(starting) < self.cfg.start_parallel:
-                run, name, args, env = pending.pop(0)
-                proc = Proc.start(name, args, self.work, env)
-                run.procs.append(proc)
-                port = int(args[args.index("--port") + 1])
-                starting.append((proc, port))
-            for proc, port in list(starting):
+                launch = pending.pop(0)
+                proc = Proc.start(launch.name, launch.args, self.work, launch.env)
+                launch.run.procs.append(proc)
+                starting.append((proc, launch))
+            for proc, launch in list(starting):
                 if proc.proc.poll() is not None:
-                    raise KvdError(f"engine {proc.name} exited with {proc.proc.returncode}:"
-                                   f"\n{proc.tail()}")
-                if _healthy(port):
+                    starting.remove((proc, launch))
+                    if not (proc.bind_failed() and launch.rebind()):
+                        raise KvdError(f"engine {proc.name} exited with "
+                                       f"{proc.proc.returncode}:\n{proc.tail()}")
+                    self.log(f"  {proc.name}: its port was taken meanwhile; starting it "
+                             f"again on port {launch.port}")
+                    pending.insert(0, launch)
+                elif _healthy(launch.port):
                     self.log(f"  {proc.name} up after {time.monotonic() - t0:.0f} s")
-                    starting.remove((proc, port))
+                    starting.remove((proc, launch))
             if time.monotonic() > deadline:
-                raise KvdError(f"engines not up within {self.cfg.start_timeout_s} s: "
-                               f"{[p.name for p, _ in starting]}")
+                raise KvdError(self._not_up(f"engines not up within "
+                                            f"{self.cfg.start_timeout_s} s",
+                                            [p for p, _ in starting]))
             time.sleep(1.0)
-        for run in self.systems.values():
-            if run.spec.disaggregated:
-                run.router_port = free_port()
-                proc = Proc.start(f"{run.spec.name}-router", [
-                    sys.executable, "-m", "kvd", "router",
-                    "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
-                    "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-                    "--port", str(run.router_port),
-                    *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
-                run.procs.append(proc)
-        for run in self.systems.values():
+        routers = {name: self._start_router(run) for name, run in self.systems.items()
+                   if run.spec.disaggregated}
+        for name, run in self.systems.items():
+            tries = 1
             while run.router_port and not _healthy(run.router_port):
+                proc = routers[name]
+                if proc.proc.poll() is not None:
+                    if not proc.bind_failed() or tries >= BIND_TRIES:
+                        raise KvdError(f"router of {name} exited with "
+                                       f"{proc.proc.returncode}:\n{proc.tail()}")
+                    tries += 1
+                    routers[name] = self._start_router(run)
                 if time.monotonic() > deadline:
-                    raise KvdError(f"router of {run.spec.name} not up")
+                    raise KvdError(self._not_up(f"router of {name} not up", [proc]))
                 time.sleep(0.2)
             while self.cfg.router_warm_up and run.router_port and _warming(run.router_port):
                 if time.monotonic() > deadline:
                     raise KvdError(f"router of {run.spec.name} did not warm its pair up")
                 time.sleep(0.2)
+
+    def _start_router(self, run: Running) -> Proc:
+        run.router_port = free_port()
+        proc = Proc.start(f"{run.spec.name}-router", [
+            sys.executable, "-m", "kvd", "router",
+            "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
+            "--decode", f"http://127.0.0.1:{run.ports['decode']}",
+            "--port", str(run.router_port),
+            *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
+        run.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _not_up(what: str, procs: list[Proc]) -> str:
+        """What did not come up, with what tells a starved host from a hang: the
+        host's load, and each process's CPU time so far and its log's end."""
+        lines = [f"{what} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus):"]
+        for p in procs:
+            lines.append(f"--- {p.name}: running, {session_cpu_s(p.proc.pid):.0f} CPU s "
+                         f"used so far; log {p.log_path}, its end:\n{p.tail(1500)}")
+        return "\n".join(lines)
 
     def sessions(self) -> list[int]:
         """The session ids of every process this run started (stopped or not)."""

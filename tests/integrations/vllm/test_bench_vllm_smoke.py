@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from kvd.errors import KvdError
 from kvd.ops.trace import read_traces
 from kvd.tools.bench.vllm_run import BenchConfig, run_bench, session_pids
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 
 SYSTEMS = ("plain", "kvd-1d", "kvd-2d")
 
@@ -29,9 +30,18 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def result(work: Path) -> dict:
+    # Bounds for a starved host (the vLLM suite runs beside other work, `kvd demo`
+    # included): engines and daemons get minutes to come up, a decode two minutes for
+    # its first token; an engine or router whose port another process took meanwhile
+    # is started again (run_bench). What fails is what kvd does, not the host's speed.
     cfg = BenchConfig(systems=SYSTEMS, rounds=3, batch=6, batch_rounds=2, prompt_tokens=800,
-                      max_tokens=8, idle_s=2.0, breakdown=True)
-    return run_bench(cfg, str(work))
+                      max_tokens=8, idle_s=2.0, breakdown=True, start_timeout_s=1800.0,
+                      daemon_start_timeout_s=300.0, decode_timeout_s=120.0)
+    try:
+        return run_bench(cfg, str(work))
+    except KvdError as exc:
+        pytest.fail(f"the smoke run did not get through; every process's log is in {work}:"
+                    f"\n{exc}", pytrace=False)
 
 
 def _summary(result: dict, system: str) -> dict:

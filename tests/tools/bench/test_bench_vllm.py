@@ -91,6 +91,16 @@ def test_summary_takes_the_warm_rounds_and_measures_a_batch_in_steps():
     assert s.bytes_per_request == 1000
 
 
+def test_a_batchs_step_leaves_out_tokens_the_client_read_together():
+    """A client that got no CPU for a while reads several tokens at once: gaps of ~0
+    (half of them in a busy run) are not engine steps; with them the median step was
+    0 ms and a batch's spread 62,139 steps."""
+    gaps = (0.0, 0.0, 0.0, 0.00002, 0.0, 0.012, 0.010, 0.0, 0.011, 0.0)
+    b = Batch("kvd-1d", 0, 10.0, (10.1, 10.12), (10.5, 10.5), gaps, 2, 2)
+    assert b.step_s == 0.011
+    assert Batch("kvd-1d", 0, 10.0, (10.1,), (10.5,), (0.0, 0.0), 1, 1).step_s == 0.0
+
+
 def test_failed_requests_are_counted_not_dropped():
     singles = [Single("nixl", 0, None, None, 0, 2, failed=2),
                Single("nixl", 1, 0.2, 0.3, 2, 2)]
@@ -144,3 +154,60 @@ def test_render_shows_every_system_and_the_targets():
     }
     text = render(result)
     assert "| plain" in text and "target idle_le_0.05_core: True" in text
+
+
+def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
+    """Another process on the host (another test's `kvd demo`) may take a picked port
+    before the engine binds it: that exit is retried on new ports, BIND_TRIES times
+    in all; any other exit is not."""
+    import sys
+
+    from kvd.tools.bench.vllm_run import BIND_TRIES, Proc, Running, _Launch
+
+    run = Running(system_spec("nixl-noprog"), {"prefill": 8100})
+    args = engine_args("/m", 8100, 1 << 27, 2048, None)
+    launch = _Launch(run, "prefill", "p", args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"})
+    seen = {8100}
+    for _ in range(BIND_TRIES - 1):
+        assert launch.rebind()
+        assert launch.port not in seen and run.ports["prefill"] == launch.port
+        seen.add(launch.port)
+        assert launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != "5600"
+    assert not launch.rebind()  # it had its tries
+
+    def exited(text: str) -> Proc:
+        proc = Proc.start("e", [sys.executable, "-c", f"print({text!r}); raise SystemExit(1)"],
+                          tmp_path)
+        proc.proc.wait(timeout=30)
+        return proc
+
+    assert exited("OSError: [Errno 98] Address already in use").bind_failed()
+    assert not exited("RuntimeError: out of memory").bind_failed()
+    running = Proc.start("r", [sys.executable, "-c", "import time; time.sleep(30)"], tmp_path)
+    try:
+        assert not running.bind_failed()  # still running: not an exit at all
+    finally:
+        running.proc.kill()
+        running.proc.wait()
+
+
+def test_a_pairs_router_starts_and_answers(tmp_path):
+    """The router of a P/D system (started again on a new port when its port was taken),
+    here with no engine behind it: it answers its health check, and stops."""
+    import time
+
+    from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench, _healthy
+
+    bench = VllmBench(BenchConfig(systems=("kvd-1d",)), tmp_path, tmp_path, log=lambda m: None)
+    run = Running(system_spec("kvd-1d"), {"prefill": 1, "decode": 2})
+    proc = bench._start_router(run)
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(run.router_port):
+            assert proc.proc.poll() is None, proc.tail()
+            assert time.monotonic() < deadline, "router not up in 60 s"
+            time.sleep(0.2)
+        assert proc in run.procs
+        assert "not up" in bench._not_up("router of kvd-1d not up", [proc])
+    finally:
+        proc.stop()
