@@ -13,6 +13,7 @@ is where vLLM expects them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from kvd.integrations.connector_core.params import (
     RemotePrefill,
     blocks_to_pull,
     parse_remote_prefill,
+    traceparent_of,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -174,6 +176,10 @@ class KvdScheduler:
             remote = parse_remote_prefill(params)
         except ParamsError:
             return  # warned in num_new_matched_tokens
+        # The decode's own trace context (vLLM's header, with its tracing on) first.
+        traceparent = traceparent_of(params, getattr(request, "trace_headers", None))
+        if traceparent != remote.traceparent:
+            remote = dataclasses.replace(remote, traceparent=traceparent)
         num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
         TRACE.point("decode_scheduled", request.request_id)
         if num_external_tokens <= 0:
@@ -233,9 +239,11 @@ class KvdScheduler:
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
         hold_id = engine_hold_id()
+        traceparent = traceparent_of(params, getattr(request, "trace_headers", None))
         msg = Messages.publish(self.settings.engine_id, request.request_id,
                                blocks if groups is None else groups, lease_s=self.lease_s,
-                               consumers=consumers, hold_id=hold_id)
+                               consumers=consumers, hold_id=hold_id,
+                               traceparent=traceparent)
         if not self.client.send(msg, _Sent("publish", request.request_id), self._now()):
             log.error("request %s: kvd is not taking messages (frozen or gone); not "
                       "publishing, the decode side will compute the prompt itself",
@@ -252,7 +260,7 @@ class KvdScheduler:
                                block_size_tokens=self.block_size_tokens,
                                group_block_ids=(None if groups is None
                                                 else tuple(tuple(g) for g in groups)),
-                               receipt=receipt)
+                               receipt=receipt, traceparent=traceparent)
         return True, remote.to_params()
 
     # ------------------------------------------------------------ every step
@@ -307,6 +315,7 @@ class KvdScheduler:
                                 remote_block_ids=remote_ids, local_block_ids=local_ids,
                                 remote_request_id=pull.remote.request_id,
                                 publish_receipt=pull.remote.receipt,
+                                traceparent=pull.remote.traceparent,
                                 num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
                                             else -1))
         except (KvdError, ValueError) as exc:  # msgspec bounds (ValidationError)
