@@ -179,6 +179,8 @@ class Consumer:
         pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
                     path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=cfg.transfer_timeout_s)
+        if self.svc.spans is not None:  # traced: its phases are noted (kvd.ops.otel)
+            pull.marks, pull.marks_clock = [], self.svc.clock.now
         self.jobs[pull.key] = pull
         self.svc.metrics.inflight_transfers.inc()
         driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
@@ -201,6 +203,8 @@ class Consumer:
         self.jobs.pop(pull.key, None)
         self.drivers.pop(pull.key, None)
         self.finished.append(pull)
+        if self.svc.spans is not None:
+            self.svc.spans.pull_ended(pull, self.svc.clock.now())
 
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its transfers, then reports."""
