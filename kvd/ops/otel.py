@@ -22,6 +22,13 @@ The spans, all in the request's own trace when its Publish or Pull carried a W3C
   ``kvd.pull.quarantine``, ``kvd.pull.report`` (released until the engine was answered),
   and the ``notice`` event (READ notices sent to the producers).
 
+In the decode engine's process (KVD_OTEL_TRACES=true there, the connector's scheduler
+half: kvd.integrations.connector_core.scheduler): ``kvd.connector.wait_kv``, from the
+blocks allocated for the remote KV until the step whose output says it landed (an error
+span when the load failed), and ``kvd.connector.first_step``, the step after, in which
+the request computes on its KV. ``kvd router --otel``: ``kvd.router``, the whole request,
+the parent of every other span (vLLM's own ``llm_request`` spans included).
+
 A failed pull or hold is an error span whose status says why (the pull's error, its
 code in ``kvd.error_code``), on the span of the phase it failed in as well.
 
@@ -117,13 +124,21 @@ class RequestSpans:
         ctx = span.get_span_context()
         return span, format_traceparent(ctx.trace_id, ctx.span_id, ctx.trace_flags.sampled)
 
+    def record(self, name: str, traceparent: str, start_ns: int, end_ns: int,
+               attributes: dict[str, Any], error: str = "") -> None:
+        """A span that already ended (Unix nanoseconds), a child of ``traceparent``."""
+        span = self.tracer.start_span(name, context=_context(traceparent),
+                                      start_time=start_ns, attributes=attributes)
+        self.end(span, error, end_ns=max(start_ns, end_ns))
+
     @staticmethod
-    def end(span: Any, error: str = "", attributes: dict[str, Any] | None = None) -> None:
+    def end(span: Any, error: str = "", attributes: dict[str, Any] | None = None,
+            end_ns: int | None = None) -> None:
         if attributes:
             span.set_attributes(attributes)
         if error:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        span.end(end_time=end_ns)
 
     def shutdown(self) -> None:
         self.provider.shutdown()

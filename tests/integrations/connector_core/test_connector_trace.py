@@ -8,6 +8,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from kvd.integrations.connector_core.params import RemotePrefill, parse_remote_prefill
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorSettings
@@ -28,6 +30,9 @@ class Sent:
         return []
 
     def forget_older(self, *_: Any) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -80,3 +85,41 @@ def test_the_pull_carries_the_decode_requests_trace_context() -> None:
         sched.after_alloc(req, blocks, 20)
         sched.build_meta()
         assert sent.msgs[-1].request_id == rid and sent.msgs[-1].traceparent == want
+
+
+def test_with_tracing_on_the_wait_for_the_kv_and_the_first_step_are_spans(monkeypatch) -> None:
+    """KVD_OTEL_TRACES=true: the step whose output says the KV landed ends the request's
+    wait_kv span, the next step its first_step span, both under its trace context; a
+    failed load is an error span and has no first step."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvd.ops import otel
+
+    exporter = InMemorySpanExporter()
+    monkeypatch.setenv("KVD_OTEL_TRACES", "true")
+    made = otel.RequestSpans
+    monkeypatch.setattr(otel, "RequestSpans", lambda service: made(service, exporter))
+    sched, _ = _scheduler()
+    remote = RemotePrefill(engine_id="pre", request_id="p-1", address="tcp://p:7101",
+                           block_ids=(4, 5), num_tokens=20, traceparent=ROUTER_TP)
+    blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None)
+                                      for b in (8, 9)]])
+    for rid in ("d-1", "d-2"):
+        sched.after_alloc(SimpleNamespace(request_id=rid, kv_transfer_params=remote.to_params(),
+                                          num_prompt_tokens=20, trace_headers=None), blocks, 20)
+    sched.build_meta()
+    sched.on_output(set(), set())
+    assert exporter.get_finished_spans() == ()
+    sched.on_output({"d-1", "d-2"}, {"d-2"})
+    sched.on_output(set(), set())
+    sched.close()
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: (s.name, s.attributes[
+        "kvd.request_id"]))
+    assert [(s.name, s.attributes["kvd.request_id"], s.status.status_code.name)
+            for s in spans] == [("kvd.connector.first_step", "d-1", "UNSET"),
+                                ("kvd.connector.wait_kv", "d-1", "UNSET"),
+                                ("kvd.connector.wait_kv", "d-2", "ERROR")]
+    assert all(f"{s.context.trace_id:032x}" == ROUTER_TP[3:35]
+               and f"{s.parent.span_id:016x}" == ROUTER_TP[36:52] for s in spans)
+
