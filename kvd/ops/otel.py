@@ -15,17 +15,17 @@ The spans, all in the request's own trace when its Publish or Pull carried a W3C
 * ``kvd.hold`` (producer daemon): publish until the hold ended (every consumer read it,
   lease expired, released), with its consumers;
 * ``kvd.pull`` (consumer daemon): the Pull's arrival until it was reported; children
-  ``kvd.pull.wait_ranks``, ``kvd.pull.greet`` (a handshake: not there when cached),
-  ``kvd.pull.acquire`` (the Acquire until every reply), ``kvd.pull.assemble``,
-  ``kvd.pull.read`` (first post until every transfer ended) with one ``kvd.pull.post``
+  ``kvd.wait_ranks``, ``kvd.greet`` (a handshake: not there when cached),
+  ``kvd.acquire`` (the Acquire until every reply), ``kvd.assemble``,
+  ``kvd.read`` (first post until every transfer ended) with one ``kvd.post``
   per READ or copy posted (its producer, descriptors, bytes, build and transfer time),
-  ``kvd.pull.quarantine``, ``kvd.pull.report`` (released until the engine was answered),
+  ``kvd.quarantine``, ``kvd.report`` (released until the engine was answered),
   and the ``notice`` event (READ notices sent to the producers).
 
 In the decode engine's process (KVD_OTEL_TRACES=true there, the connector's scheduler
-half: kvd.integrations.connector_core.scheduler): ``kvd.connector.wait_kv``, from the
+half: kvd.integrations.connector_core.scheduler): ``kvd.wait_kv``, from the
 blocks allocated for the remote KV until the step whose output says it landed (an error
-span when the load failed), and ``kvd.connector.first_step``, the step after, in which
+span when the load failed), and ``kvd.first_step``, the step after, in which
 the request computes on its KV. ``kvd router --otel``: ``kvd.router``, the whole request,
 the parent of every other span (vLLM's own ``llm_request`` spans included).
 
@@ -277,7 +277,9 @@ class Spans:
         for name, start, end, ended_by, phase_attrs in _phases(marks, now_s):
             # The phase the pull ended in carries its error too.
             error = pull.error if failed and ended_by == "end" else ""
-            self._span(f"kvd.pull.{name}", ctx, ns(start), ns(end), phase_attrs, error)
+            if name == "read" and pull.post_records:  # from the first post's call
+                start = max(pull.started_s, start - pull.post_records[0][0])
+            self._span(f"kvd.{name}", ctx, ns(start), ns(end), phase_attrs, error)
         read = _first(marks, "post")
         if read is not None:
             self._post_spans(pull, ctx, ns, marks)
@@ -306,7 +308,7 @@ class Spans:
                 if timing is not None:
                     attrs["kvd.build_s"] = timing.build_s
                     attrs["kvd.transfer_s"] = timing.transfer_s
-                self._span("kvd.pull.post", ctx, ns(start), ns(max(end, done)), attrs)
+                self._span("kvd.post", ctx, ns(start), ns(max(end, done)), attrs)
 
 
 def _first(marks: Iterable[tuple[str, float]], name: str) -> float | None:

@@ -95,3 +95,30 @@ class OtlpReceiver:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def waterfall(spans: list[SpanRecord], width: int = 48) -> str:
+    """One trace drawn as text, a line per span, children under their parent, each bar
+    placed on the trace's time axis (what Jaeger or Tempo draw)."""
+    if not spans:
+        return ""
+    t0 = min(s.start_ns for s in spans)
+    total = max(max(s.end_ns for s in spans) - t0, 1)
+    children: dict[str, list[SpanRecord]] = {}
+    ids = {s.span_id for s in spans}
+    for s in sorted(spans, key=lambda s: (s.start_ns, s.name)):
+        children.setdefault(s.parent_id if s.parent_id in ids else "", []).append(s)
+    lines: list[str] = []
+
+    def draw(s: SpanRecord, depth: int) -> None:
+        a = int((s.start_ns - t0) / total * width)
+        b = max(a + 1, int((s.end_ns - t0) / total * width))
+        bar = " " * a + "#" * (b - a) + " " * (width - b)
+        label = f"{'  ' * depth}{s.name} ({s.service})" + (" ERROR" if s.is_error else "")
+        lines.append(f"{label:<52} |{bar}| {(s.end_ns - s.start_ns) / 1e6:9.3f} ms")
+        for c in children.get(s.span_id, []):
+            draw(c, depth + 1)
+
+    for root in children.get("", []):
+        draw(root, 0)
+    return "\n".join(lines)

@@ -296,13 +296,13 @@ class KvdScheduler:
 
     def on_output(self, finished_recving: Any, failed_recving: Any = ()) -> None:
         """vLLM's connector output of a step (tracing only): a KV that landed ends its
-        ``kvd.connector.wait_kv`` span; the step after ends ``kvd.connector.first_step``
+        ``kvd.wait_kv`` span; the step after ends ``kvd.first_step``
         (the request's first step on its KV)."""
         if self._spans is None:
             return
         now = time.time_ns()
         for since, traceparent, attrs in self._landed.values():
-            self._spans.record("kvd.connector.first_step", traceparent, since, now, attrs)
+            self._spans.record("kvd.first_step", traceparent, since, now, attrs)
         self._landed = {}
         failed = set(failed_recving or ())
         for rid in finished_recving or ():
@@ -311,7 +311,7 @@ class KvdScheduler:
                 continue
             since, traceparent, attrs = waited
             error = "KV load failed: vLLM recomputes the prompt" if rid in failed else ""
-            self._spans.record("kvd.connector.wait_kv", traceparent, since, now, attrs, error)
+            self._spans.record("kvd.wait_kv", traceparent, since, now, attrs, error)
             if not error:
                 self._landed[rid] = (now, traceparent, attrs)
 

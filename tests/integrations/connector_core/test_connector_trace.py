@@ -117,9 +117,9 @@ def test_with_tracing_on_the_wait_for_the_kv_and_the_first_step_are_spans(monkey
     spans = sorted(exporter.get_finished_spans(), key=lambda s: (s.name, s.attributes[
         "kvd.request_id"]))
     assert [(s.name, s.attributes["kvd.request_id"], s.status.status_code.name)
-            for s in spans] == [("kvd.connector.first_step", "d-1", "UNSET"),
-                                ("kvd.connector.wait_kv", "d-1", "UNSET"),
-                                ("kvd.connector.wait_kv", "d-2", "ERROR")]
+            for s in spans] == [("kvd.first_step", "d-1", "UNSET"),
+                                ("kvd.wait_kv", "d-1", "UNSET"),
+                                ("kvd.wait_kv", "d-2", "ERROR")]
     assert all(f"{s.context.trace_id:032x}" == ROUTER_TP[3:35]
                and f"{s.parent.span_id:016x}" == ROUTER_TP[36:52] for s in spans)
 
