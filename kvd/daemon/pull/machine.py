@@ -138,7 +138,8 @@ class Pull:
 
     def _to(self, event: On) -> None:
         self.state = next_state(self.state, event)
-        self._mark(event.value)
+        if self.marks is not None:
+            self._mark(event.value)
 
     def _mark(self, name: str) -> None:
         if self.marks is not None:
