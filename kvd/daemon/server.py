@@ -184,6 +184,9 @@ class Daemon:
             self.http.close()
             self.http = None
         self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
+        if self.spans is not None:
+            self.spans.shutdown()  # its thread
+            self.spans = None
 
     def _nixl_factory(self) -> Transport:
         from kvd.transport import rails
