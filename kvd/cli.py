@@ -312,6 +312,11 @@ def router(
     warm_up: bool = typer.Option(False, "--warm-up", help="Hand one small request over "
                                  "between every prefill/decode pair as soon as both answer, "
                                  "before traffic (GET /health shows each pair's state)."),
+    otel: bool = typer.Option(False, "--otel", help="Export one OpenTelemetry span per "
+                              "request, the parent of the engines' and daemons' spans "
+                              "(needs kvd[otel]; OTEL_EXPORTER_OTLP_ENDPOINT, "
+                              "OTEL_TRACES_SAMPLER_ARG). Without it the router still "
+                              "passes a trace context on."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
@@ -328,7 +333,7 @@ def router(
         run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
                                 prefill_timeout_s, decode_read_timeout_s,
                                 os.environ.get(api_key_env, "") if api_key_env else "",
-                                warm_up=warm_up),
+                                warm_up=warm_up, otel=otel),
                    host, port)
 
     _guarded(debug, go)

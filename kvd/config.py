@@ -179,6 +179,14 @@ class Config:
                     "producer daemon says it is on this host and its pools are reachable "
                     "(shared pool directory or IPC namespace); false: always NIXL READs.",
     )] = True
+    otel_traces: Annotated[bool, Meta(
+        description="Export OpenTelemetry spans of every traced hold and pull (needs "
+                    "`pip install 'kvd[otel]'`): to OTEL_EXPORTER_OTLP_ENDPOINT (or "
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) over OTLP/HTTP, sampled by "
+                    "OTEL_TRACES_SAMPLER_ARG (a ratio, under the request's own sampling "
+                    "decision); false: nothing of OpenTelemetry is imported "
+                    "(docs/operations.md, Tracing).",
+    )] = False
     log_format: Annotated[Literal["text", "json"], Meta(
         description="How log lines are written; json: one JSON object per line.",
     )] = "text"

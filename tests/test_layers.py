@@ -314,7 +314,7 @@ def test_imports_of_sees_type_checking_and_private_names(tmp_path, monkeypatch):
 
 # Heavy or optional third-party packages: imported only where docs/architecture.md says.
 ARCH_DOC = ROOT.parent / "docs" / "architecture.md"
-GUARDED = ("vllm", "nixl", "torch", "aiohttp", "typer")
+GUARDED = ("vllm", "nixl", "torch", "aiohttp", "typer", "opentelemetry")
 # nixl ships as nixl, nixl_cu12 or nixl_cu13; one name for all three.
 ALIASES = {"nixl_cu12": "nixl", "nixl_cu13": "nixl"}
 # Modules that import by a computed name (importlib.import_module(f"...")), and what.

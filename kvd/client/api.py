@@ -209,37 +209,41 @@ class KvdClient(_ClientSettings):
             handle.pool.close()
 
     def publish(self, engine_id: str, request_id: str, block_ids: BlockIds,
-                lease_s: float | None = None, consumers: int = 1) -> str:
+                lease_s: float | None = None, consumers: int = 1,
+                traceparent: str = "") -> str:
         """Hold the blocks for the decode engines; returns the publish receipt, for the
-        router to hand to the decode side's ``pull`` (it makes the pull faster)."""
+        router to hand to the decode side's ``pull`` (it makes the pull faster).
+        ``traceparent``: the request's W3C trace context ("" none), for the hold's span."""
         reply = self.call(Messages.publish(engine_id, request_id, block_ids, lease_s,
-                                           consumers))
+                                           consumers, traceparent=traceparent))
         return getattr(reply, "receipt", "")
 
     def pull(self, engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
              remote_block_ids: BlockIds, local_block_ids: BlockIds,
              remote_request_id: str = "", num_tokens: int = -1,
-             publish_receipt: str = "") -> None:
+             publish_receipt: str = "", traceparent: str = "") -> None:
         """Queue a pull; ``remote_request_id`` is the producer's id when it differs,
         ``num_tokens`` the prompt's token count (-1: unknown), ``publish_receipt`` what
-        the producer's ``publish`` returned ("" if unknown). Hybrid engines pass one
+        the producer's ``publish`` returned ("" if unknown), ``traceparent`` the
+        request's W3C trace context ("" none). Hybrid engines pass one
         block-id list per KV-cache group (vLLM's ``block_ids``) on both sides."""
         self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                                 remote_block_ids, local_block_ids, remote_request_id,
-                                num_tokens, publish_receipt))
+                                num_tokens, publish_receipt, traceparent=traceparent))
 
     def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                       remote_address: str, remote_block_ids: BlockIds,
                       local_block_ids: BlockIds, remote_request_id: str = "",
                       num_tokens: int = -1, publish_receipt: str = "",
-                      timeout_s: float = PULL_WAIT_TIMEOUT_S) -> P.Event:
+                      timeout_s: float = PULL_WAIT_TIMEOUT_S, traceparent: str = "") -> P.Event:
         """``pull``, answered when the pull has ended with its done_recving event (one
         round trip; the event is not delivered to polls). ``timeout_s`` should outlast
         the daemon's transfer_timeout_s: an outcome that comes later is lost."""
         return Messages.pulled(self.call(
             Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                           remote_block_ids, local_block_ids, remote_request_id, num_tokens,
-                          publish_receipt, reply_when_done=True), timeout_s=timeout_s))
+                          publish_receipt, reply_when_done=True, traceparent=traceparent),
+            timeout_s=timeout_s))
 
     def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
         """Wait up to timeout_s for completion events of an engine (long poll)."""
@@ -369,28 +373,32 @@ class AsyncKvdClient(_ClientSettings):
             handle.pool.close()
 
     async def publish(self, engine_id: str, request_id: str, block_ids: BlockIds,
-                      lease_s: float | None = None, consumers: int = 1) -> str:
+                      lease_s: float | None = None, consumers: int = 1,
+                      traceparent: str = "") -> str:
         reply = await self.call(Messages.publish(engine_id, request_id, block_ids, lease_s,
-                                                 consumers))
+                                                 consumers, traceparent=traceparent))
         return getattr(reply, "receipt", "")
 
     async def pull(self, engine_id: str, request_id: str, remote_engine_id: str,
                    remote_address: str, remote_block_ids: BlockIds,
                    local_block_ids: BlockIds, remote_request_id: str = "",
-                   num_tokens: int = -1, publish_receipt: str = "") -> None:
+                   num_tokens: int = -1, publish_receipt: str = "",
+                   traceparent: str = "") -> None:
         await self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                                       remote_block_ids, local_block_ids, remote_request_id,
-                                      num_tokens, publish_receipt))
+                                      num_tokens, publish_receipt, traceparent=traceparent))
 
     async def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                             remote_address: str, remote_block_ids: BlockIds,
                             local_block_ids: BlockIds, remote_request_id: str = "",
                             num_tokens: int = -1, publish_receipt: str = "",
-                            timeout_s: float = PULL_WAIT_TIMEOUT_S) -> P.Event:
+                            timeout_s: float = PULL_WAIT_TIMEOUT_S,
+                            traceparent: str = "") -> P.Event:
         return Messages.pulled(await self.call(
             Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                           remote_block_ids, local_block_ids, remote_request_id, num_tokens,
-                          publish_receipt, reply_when_done=True), timeout_s=timeout_s))
+                          publish_receipt, reply_when_done=True, traceparent=traceparent),
+            timeout_s=timeout_s))
 
     async def poll(self, engine_id: str, timeout_s: float = 1.0) -> list[P.Event]:
         reply = await self.call(Messages.poll(engine_id, timeout_s),

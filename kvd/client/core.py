@@ -159,17 +159,18 @@ class Messages:
 
     @staticmethod
     def publish(engine_id: str, request_id: str, block_ids: BlockIds,
-                lease_s: float | None, consumers: int, hold_id: int = 0) -> P.Publish:
+                lease_s: float | None, consumers: int, hold_id: int = 0,
+                traceparent: str = "") -> P.Publish:
         flat, groups = split_block_ids(block_ids)
         return P.Publish(engine_id=engine_id, request_id=request_id, block_ids=flat,
                          lease_s=lease_s, consumers=consumers, group_block_ids=groups,
-                         hold_id=hold_id)
+                         hold_id=hold_id, traceparent=traceparent)
 
     @staticmethod
     def pull(engine_id: str, request_id: str, remote_engine_id: str, remote_address: str,
              remote_block_ids: BlockIds, local_block_ids: BlockIds,
              remote_request_id: str, num_tokens: int, publish_receipt: str = "",
-             reply_when_done: bool = False) -> P.Pull:
+             reply_when_done: bool = False, traceparent: str = "") -> P.Pull:
         remote, remote_groups = split_block_ids(remote_block_ids)
         local, local_groups = split_block_ids(local_block_ids)
         return P.Pull(engine_id=engine_id, request_id=request_id,
@@ -177,7 +178,8 @@ class Messages:
                       remote_block_ids=remote, local_block_ids=local,
                       remote_request_id=remote_request_id, num_tokens=num_tokens,
                       local_group_block_ids=local_groups, remote_group_block_ids=remote_groups,
-                      publish_receipt=publish_receipt, reply_when_done=reply_when_done)
+                      publish_receipt=publish_receipt, reply_when_done=reply_when_done,
+                      traceparent=traceparent)
 
     @staticmethod
     def pulled(reply: Any) -> P.Event:

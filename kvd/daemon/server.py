@@ -57,6 +57,21 @@ DRAIN_RELEASE_TIMEOUT_S = 0.4
 CONNECTION_SETTLE_S = 0.05  # after drain_timeout_s: pulls failed, their READs released
 
 
+def _spans(cfg: Config, metrics: Metrics, daemon_id: str, instance_id: str) -> Any:
+    """OpenTelemetry spans when ``otel_traces`` is on (kvd.ops.otel); else None, and
+    nothing of OpenTelemetry is imported."""
+    if not cfg.otel_traces:
+        return None
+    try:
+        from kvd.ops.otel import Spans
+    except ImportError as exc:
+        raise ConfigError(f"otel_traces=true needs OpenTelemetry: pip install 'kvd[otel]' "
+                          f"({exc})") from exc
+    return Spans(metrics, attributes={"kvd.daemon_id": daemon_id,
+                                      "kvd.instance_id": instance_id,
+                                      "kvd.peer_address": cfg.peer_advertise})
+
+
 class Daemon:
     def __init__(self, cfg: Config, transport_factory: Callable[[], Transport] | None = None,
                  clock: Clock | None = None, metrics: Metrics | None = None,
@@ -76,6 +91,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
         self.http = None
+        self.spans: Any = None  # kvd.ops.otel.Spans when otel_traces is on
 
     # ------------------------------------------------------------ lifecycle
 
@@ -89,6 +105,7 @@ class Daemon:
         from kvd.ops.httpserver import start_http_server
 
         cfg = self.cfg
+        self.spans = _spans(cfg, self.metrics, self.daemon_id, self.instance_id)
         self.ctx = zmq.asyncio.Context()
         self.engine_face = self.peer_face = None
         self.registry = self.datapath = None
@@ -130,7 +147,8 @@ class Daemon:
                                self.token, self.daemon_id, self.instance_id,
                                curve=self.curve)
         svc = Services(cfg, self.clock, self.metrics, self.datapath, self.registry,
-                       self.peers, self.events, self.spawn, self.daemon_id, self.instance_id)
+                       self.peers, self.events, self.spawn, self.daemon_id, self.instance_id,
+                       spans=self.spans)
         self.producer = Producer(svc)
         self.consumer = Consumer(svc, self._local_peer)
         self.connections = ConnectionTracker()
@@ -166,6 +184,9 @@ class Daemon:
             self.http.close()
             self.http = None
         self.ctx.destroy(linger=0)  # every socket, a face's whose bind failed included
+        if self.spans is not None:
+            self.spans.shutdown()  # its thread
+            self.spans = None
 
     def _nixl_factory(self) -> Transport:
         from kvd.transport.remote import rails
@@ -262,6 +283,8 @@ class Daemon:
         self.ctx.term()
         if self.http is not None:
             self.http.close()
+        if self.spans is not None:
+            self.spans.shutdown()  # the last spans exported
         log.info("kvd stopped")
 
     def _rails(self) -> list[P.RailStatus]:

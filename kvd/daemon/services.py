@@ -33,3 +33,6 @@ class Services:
     spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
     daemon_id: str
     instance_id: str  # this incarnation: random per process, in every reply header
+    # OpenTelemetry spans (kvd.ops.otel.Spans) when ``otel_traces`` is on; None: off, and
+    # nothing of OpenTelemetry is imported.
+    spans: Any = None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
 log = logging.getLogger("kvd.http")
 
@@ -51,7 +52,11 @@ def _handler(registry: CollectorRegistry, ready: ReadyFn) -> type[BaseHTTPReques
 
         def do_GET(self) -> None:  # noqa: N802 - stdlib naming
             path = self.path.split("?", 1)[0]
-            if path == "/metrics":
+            if path == "/metrics" and "application/openmetrics-text" in self.headers.get(
+                    "Accept", ""):  # OpenMetrics: the histograms' exemplars (trace ids) too
+                self._send(200, openmetrics.generate_latest(registry),
+                           openmetrics.CONTENT_TYPE_LATEST)
+            elif path == "/metrics":
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/livez":
                 self._send(200, b"ok\n")

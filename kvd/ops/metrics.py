@@ -72,6 +72,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # The next transfer_finished's exemplar ({"trace_id": ...}), set by kvd.ops.otel for
+        # a traced request; shown in the OpenMetrics exposition only.
+        self.exemplar: dict[str, str] | None = None
         for doc in METRIC_DOCS:
             setattr(self, doc.attr, _make(doc, self.registry))
         for role in ROLES:  # remote: every deployment has it; local appears when used
@@ -112,7 +115,11 @@ class Metrics:
         count.inc()
         if outcome == "ok" and nbytes:
             moved.inc(nbytes)
-        duration.observe(duration_s)
+        if self.exemplar is None:
+            duration.observe(duration_s)
+        else:  # a traced request's (kvd.ops.otel sets it just before): its trace id
+            duration.observe(duration_s, self.exemplar)
+            self.exemplar = None
 
     def reads_posted(self, timings: Iterable[PostTiming | None]) -> float:
         """Record one pull's posted READs: build time per descriptor of each, and their

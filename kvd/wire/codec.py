@@ -10,6 +10,7 @@ and ``decode_body``, so an unauthenticated sender never gets a body parsed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -34,8 +35,15 @@ N = TypeVar("N", bound=msgspec.Struct)
 
 class Codec(Generic[H, N]):
     def __init__(self, version: int, header: type[H], messages: tuple[type, ...],
-                 notice: type[N], notice_magic: bytes, max_header_bytes: int) -> None:
+                 notice: type[N], notice_magic: bytes, max_header_bytes: int,
+                 min_version: int | None = None,
+                 stamp: Callable[[Any], int] | None = None) -> None:
+        """``min_version``: the oldest version still accepted (every version since only
+        added optional fields); ``stamp``: the version a message is sent as (the oldest
+        that carries it, so older peers keep taking what they can read)."""
         self.version = version
+        self.min_version = version if min_version is None else min_version
+        self._stamp = stamp
         self.max_header_bytes = max_header_bytes
         self.notice_magic = notice_magic
         self._header_type = header
@@ -48,7 +56,8 @@ class Codec(Generic[H, N]):
     def encode(self, msg: msgspec.Struct, msg_id: int = 0, token: str = "",
                instance: str = "") -> list[bytes]:
         """Two frames: header then body."""
-        header = self._header_type(v=self.version, kind=self._kind[type(msg)], id=msg_id,
+        v = self.version if self._stamp is None else self._stamp(msg)
+        header = self._header_type(v=v, kind=self._kind[type(msg)], id=msg_id,
                                    token=token, instance=instance)
         return [self._encoder.encode(header), self._encoder.encode(msg)]
 
@@ -63,9 +72,9 @@ class Codec(Generic[H, N]):
             raise ProtocolError("header nested too deeply", reason="limit") from None
         except _DECODE_ERRORS as exc:
             raise ProtocolError(f"malformed header: {exc}") from None
-        if header.v != self.version:
+        if not self.min_version <= header.v <= self.version:
             raise VersionError(f"protocol version {header.v} not supported (this daemon "
-                               f"speaks {self.version})")
+                               f"speaks {self.min_version} to {self.version})")
         return header
 
     def decode_body(self, header: HeaderLike, frame: bytes, allowed: tuple[type, ...]) -> Any:

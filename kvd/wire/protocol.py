@@ -17,7 +17,11 @@ import msgspec
 from kvd.errors import ProtocolError  # noqa: F401 - re-exported: callers catch P.ProtocolError
 from kvd.wire.codec import Codec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+# The oldest version a receiver still accepts: v3 only adds an optional field (a trace
+# context), omitted at its default. A message is sent as the oldest version that carries
+# it (`_stamp`): v2 unless it carries a trace context, so v2 peers keep working.
+MIN_PROTOCOL_VERSION = 2
 DRAM_DEVICE_INDEX = -1  # RegisterEngine.device_index of a rank whose pool is DRAM
 NOTICE_MAGIC = b"kvd1"
 
@@ -43,6 +47,10 @@ MAX_ID_CHARS = 256
 MAX_RECEIPT_CHARS = 128  # Published.receipt: "<instance id>/<hold id>"
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # engine, request
 TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
+# A W3C trace context header value (https://www.w3.org/TR/trace-context/#traceparent-header),
+# version 00: "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>"; "" for none.
+TRACEPARENT_PATTERN = "^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?$"
+Traceparent = Annotated[str, msgspec.Meta(max_length=55, pattern=TRACEPARENT_PATTERN)]
 
 
 class Header(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -231,6 +239,8 @@ class Publish(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     # from the instance its rank registered with. Engine-chosen ids are random in
     # [ENGINE_HOLD_ID_MIN, 2**62), above any id the daemon counts to.
     hold_id: Annotated[int, msgspec.Meta(ge=0, lt=2**62)] = 0
+    # The request's W3C trace context (v3; "" none): the hold's span joins that trace.
+    traceparent: Traceparent = ""
 
 
 ENGINE_HOLD_ID_MIN = 2**40  # Publish.hold_id chosen by an engine: never a daemon-counted one
@@ -269,6 +279,8 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     # Answer this Pull only when it has ended, with its done_recving event (one Events
     # reply; the event is not queued for polls): one round trip for an engine that waits.
     reply_when_done: bool = False
+    # The request's W3C trace context (v3; "" none): the pull's spans join that trace.
+    traceparent: Traceparent = ""
 
     @property
     def producer_request_id(self) -> str:
@@ -524,8 +536,16 @@ REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, P
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 
 # The one decode boundary (kvd.wire.codec holds the rules), bound to this message set.
+
+
+def _stamp(msg: msgspec.Struct) -> int:
+    """The version a message is sent as: the oldest that carries it."""
+    return PROTOCOL_VERSION if getattr(msg, "traceparent", "") else MIN_PROTOCOL_VERSION
+
+
 _codec: Codec[Header, ReadNotice] = Codec(PROTOCOL_VERSION, Header, ALL_MESSAGES, ReadNotice,
-                                          NOTICE_MAGIC, MAX_HEADER_BYTES)
+                                          NOTICE_MAGIC, MAX_HEADER_BYTES,
+                                          MIN_PROTOCOL_VERSION, _stamp)
 encode = _codec.encode
 decode_header = _codec.decode_header
 decode_body = _codec.decode_body
@@ -544,6 +564,7 @@ def schema() -> dict[str, Any]:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "kvd wire protocol",
         "protocol_version": PROTOCOL_VERSION,
+        "min_protocol_version": MIN_PROTOCOL_VERSION,
         "frames": ["Header", "body named by Header.kind"],
         "engine_requests": [c.__name__ for c in ENGINE_REQUESTS],
         "peer_requests": [c.__name__ for c in PEER_REQUESTS],

@@ -92,6 +92,7 @@ class HeldRequest:
     # that never comes, not a READ under way, which heartbeats renew only every
     # heartbeat_interval_s and a consumer stalled under its liveness timeout not at all.
     reading_lease_s: float = 0.0
+    traceparent: str = ""  # the Publish's W3C trace context (its span's parent)
 
     @property
     def terminal(self) -> bool:

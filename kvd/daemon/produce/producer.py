@@ -110,6 +110,7 @@ class Producer:
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
                                  msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id,
                                  reading_lease_s=cfg.lease_s)
+        held.traceparent = msg.traceparent
         ranks = engine.live_ranks()
         for r in ranks:
             r.pins += 1
@@ -323,6 +324,8 @@ class Producer:
         for r in self._pinned.pop(key, []):
             r.pins -= 1
         m = self.svc.metrics
+        if self.svc.spans is not None:
+            self.svc.spans.hold_ended(held, outcome, self.svc.clock.now())
         m.held_requests.set(len(self.held))
         duration_s = self.svc.clock.now() - held.published_s
         local = bool(held.readers) and all(r.instance == self.svc.instance_id

@@ -214,6 +214,8 @@ class Consumer:
         pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
                     path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=cfg.transfer_timeout_s)
+        if self.svc.spans is not None:  # traced: its phases are noted (kvd.ops.otel)
+            pull.marks, pull.marks_clock = [], self.svc.clock.now
         self.svc.metrics.inflight_transfers.inc()
         driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
                             self.assembler, self._reported,
@@ -234,6 +236,8 @@ class Consumer:
     def _reported(self, pull: Pull) -> None:
         self.pulls.pop(pull.key, None)
         self.finished.append(pull)
+        if self.svc.spans is not None:
+            self.svc.spans.pull_ended(pull, self.svc.clock.now())
 
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its transfers, then reports."""

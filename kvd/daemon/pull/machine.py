@@ -31,7 +31,7 @@ The rules it keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +147,10 @@ class Pull:
     _severed: set[str] = field(default_factory=set)
     _stepped_s: float | None = None  # the read phase's last step (`_stalled`)
     _stall: str = ""  # a stall seen while discarding: the pull fails once that ends
+    # Traced pulls only (kvd.ops.otel builds their spans once reported): each transition
+    # and the Acquire's replies, with the time from ``marks_clock``; None: not kept.
+    marks: list[tuple[str, float]] | None = None
+    marks_clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         if type(self.path) is not Path:  # its name (an enum lookup costs a microsecond)
@@ -162,6 +166,12 @@ class Pull:
 
     def _to(self, event: On) -> None:
         self.state = next_state(self.state, event)
+        if self.marks is not None:
+            self._mark(event.value)
+
+    def _mark(self, name: str) -> None:
+        if self.marks is not None:
+            self.marks.append((name, self.marks_clock()))  # type: ignore[misc]
 
     # ------------------------------------------------------------ the entry point
 
@@ -380,6 +390,7 @@ class Pull:
     def on_replies(self, addresses: list[str], got: list[Reply | BaseException],
                    now_s: float) -> list[Action]:
         """Every reply to the Acquire (or the error in its place), in address order."""
+        self._mark("replies")
         self.acquired = [a for a, r in zip(addresses, got, strict=True)
                          if not isinstance(r, BaseException)]
         errors = [r for r in got if isinstance(r, BaseException)]
@@ -510,6 +521,7 @@ class Pull:
     def _end(self, outcome: Outcome, error: str, now_s: float | None = None
              ) -> list[Action]:
         self.outcome, self.error = outcome, error
+        self._mark("end")
         self._then = None
         if outcome is not Outcome.CANCELLED and self.live:
             # Only a failure quarantines, and every failure passes the clock's time: the

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.ops.tracecontext import parse_traceparent
 from kvd.wire.protocol import MAX_RECEIPT_CHARS
 
 # Bumped if the meaning of a key changes; decoders refuse other formats.
@@ -45,6 +46,8 @@ class RemotePrefill:
     # The prefill daemon's publish receipt ("": none, older prefill engines): the decode
     # daemon then needs no proof from the hold's age that it reads after the publish.
     receipt: str = ""
+    # The request's W3C trace context ("": none), which the pull's spans join.
+    traceparent: str = ""
 
     def to_params(self) -> dict[str, Any]:
         """The dict a prefill engine returns; vLLM's standard keys plus ours."""
@@ -52,6 +55,8 @@ class RemotePrefill:
                                  else {"kvd_block_size": self.block_size_tokens})
         if self.receipt:
             extra["kvd_receipt"] = self.receipt
+        if self.traceparent:
+            extra["traceparent"] = self.traceparent
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -74,6 +79,19 @@ def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
 def wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
     """A decode request whose prompt KV waits on a prefill engine."""
     return bool(params) and bool(params.get("do_remote_prefill"))
+
+
+def traceparent_of(params: Mapping[str, Any] | None,
+                   headers: Mapping[str, str] | None = None) -> str:
+    """The request's W3C trace context: vLLM's own trace headers (taken from the HTTP
+    request when its tracing is on), else ``kv_transfer_params["traceparent"]`` (set by
+    ``kvd router``); "" when neither holds a valid one (never an error: tracing is
+    best effort and never fails a request)."""
+    for source in (headers, params):
+        value = source.get("traceparent") if source else None
+        if isinstance(value, str) and parse_traceparent(value) is not None:
+            return value
+    return ""
 
 
 def _str(params: Mapping[str, Any], key: str) -> str:
@@ -126,7 +144,7 @@ def parse_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
                          address=_str(params, "kvd_address"),
                          block_ids=block_ids, num_tokens=num_tokens,
                          block_size_tokens=block_size, group_block_ids=groups,
-                         receipt=receipt)
+                         receipt=receipt, traceparent=traceparent_of(params))
 
 
 def blocks_to_pull(num_prompt_tokens: int, num_computed_tokens: int, block_size_tokens: int,

@@ -13,7 +13,9 @@ is where vLLM expects them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from kvd.integrations.connector_core.params import (
     RemotePrefill,
     blocks_to_pull,
     parse_remote_prefill,
+    traceparent_of,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -43,6 +46,22 @@ SEND_GRACE_S = 30.0
 FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 # Replies not come by then are forgotten (the workers' own deadlines cover the outcome).
 FORGET_REPLY_S = 600.0
+OTEL_ENV = "KVD_OTEL_TRACES"  # true: spans of the wait for the KV and the first step
+
+
+def connector_spans() -> Any:
+    """kvd.ops.otel.RequestSpans when KVD_OTEL_TRACES is true (the daemons' setting, read
+    the same way; OTEL_EXPORTER_OTLP_* configure the export), else None: nothing of
+    OpenTelemetry is imported."""
+    if os.environ.get(OTEL_ENV, "").lower() not in ("1", "true", "yes", "on"):
+        return None
+    try:
+        from kvd.ops.otel import RequestSpans
+    except ImportError as exc:
+        log.warning("%s is set but OpenTelemetry is missing (%s): pip install 'kvd[otel]'; "
+                    "no connector spans", OTEL_ENV, exc)
+        return None
+    return RequestSpans(service="kvd-connector")
 
 
 @dataclass(frozen=True)
@@ -82,6 +101,11 @@ class KvdScheduler:
         self._client: NoWaitClient | None = None
         self._pending: dict[str, _Pull] = {}
         self._meta = StepAnnouncements()
+        # Tracing (KVD_OTEL_TRACES): requests waiting for their KV, and those whose KV
+        # landed, until the end of their first step: (since, traceparent, attributes).
+        self._spans = connector_spans()
+        self._waiting: dict[str, tuple[int, str, dict[str, Any]]] = {}
+        self._landed: dict[str, tuple[int, str, dict[str, Any]]] = {}
 
     @property
     def client(self) -> NoWaitClient:
@@ -174,8 +198,17 @@ class KvdScheduler:
             remote = parse_remote_prefill(params)
         except ParamsError:
             return  # warned in num_new_matched_tokens
+        # The decode's own trace context (vLLM's header, with its tracing on) first.
+        traceparent = traceparent_of(params, getattr(request, "trace_headers", None))
+        if traceparent != remote.traceparent:
+            remote = dataclasses.replace(remote, traceparent=traceparent)
         num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
         TRACE.point("decode_scheduled", request.request_id)
+        if self._spans is not None and num_external_tokens > 0:
+            self._waiting[request.request_id] = (time.time_ns(), traceparent, {
+                "kvd.request_id": request.request_id, "kvd.engine_id": self.settings.engine_id,
+                "kvd.remote_engine_id": remote.engine_id, "kvd.peer": remote.address,
+                "kvd.tokens": num_external_tokens})
         if num_external_tokens <= 0:
             # Full local prefix hit: nothing to read, but P must release its blocks now.
             self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
@@ -206,6 +239,8 @@ class KvdScheduler:
                          group_block_ids: tuple[list[int], ...] | None = None
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        if self._waiting:
+            self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
         if wants_remote_prefill(params):
             # A decode request aborted before it was scheduled: release P's blocks.
             params["do_remote_prefill"] = False
@@ -233,9 +268,11 @@ class KvdScheduler:
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
         hold_id = engine_hold_id()
+        traceparent = traceparent_of(params, getattr(request, "trace_headers", None))
         msg = Messages.publish(self.settings.engine_id, request.request_id,
                                blocks if groups is None else groups, lease_s=self.lease_s,
-                               consumers=consumers, hold_id=hold_id)
+                               consumers=consumers, hold_id=hold_id,
+                               traceparent=traceparent)
         if not self.client.send(msg, _Sent("publish", request.request_id), self._now()):
             log.error("request %s: kvd is not taking messages (frozen or gone); not "
                       "publishing, the decode side will compute the prompt itself",
@@ -252,10 +289,31 @@ class KvdScheduler:
                                block_size_tokens=self.block_size_tokens,
                                group_block_ids=(None if groups is None
                                                 else tuple(tuple(g) for g in groups)),
-                               receipt=receipt)
+                               receipt=receipt, traceparent=traceparent)
         return True, remote.to_params()
 
     # ------------------------------------------------------------ every step
+
+    def on_output(self, finished_recving: Any, failed_recving: Any = ()) -> None:
+        """vLLM's connector output of a step (tracing only): a KV that landed ends its
+        ``kvd.wait_kv`` span; the step after ends ``kvd.first_step``
+        (the request's first step on its KV)."""
+        if self._spans is None:
+            return
+        now = time.time_ns()
+        for since, traceparent, attrs in self._landed.values():
+            self._spans.record("kvd.first_step", traceparent, since, now, attrs)
+        self._landed = {}
+        failed = set(failed_recving or ())
+        for rid in finished_recving or ():
+            waited = self._waiting.pop(rid, None)
+            if waited is None:
+                continue
+            since, traceparent, attrs = waited
+            error = "KV load failed: vLLM recomputes the prompt" if rid in failed else ""
+            self._spans.record("kvd.wait_kv", traceparent, since, now, attrs, error)
+            if not error:
+                self._landed[rid] = (now, traceparent, attrs)
 
     def build_meta(self, idle: bool = False) -> StepAnnouncements:
         """Once per step: act on the replies that came, send the pulls queued since.
@@ -307,6 +365,7 @@ class KvdScheduler:
                                 remote_block_ids=remote_ids, local_block_ids=local_ids,
                                 remote_request_id=pull.remote.request_id,
                                 publish_receipt=pull.remote.receipt,
+                                traceparent=pull.remote.traceparent,
                                 num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
                                             else -1))
         except (KvdError, ValueError) as exc:  # msgspec bounds (ValidationError)
@@ -332,3 +391,6 @@ class KvdScheduler:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._spans is not None:
+            self._spans.shutdown()
+            self._spans = None

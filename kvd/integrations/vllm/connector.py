@@ -208,6 +208,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, KvdWorkerMeta):
             self._scheduler.daemon_moved(meta.peer_address, meta.instance_id)
+        if self._scheduler is not None:  # spans of the wait for the KV (tracing on only)
+            self._scheduler.on_output(connector_output.finished_recving,
+                                      getattr(connector_output, "failed_recving", ()))
 
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:

@@ -29,6 +29,8 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from kvd.ops.tracecontext import traceparent_or_new
+
 log = logging.getLogger("kvd.router")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -52,6 +54,10 @@ class RouterConfig:
     # mapping, transfer planning, the decode engine's first remote-KV step) is paid then.
     warm_up: bool = False
     warm_up_timeout_s: float = 600.0  # how long to keep trying a pair that does not answer
+    # Export a span per request (kvd.ops.otel, OTEL_EXPORTER_OTLP_*): the parent of both
+    # engines' and both daemons' spans. Off, the router still passes a trace context on
+    # (the client's, or a new one).
+    otel: bool = False
 
 
 WARM_UP_PROMPT = " ".join(["kvd router warm-up"] * 16)  # a few blocks of any tokenizer
@@ -87,14 +93,18 @@ class UpstreamError(Exception):
         self.status = status
 
 
-def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill step's body: one token, not streamed, asking for a remote decode."""
+def prefill_request(body: dict[str, Any], traceparent: str = "") -> dict[str, Any]:
+    """The prefill step's body: one token, not streamed, asking for a remote decode (with
+    the request's trace context, which the prefill's connector passes to its daemon and
+    on to the decode side)."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     for key in MAX_TOKEN_KEYS:
         if key in body or key == "max_tokens":
             out[key] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"do_remote_decode": True}
+    if traceparent:
+        out["kv_transfer_params"]["traceparent"] = traceparent
     return out
 
 
@@ -119,9 +129,14 @@ class Router:
         # (prefill URL, decode URL) -> "ok", "pending" or why it failed (warm_up only)
         self.warm: dict[str, str] = {}
         self._warming: asyncio.Task[None] | None = None
+        self.spans: Any = None  # kvd.ops.otel.RequestSpans with cfg.otel
 
     async def start(self, _app: web.Application) -> None:
         self.session = ClientSession(headers=self.headers)
+        if self.cfg.otel:
+            from kvd.ops.otel import RequestSpans
+
+            self.spans = RequestSpans()
         if self.cfg.warm_up:
             self.warm = {f"{p} -> {d}": "pending" for p in self.prefill.urls
                          for d in self.decode.urls}
@@ -134,6 +149,8 @@ class Router:
                 await self._warming
         if self.session is not None:
             await self.session.close()
+        if self.spans is not None:
+            self.spans.shutdown()  # the last spans exported
 
     async def _warm_all(self) -> None:
         await asyncio.gather(*(self._warm_pair(p, d) for p in self.prefill.urls
@@ -213,20 +230,41 @@ class Router:
         if not isinstance(body, dict):
             return _json_error(400, "request body must be a JSON object",
                                "invalid_request_error")
+        # One trace per request: the client's, else a new one; with cfg.otel the router's
+        # own span is the parent both engines (HTTP header, vLLM's tracing) and both
+        # daemons (kv_transfer_params -> Publish, Pull) join.
+        traceparent = request.headers.get("traceparent", "")
+        span = None
+        if self.spans is not None:
+            span, traceparent = self.spans.start("kvd.router", traceparent,
+                                                 {"http.route": request.path})
+        else:
+            traceparent = traceparent_or_new(traceparent)
+        error = ""
         try:
-            params = await self._prefill(request.path, body)
-        except UpstreamError as exc:
-            log.warning("%s", exc)
-            return _json_error(exc.status, str(exc), "prefill_failed")
-        return await self._decode(request, decode_request(body, params))
+            try:
+                params = await self._prefill(request.path, body, traceparent)
+            except UpstreamError as exc:
+                log.warning("%s", exc)
+                error = f"prefill: {exc}"
+                return _json_error(exc.status, str(exc), "prefill_failed")
+            out = await self._decode(request, decode_request(body, params), traceparent)
+            if out.status != 200:
+                error = f"decode answered {out.status}"
+            return out
+        finally:
+            if span is not None:
+                self.spans.end(span, error)
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> Any:
+    async def _prefill(self, path: str, body: dict[str, Any], traceparent: str = "") -> Any:
         """Run the prefill step; its ``kv_transfer_params``, or UpstreamError."""
         url = self.prefill.pick() + path
         assert self.session is not None
         try:
-            async with self.session.post(url, json=prefill_request(body), timeout=self._timeout(
-                    self.cfg.prefill_timeout_s)) as resp:
+            async with self.session.post(url, json=prefill_request(body, traceparent),
+                                         headers=_trace_headers(traceparent),
+                                         timeout=self._timeout(
+                                             self.cfg.prefill_timeout_s)) as resp:
                 text = await resp.text()
         except TimeoutError as exc:
             raise UpstreamError(504, f"prefill {url}: no answer within prefill_timeout_s="
@@ -245,7 +283,8 @@ class Router:
                                      "it running with the kvd connector (--kv-transfer-config)?")
         return params
 
-    async def _decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, body: dict[str, Any], traceparent: str = ""
+                      ) -> web.StreamResponse:
         """Run the decode step, passing its answer (streamed or not) through as it comes."""
         url = self.decode.pick() + request.path
         assert self.session is not None
@@ -253,7 +292,8 @@ class Router:
                                 sock_read=self.cfg.decode_read_timeout_s)
         out: web.StreamResponse | None = None
         try:
-            async with self.session.post(url, json=body, timeout=timeout) as resp:
+            async with self.session.post(url, json=body, headers=_trace_headers(traceparent),
+                                         timeout=timeout) as resp:
                 out = web.StreamResponse(status=resp.status, headers={
                     k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS})
                 await out.prepare(request)
@@ -270,6 +310,11 @@ class Router:
 
     def _timeout(self, total_s: float) -> ClientTimeout:
         return ClientTimeout(total=total_s, connect=self.cfg.connect_timeout_s)
+
+
+def _trace_headers(traceparent: str) -> dict[str, str] | None:
+    """The W3C header an engine reads its trace context from (vLLM, with its tracing on)."""
+    return {"traceparent": traceparent} if traceparent else None
 
 
 def _json_error(status: int, message: str, kind: str) -> web.Response:

@@ -6,7 +6,11 @@ Heavy and long (``-m soak``; neither the default suite nor README's vLLM command
 it). Knobs (environment): ``KVD_SOAK_SECONDS`` (300: how long load runs and faults are
 injected; the drain and the final checks come after), ``KVD_SOAK_SEED`` (the fault
 schedule; printed, so a run's schedule can be replayed), ``KVD_SOAK_REPORT`` (where the
-JSON report goes; default ``soak-report.json`` in the test's tmp dir).
+JSON report goes; default ``soak-report.json`` in the test's tmp dir),
+``KVD_SOAK_TRACES=1`` (tracing on everywhere: each P/D request gets a trace context in
+its kv_transfer_params, both daemons and both engines export their spans to an OTLP
+receiver the test runs, and the report's ``traces`` counts the requests whose trace is
+complete and linked, and, for a recomputed one, whether its trace says where it failed).
 
 Load: the decode engine keeps ``PD_IN_FLIGHT`` P/D requests and one plain request (no
 kv_transfer_params) in flight at all times (``EngineProc.submit``/``poll``); a prefill
@@ -58,9 +62,11 @@ from engine_proc import EngineProc, EngineProcError
 from engine_support import BLOCK, StartEngine, kv_config, random_prompts
 from shm_reaper import SHM_DIR, reap_vllm_segments
 
+from kvd.ops.tracecontext import new_traceparent
 from kvd.tools.localcluster import DaemonProcess
 
 SOAK_S = float(os.environ.get("KVD_SOAK_SECONDS", "300"))
+TRACES = os.environ.get("KVD_SOAK_TRACES", "") not in ("", "0")
 SEED = int(os.environ.get("KVD_SOAK_SEED", "0") or 0)
 
 # Startup (three engines, one of them restarted at most every fault), the soak, the
@@ -107,6 +113,7 @@ class Request:
     error: str = ""
     tokens_ok: bool = False
     token_times: list[float] = field(default_factory=list)
+    traceparent: str = ""  # KVD_SOAK_TRACES: the context its prefill was sent with
 
 
 def schedule(seed: int, n: int) -> list[Fault]:
@@ -155,6 +162,14 @@ class Soak:
         self.current: Fault | None = None
         self.shm_before: set[str] = set()
         self.kvd_pulls_failed = 0  # scraped from each decode daemon before it goes
+        self.receiver: Any = None  # KVD_SOAK_TRACES: the OTLP receiver (support.otlp_receiver)
+        if TRACES:
+            from support.otlp_receiver import OtlpReceiver
+
+            self.receiver = OtlpReceiver()
+            os.environ.update({  # inherited by both daemons and every engine
+                "KVD_OTEL_TRACES": "true", "OTEL_BSP_SCHEDULE_DELAY": "200",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.receiver.url})
         self.scrape_errors: list[str] = []
 
     # ------------------------------------------------------------ processes
@@ -214,12 +229,16 @@ class Soak:
                     break
                 idx = rng.randrange(len(self.pd_prompts))
                 req = Request(f"pd{n}", "pd", idx, time.monotonic())
+                params_in: dict[str, Any] = {"do_remote_decode": True}
+                if TRACES:  # as a router does: one trace per request
+                    req.traceparent = new_traceparent(1.0)
+                    params_in["traceparent"] = req.traceparent
                 n += 1
                 with self.lock:
                     self.requests.append(req)
                 try:
                     [out] = engine.generate([self.pd_prompts[idx]], max_tokens=1,
-                                            kv_transfer_params=[{"do_remote_decode": True}],
+                                            kv_transfer_params=[params_in],
                                             request_ids=[req.rid], timeout_s=120)
                 except EngineProcError as exc:
                     req.done = time.monotonic()
@@ -439,9 +458,47 @@ class Soak:
             "longest_plain_token_gap_in_a_fault_s": round(max(gaps, default=0.0), 2),
             "after_pause": after_pause(pd, self.faults),
             "settle_s": round(settle_s, 2),
+            **({"traces": trace_counts(pd, self.receiver.snapshot())}
+               if self.receiver is not None else {}),
             **leftover,
             "failures": self.failures,
         }
+
+
+def trace_counts(pd: list[Request], spans: list[Any]) -> dict[str, Any]:
+    """Per P/D request handed over with its KV published: is its trace complete and linked
+    (the prefill daemon's hold, the decode daemon's pull and the decode connector's wait
+    for the KV, each a child of the request's context), and, for one recomputed, does an
+    error span say where it failed."""
+    by_trace: dict[str, list[Any]] = {}
+    for s in spans:
+        by_trace.setdefault(s.trace_id, []).append(s)
+    out: dict[str, Any] = {"loaded": 0, "loaded_complete": 0, "recomputed": 0,
+                           "recomputed_says_where": 0, "incomplete": []}
+    for r in pd:
+        if not r.traceparent or r.outcome not in ("loaded", "recomputed",
+                                                  "partly_recomputed"):
+            continue
+        trace = by_trace.get(r.traceparent[3:35], [])
+        parent = r.traceparent[36:52]
+        linked = {s.name for s in trace if s.parent_id == parent}
+        if r.outcome == "loaded":
+            out["loaded"] += 1
+            if {"kvd.hold", "kvd.pull", "kvd.wait_kv"} <= linked:
+                out["loaded_complete"] += 1
+            else:
+                out["incomplete"].append(f"{r.rid}: {sorted(linked)}")
+        else:
+            out["recomputed"] += 1
+            errors = sorted(f"{s.name}: {s.error[:80]}" for s in trace if s.is_error)
+            if errors:
+                out["recomputed_says_where"] += 1
+            else:
+                out["incomplete"].append(f"{r.rid} (recomputed): {sorted(linked)}")
+    done = out["loaded"] + out["recomputed"]
+    out["complete_ratio"] = round((out["loaded_complete"] + out["recomputed_says_where"])
+                                  / done, 4) if done else None
+    return out
 
 
 def stall(req: Request, faults: list[Fault]) -> float:
@@ -573,6 +630,27 @@ def test_a_stall_counts_from_the_last_fault_end_and_a_plain_gap_from_the_edges()
     assert plain_gap(plain, faults[1]) == 1.0  # no token in it at all
 
 
+def test_trace_counts_need_every_span_linked_and_an_error_for_a_recompute() -> None:
+    from support.otlp_receiver import SpanRecord
+
+    tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+
+    def span(name: str, parent: str = "b" * 16, error: str = "") -> SpanRecord:
+        return SpanRecord("kvd", name, "a" * 32, "c" * 16, parent, 0, 1, {}, error,
+                          bool(error))
+
+    loaded = Request("pd0", "pd", 0, 0.0, outcome="loaded", traceparent=tp)
+    redone = Request("pd1", "pd", 0, 0.0, outcome="recomputed", traceparent=tp)
+    full = [span("kvd.hold"), span("kvd.pull"), span("kvd.wait_kv")]
+    assert trace_counts([loaded], full)["complete_ratio"] == 1.0
+    assert trace_counts([loaded], full[:2])["complete_ratio"] == 0.0
+    assert trace_counts([loaded], [*full[:2], span("kvd.wait_kv", "d" * 16)])[
+        "complete_ratio"] == 0.0  # not linked to the request's context
+    assert trace_counts([redone], full)["complete_ratio"] == 0.0
+    assert trace_counts([redone], [span("kvd.pull", error="peer_lost: gone")])[
+        "complete_ratio"] == 1.0
+
+
 @pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(SOAK_S + 1200)
@@ -594,6 +672,11 @@ def test_chaos_soak(start_engine: StartEngine, tmp_path: Path) -> None:
             indent=1))
         print(json.dumps(report, indent=1))
         print(f"report: {path}")
+        if soak.receiver is not None:
+            soak.receiver.close()
+            for name in ("KVD_OTEL_TRACES", "OTEL_BSP_SCHEDULE_DELAY",
+                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+                os.environ.pop(name, None)
 
     assert not soak.failures, soak.failures
     bad = [r.rid for r in soak.requests if r.done and r.outcome != "error" and not r.tokens_ok]

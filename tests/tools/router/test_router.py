@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -220,5 +221,77 @@ def test_warm_up_waits_for_a_server_still_starting_and_is_off_by_default() -> No
             await asyncio.sleep(0.05)
             assert "warm" not in await (await client.get("/health")).json()
         assert p2.seen == [] and d2.seen == []
+
+    run(go)
+
+
+class TraceSeen(FakeServer):
+    """A fake server that records the traceparent header of each request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.headers: list[str] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.headers.append(request.headers.get("traceparent", ""))
+        return await super().handle(request)
+
+
+CLIENT_TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_trace_context_goes_to_both_engines_new_or_the_clients() -> None:
+    """No traceparent from the client: the router starts a trace, and sends the same
+    context to the prefill (header and kv_transfer_params) and the decode (header); the
+    client's own is passed on as it is."""
+    async def go() -> None:
+        p = TraceSeen("p0", "prefill")
+        d = TraceSeen("d0", "decode")
+        async with routed([p], [d]) as client:
+            for headers in ({}, {"traceparent": CLIENT_TP}):
+                resp = await client.post("/v1/completions", headers=headers,
+                                         json={"model": "m", "prompt": "t5", "max_tokens": 7})
+                assert resp.status == 200
+        new, given = p.headers
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", new), new
+        assert given == CLIENT_TP
+        assert d.headers == [new, CLIENT_TP]
+        assert [s["kv_transfer_params"]["traceparent"] for s in p.seen] == [new, CLIENT_TP]
+        assert d.seen[0]["kv_transfer_params"] == PARAMS  # the prefill's, untouched
+
+    run(go)
+
+
+def test_with_otel_the_routers_span_is_the_engines_parent() -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvd.ops.otel import RequestSpans
+
+    async def go() -> None:
+        p, d = TraceSeen("p0", "prefill"), TraceSeen("d0", "decode")
+        exporter = InMemorySpanExporter()
+        servers = [TestServer(s.app()) for s in (p, d)]
+        for s in servers:
+            await s.start_server()
+        router = Router(RouterConfig((f"http://127.0.0.1:{servers[0].port}",),
+                                     (f"http://127.0.0.1:{servers[1].port}",)))
+        router.spans = RequestSpans(exporter=exporter)
+        client = TestClient(TestServer(router.app()))
+        await client.start_server()
+        try:
+            resp = await client.post("/v1/completions", headers={"traceparent": CLIENT_TP},
+                                     json={"model": "m", "prompt": "t5", "max_tokens": 7})
+            assert resp.status == 200
+        finally:
+            await client.close()
+            for s in servers:
+                await s.close()
+        router.spans.provider.force_flush()
+        (span,) = exporter.get_finished_spans()
+        assert f"{span.context.trace_id:032x}" == CLIENT_TP[3:35]
+        assert f"{span.parent.span_id:016x}" == CLIENT_TP[36:52]
+        sent = f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
+        assert p.headers == [sent] and d.headers == [sent]
 
     run(go)
