@@ -312,6 +312,10 @@ def router(
     warm_up: bool = typer.Option(False, "--warm-up", help="Hand one small request over "
                                  "between every prefill/decode pair as soon as both answer, "
                                  "before traffic (GET /health shows each pair's state)."),
+    progressive: bool = typer.Option(False, "--progressive", help="Send each request to "
+                                     "the prefill and the decode server at once: the "
+                                     "decode's kvd reads the prompt's KV while the prefill "
+                                     "computes it (needs chunked prefill; docs/vllm.md)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
@@ -328,7 +332,7 @@ def router(
         run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
                                 prefill_timeout_s, decode_read_timeout_s,
                                 os.environ.get(api_key_env, "") if api_key_env else "",
-                                warm_up=warm_up),
+                                warm_up=warm_up, progressive=progressive),
                    host, port)
 
     _guarded(debug, go)
