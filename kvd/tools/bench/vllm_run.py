@@ -87,6 +87,7 @@ class BenchConfig:
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
     router_warm_up: bool = False  # routers hand one request over per pair before round 0
     decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
+    max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
 
 
 # ------------------------------------------------------------------ processes
@@ -340,7 +341,8 @@ class VllmBench:
                     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
                 args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                         *engine_args(self.model, port, self.cfg.kv_cache_bytes,
-                                     self.cfg.max_model_len, cfg)]
+                                     self.cfg.max_model_len, cfg,
+                                     self.cfg.max_num_batched_tokens)]
                 pending.append((run, e.name, args, env))
         starting: list[tuple[Proc, int]] = []
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -370,7 +372,7 @@ class VllmBench:
                     sys.executable, "-m", "kvd", "router",
                     "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
                     "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-                    "--port", str(run.router_port),
+                    "--port", str(run.router_port), *run.spec.router_args,
                     *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
                 run.procs.append(proc)
         for run in self.systems.values():
