@@ -353,8 +353,8 @@ class Daemon:
             return P.Ok()
 
         async def seal(m: P.Seal, _: Request) -> P.Published:
-            if not m.abort:
-                self._refuse_if_draining("seals")
+            if not m.abort and (m.engine_id, m.request_id) not in producer.opened.items:
+                self._refuse_if_draining("seals")  # a request already sealed goes on
             return producer.seal(m)
 
         async def cancel_pull(m: P.CancelPull, _: Request) -> P.Ok:

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.nixl
 # NIXL READs between the two daemons, not the same-host copy; a frozen peer fails fast
 DAEMON_ARGS = ["--set", "host_pulls=false", "--set", "handshake_timeout_s=2"]
 MODEL = model()
+HOST = ["--set", "host_pulls=true"]  # the suite's default is off (tests/conftest.py)
 
 
 @dataclass
@@ -276,6 +277,36 @@ def test_the_producer_daemon_dies_or_freezes_mid_prompt(pair, victim, how: str) 
             deregister_and_check_freed(dc, c.d)
     # the decode daemon keeps serving: a fresh progressive pull from the module's producer
     run_progressive(pair.pc, dc, pair.prefill.peer_address, MODEL, shape(1), shape(1), 128, 64)
+
+
+# ------------------------------------------------------------------ the same-host copy
+
+
+@pytest.fixture(scope="module")
+def hostpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
+    """Two daemons on this host with host pulls on: the decode's daemon maps the
+    producer's pool files and copies."""
+    logs = tmp_path_factory.mktemp("kvd-host")
+    p = start_daemon(logs, "hp", HOST)
+    try:
+        d = start_daemon(logs, "hd", HOST)
+    except BaseException:
+        stop_and_check_clean(p)
+        raise
+    try:
+        yield p, d
+    finally:
+        stop_and_check_clean(d)
+        stop_and_check_clean(p)
+
+
+def test_progressive_pull_is_byte_exact_on_the_host_path(hostpair) -> None:
+    p, d = hostpair
+    with p.client() as pc, d.client() as dc:
+        _, ranges = run_progressive(pc, dc, p.peer_address, MODEL, shape(1), shape(1), 300,
+                                    64)
+        assert ranges >= 2
+        assert {f.path for f in dc.status().finished_pulls} == {"host"}
 
 
 # ------------------------------------------------------------------ one daemon: the copy
