@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 from kvd.daemon import hybrid
@@ -65,6 +66,7 @@ IDLE_POLL_MAX_S = 0.05
 ACQUIRE_WAITS_FOR_PUBLISH_S = 1.0
 # (engine, consumer parallelism) pairs whose expected reads are kept; cleared past it
 MAX_EXPECTED_KEPT = 256
+MAX_EARLY_ABANDONS = 4096  # requests abandoned before their first Seal, remembered
 
 
 def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
@@ -89,6 +91,9 @@ class Producer:
         self.opened = OpenTable(svc.cfg.max_held_requests)
         self._ranges: dict[tuple[str, str], tuple[str, str]] = {}
         self._watchers: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
+        # Consumers that gave up a request before its first Seal (a progressive pull that
+        # timed out): its hold starts without them, so it does not wait a lease for them.
+        self._early_abandons: OrderedDict[tuple[str, str], set[str]] = OrderedDict()
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -230,6 +235,12 @@ class Producer:
                 self._end_open(opened, "cancelled", "every consumer abandoned it")
             self._changed(opened)
             return P.Ok()
+        key = (msg.producer_engine_id, msg.request_id)
+        if key not in self.held.items and msg.producer_engine_id in self.svc.registry.engines:
+            self._early_abandons.setdefault(key, set()).add(msg.consumer_engine_id)
+            self._early_abandons.move_to_end(key)
+            while len(self._early_abandons) > MAX_EARLY_ABANDONS:
+                self._early_abandons.popitem(last=False)
         for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
                                                    ()):
             if consumer == msg.consumer_engine_id:
@@ -465,6 +476,11 @@ class Producer:
             for r in ranks:
                 r.pins += 1
             self._pinned[key] = ranks
+            gone = self._early_abandons.pop(key, set())
+            if gone and any(opened.abandon(c) for c in sorted(gone)):
+                self._end_open(opened, "cancelled", "every consumer gave up before the first "
+                               "seal")
+                return P.Published(receipt=P.receipt(self.svc.instance_id, opened.hold_id))
         for rid in opened.seal(list(msg.block_ids), msg.group_block_ids, msg.num_tokens,
                                msg.generation, msg.complete, now):
             held = self.held.items.get((msg.engine_id, rid))

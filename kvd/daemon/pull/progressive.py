@@ -110,7 +110,8 @@ class SendDone:
 @dataclass(frozen=True)
 class Report:
     event: P.Event
-    abandon: bool  # tell the producer we gave up (it stops holding for us)
+    abandon: bool  # tell the producer we gave up (it stops holding for us, or never
+    # starts: an Abandon before the first Seal is remembered)
 
 
 Action = StartRange | SendDone | Report
@@ -329,7 +330,7 @@ class Progressive:
                         error="" if ok else self.error,
                         nbytes=self.nbytes if ok else 0,
                         duration_s=now_s - self.started_s, descriptors=self.descriptors)
-        return Report(event, abandon=not ok and self.generation >= 0)
+        return Report(event, abandon=not ok)
 
 
 # ------------------------------------------------------------------ the runner

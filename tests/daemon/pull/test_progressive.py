@@ -199,6 +199,13 @@ def test_nothing_sealed_within_the_hold_timeout(pair) -> None:
         t0 = time.monotonic()
         _fails_whole(dc, c, "timeout", timeout_s=10)
         assert time.monotonic() - t0 < 5
+        # the prefill comes late: its hold ends at once (its one consumer gave up), the
+        # engine hears done_sending now, not a lease later
+        time.sleep(0.3)  # the Abandon is on its way
+        t1 = time.monotonic()
+        compute(pc, c, global_kv(MODEL, 256), 0, 128)
+        sent = pc.wait(c.p.engine_id, c.rid, "done_sending", timeout_s=10)
+        assert not sent.ok and time.monotonic() - t1 < 2
     finally:
         deregister_and_check_freed(pc, c.p)
         deregister_and_check_freed(dc, c.d)
