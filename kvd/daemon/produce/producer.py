@@ -462,6 +462,15 @@ class Producer:
                 self.opened.remember(key, "aborted by its engine")
                 self._wake_watchers(key)
             return P.Published()
+        if opened is None and key in self.opened.ended:
+            # Ended already (every consumer gave up, its lease ran out): no new hold for
+            # nobody. Its complete Seal (the one the engine frees its blocks after) gets
+            # done_sending now, not after a lease.
+            if msg.complete:
+                self.svc.events.push(msg.engine_id, P.Event(
+                    kind="done_sending", request_id=msg.request_id, ok=False,
+                    error=f"the request's hold ended already ({self.opened.ended[key]})"))
+            return P.Published()
         if opened is None:
             lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
             if len(self.held) + len(self.opened) >= cfg.max_held_requests:

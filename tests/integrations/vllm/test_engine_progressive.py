@@ -59,8 +59,9 @@ def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
 
 
 def _run(engine: EngineProc, requests: list[dict[str, Any]], out: dict[str, Any],
-         timeout_s: float = 120.0) -> None:
-    engine.submit(requests)
+         timeout_s: float = 120.0, submit: bool = True) -> None:
+    if submit:
+        engine.submit(requests)
     deadline = time.monotonic() + timeout_s
     while len(out) < len(requests) and time.monotonic() < deadline:
         for r in engine.poll(step_s=0.2):
@@ -83,11 +84,17 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
            for i, (p, t) in enumerate(zip(prompts, tids, strict=True))]
     got_p: dict[str, Any] = {}
     got_d: dict[str, Any] = {}
+    # The decode admits its requests first (their pulls wait at the prefill's daemon), so
+    # that how many ranges are read does not depend on which engine this host ran first.
+    e["decode"].submit(dec)
+    for _ in range(3):
+        for r in e["decode"].poll(step_s=0.2):
+            got_d[r["request_id"]] = r
     worker = None
     if not decode_only:
         worker = threading.Thread(target=_run, args=(e["prefill"], pre, got_p))
         worker.start()
-    _run(e["decode"], dec, got_d)
+    _run(e["decode"], dec, got_d, submit=False)
     if worker is not None:
         worker.join()
     return got_p, got_d, tids
