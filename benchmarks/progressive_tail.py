@@ -28,22 +28,31 @@ PAIRS = (("one daemon", "kvd-1d", "kvd-1d-prog"),
          ("two daemons, NIXL", "kvd-2d-nixl", "kvd-2d-nixl-prog"))
 
 
-def run_one(tokens: int, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "kvd", "bench", "vllm", "--systems", "progressive",
-               "--prompt-tokens", str(tokens), "--rounds", str(args.rounds),
-               "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
-               "--max-tokens", str(args.max_tokens),
-               "--max-num-batched-tokens", str(args.chunk), "--out", out.name]
-        print("+", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(Path(out.name).read_text())
+def run_one(tokens: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """One `kvd bench vllm` run; its JSON, or {"error": ...} with its log's tail (the
+    other prompt lengths still run)."""
+    out = log_dir / f"bench-{tokens}.json"
+    log = log_dir / f"bench-{tokens}.log"
+    cmd = [sys.executable, "-m", "kvd", "bench", "vllm", "--systems", "progressive",
+           "--prompt-tokens", str(tokens), "--rounds", str(args.rounds),
+           "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
+           "--max-tokens", str(args.max_tokens),
+           "--max-num-batched-tokens", str(args.chunk), "--out", str(out)]
+    print("+", " ".join(cmd), f"> {log}", file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not out.exists():
+        return {"error": f"exit {rc}: {log.read_text(errors='replace')[-2000:]}"}
+    return json.loads(out.read_text())
 
 
 def table(results: dict[int, dict[str, Any]]) -> str:
     lines = ["| prompt | daemons | sequential tail ms | progressive tail ms | ratio | "
              "tokens equal |", "|---|---|---|---|---|---|"]
     for tokens, res in results.items():
+        if "error" in res:
+            lines.append(f"| {tokens} | (failed: see its log) | | | | |")
+            continue
         by = {s["system"]: s for s in res["summaries"]}
         for label, seq, prog in PAIRS:
             a = by.get(seq, {}).get("ttft_minus_plain_p50_ms")
@@ -62,10 +71,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
     ap.add_argument("--out", default="")
+    ap.add_argument("--log-dir", default="", help="each run's JSON and log (default: a "
+                    "temporary directory, kept)")
     args = ap.parse_args()
-    results = {int(t): run_one(int(t), args) for t in args.prompt_tokens.split(",")}
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvd-progressive-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[int, dict[str, Any]] = {}
+    for t in args.prompt_tokens.split(","):
+        results[int(t)] = run_one(int(t), args, log_dir)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(table({int(t): results[int(t)]}), file=sys.stderr, flush=True)
     print(table(results))
 
 
