@@ -32,7 +32,7 @@ CHUNK = 64  # the prefill's max_num_batched_tokens: a 600-token prompt takes 10 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
     yield from daemon_pair(tmp_path_factory, ("gp", "gd"), args=["--set", "host_pulls=false",
-                                                        "--set", "progressive_hold_s=3"])
+                                                        "--set", "progressive_hold_s=15"])
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,9 @@ def test_progressive_decode_equals_a_plain_engine(engines: dict[str, Any],
     assert len(got_p) == 2 and len(got_d) == 2
     for i, w in enumerate(want):
         g = got_d[f"d{i}"]
-        assert g["token_ids"] == w["token_ids"], "progressive decode diverged from plain"
+        assert g["token_ids"] == w["token_ids"], (
+            f"progressive decode diverged from plain; decode daemon's log:\n"
+            f"{dd.log_path.read_text(errors='replace')[-3000:]}")
         assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
         assert g["prompt_tokens_computed"] <= 1, g  # the prompt came from kvd
     reads = dd.metric("kvd_transfers_total", role="consumer", outcome="ok") - reads0
@@ -120,14 +122,14 @@ def test_progressive_decode_equals_a_plain_engine(engines: dict[str, Any],
 def test_a_prefill_that_never_comes_fails_the_pull_after_the_hold_timeout(
         engines: dict[str, Any]) -> None:
     """The prefill request never comes (the router's prefill call failed): the decode's
-    pull fails after progressive_hold_s (3 s here), never ok with wrong bytes; under
+    pull fails after progressive_hold_s (15 s here), never ok with wrong bytes; under
     vLLM's failure policy the decode request then fails (or recomputes: the same
     tokens), and the engines keep serving."""
     prompts = random_prompts(1, 300, seed=61)
     want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
     t0 = time.monotonic()
     _, got_d, _ = _at_once(engines, prompts, decode_only=True)
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 90
     assert got_d["d0"]["token_ids"] in (want[0]["token_ids"], []) or \
         got_d["d0"]["finish_reason"] not in ("length", "stop")
     # afterwards a progressive request still goes through
