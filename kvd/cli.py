@@ -317,6 +317,10 @@ def router(
                               "(needs kvd[otel]; OTEL_EXPORTER_OTLP_ENDPOINT, "
                               "OTEL_TRACES_SAMPLER_ARG). Without it the router still "
                               "passes a trace context on."),
+    progressive: bool = typer.Option(False, "--progressive", help="Send each request to "
+                                     "the prefill and the decode server at once: the "
+                                     "decode's kvd reads the prompt's KV while the prefill "
+                                     "computes it (needs chunked prefill; docs/vllm.md)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of a failure."),
 ) -> None:
     """OpenAI-compatible P/D router for vLLM engines (docs/vllm.md).
@@ -333,7 +337,8 @@ def router(
         run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout_s,
                                 prefill_timeout_s, decode_read_timeout_s,
                                 os.environ.get(api_key_env, "") if api_key_env else "",
-                                warm_up=warm_up, otel=otel),
+                                warm_up=warm_up, otel=otel,
+                                progressive=progressive),
                    host, port)
 
     _guarded(debug, go)

@@ -91,6 +91,11 @@ class Config:
     transfer_timeout_s: Annotated[float, Positive, Meta(
         description="Bound on one pull from posting the READs to their completion.",
     )] = 60.0
+    progressive_hold_s: Annotated[float, Positive, Meta(
+        description="How long a progressive pull waits for its producer's first seal, "
+                    "and then for each next one, before it fails (Pull.hold_timeout_s "
+                    "overrides it per pull).",
+    )] = 30.0
     heartbeat_interval_s: Annotated[float, Positive, Meta(
         description="How often a consumer renews leases of requests it is pulling.",
     )] = 2.0

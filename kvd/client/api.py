@@ -231,6 +231,33 @@ class KvdClient(_ClientSettings):
                                 remote_block_ids, local_block_ids, remote_request_id,
                                 num_tokens, publish_receipt, traceparent=traceparent))
 
+    def seal(self, engine_id: str, request_id: str, block_ids: BlockIds, num_tokens: int,
+             generation: int = 0, complete: bool = False, lease_s: float | None = None,
+             consumers: int = 1) -> str:
+        """Progressive publish: ``block_ids`` (every block final so far, in prompt order)
+        hold ``num_tokens`` final tokens; ``complete`` on the last seal; a higher
+        ``generation`` unseals the earlier ones (preemption). Returns the receipt."""
+        reply = self.call(Messages.seal(engine_id, request_id, block_ids, num_tokens,
+                                        generation, complete, False, lease_s, consumers))
+        return getattr(reply, "receipt", "")
+
+    def abort_seal(self, engine_id: str, request_id: str) -> None:
+        """The progressive request is gone: its consumers fail (and recompute)."""
+        self.call(Messages.seal(engine_id, request_id, [], 0, abort=True))
+
+    def progressive_pull(self, engine_id: str, request_id: str, remote_engine_id: str,
+                         remote_address: str, local_block_ids: BlockIds, num_tokens: int,
+                         remote_request_id: str = "", hold_timeout_s: float = 0.0) -> None:
+        """Pull a request while its producer still computes it: each range is read once
+        sealed; one done_recving event reports the whole (after the last range)."""
+        self.call(Messages.progressive_pull(engine_id, request_id, remote_engine_id,
+                                            remote_address, local_block_ids, num_tokens,
+                                            remote_request_id, hold_timeout_s))
+
+    def cancel_pull(self, engine_id: str, request_id: str) -> None:
+        """Stop a progressive pull; its done_recving (not ok) still comes."""
+        self.call(P.CancelPull(engine_id=engine_id, request_id=request_id))
+
     def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                       remote_address: str, remote_block_ids: BlockIds,
                       local_block_ids: BlockIds, remote_request_id: str = "",
@@ -387,6 +414,29 @@ class AsyncKvdClient(_ClientSettings):
         await self.call(Messages.pull(engine_id, request_id, remote_engine_id, remote_address,
                                       remote_block_ids, local_block_ids, remote_request_id,
                                       num_tokens, publish_receipt, traceparent=traceparent))
+
+    async def seal(self, engine_id: str, request_id: str, block_ids: BlockIds,
+                   num_tokens: int, generation: int = 0, complete: bool = False,
+                   lease_s: float | None = None, consumers: int = 1) -> str:
+        reply = await self.call(Messages.seal(engine_id, request_id, block_ids, num_tokens,
+                                              generation, complete, False, lease_s,
+                                              consumers))
+        return getattr(reply, "receipt", "")
+
+    async def abort_seal(self, engine_id: str, request_id: str) -> None:
+        await self.call(Messages.seal(engine_id, request_id, [], 0, abort=True))
+
+    async def progressive_pull(self, engine_id: str, request_id: str, remote_engine_id: str,
+                               remote_address: str, local_block_ids: BlockIds,
+                               num_tokens: int, remote_request_id: str = "",
+                               hold_timeout_s: float = 0.0) -> None:
+        await self.call(Messages.progressive_pull(engine_id, request_id, remote_engine_id,
+                                                  remote_address, local_block_ids,
+                                                  num_tokens, remote_request_id,
+                                                  hold_timeout_s))
+
+    async def cancel_pull(self, engine_id: str, request_id: str) -> None:
+        await self.call(P.CancelPull(engine_id=engine_id, request_id=request_id))
 
     async def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                             remote_address: str, remote_block_ids: BlockIds,

@@ -182,6 +182,29 @@ class Messages:
                       traceparent=traceparent)
 
     @staticmethod
+    def progressive_pull(engine_id: str, request_id: str, remote_engine_id: str,
+                         remote_address: str, local_block_ids: BlockIds, num_tokens: int,
+                         remote_request_id: str = "", hold_timeout_s: float = 0.0,
+                         reply_when_done: bool = False) -> P.Pull:
+        local, local_groups = split_block_ids(local_block_ids)
+        return P.Pull(engine_id=engine_id, request_id=request_id,
+                      remote_engine_id=remote_engine_id, remote_address=remote_address,
+                      remote_block_ids=[], local_block_ids=local,
+                      remote_request_id=remote_request_id, num_tokens=num_tokens,
+                      local_group_block_ids=local_groups, progressive=True,
+                      hold_timeout_s=hold_timeout_s, reply_when_done=reply_when_done)
+
+    @staticmethod
+    def seal(engine_id: str, request_id: str, block_ids: BlockIds, num_tokens: int,
+             generation: int = 0, complete: bool = False, abort: bool = False,
+             lease_s: float | None = None, consumers: int = 1, hold_id: int = 0) -> P.Seal:
+        flat, groups = split_block_ids(block_ids)
+        return P.Seal(engine_id=engine_id, request_id=request_id, block_ids=flat,
+                      num_tokens=num_tokens, generation=generation, complete=complete,
+                      abort=abort, group_block_ids=groups, lease_s=lease_s,
+                      consumers=consumers, hold_id=hold_id)
+
+    @staticmethod
     def pulled(reply: Any) -> P.Event:
         """The done_recving event a Pull with reply_when_done is answered with."""
         events = Messages.check(reply).events

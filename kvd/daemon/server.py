@@ -376,6 +376,15 @@ class Daemon:
             consumer.start(m)
             return P.Ok()
 
+        async def seal(m: P.Seal, _: Request) -> P.Published:
+            if not m.abort and (m.engine_id, m.request_id) not in producer.opened.items:
+                self._refuse_if_draining("seals")  # a request already sealed goes on
+            return producer.seal(m)
+
+        async def cancel_pull(m: P.CancelPull, _: Request) -> P.Ok:
+            consumer.cancel(m.engine_id, m.request_id)
+            return P.Ok()
+
         async def poll(m: P.Poll, req: Request) -> None:
             if m.engine_id not in reg.engines:  # also after its last rank left: events remain
                 raise NotFoundError(f"engine {m.engine_id!r} is not registered on this daemon")
@@ -392,7 +401,8 @@ class Daemon:
                             finished_pulls=finished)
 
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
-                P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status}
+                P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status,
+                P.Seal: seal, P.CancelPull: cancel_pull}
 
     def _local_peer(self, msg: object) -> object:
         """A local pull's peer message to this daemon's own producer side (kvd.daemon.pull.
@@ -410,6 +420,8 @@ class Daemon:
         if isinstance(msg, P.ReadNotice):
             producer.on_notice(msg, self.instance_id)
             return P.Ok()
+        if isinstance(msg, P.Watch):
+            return producer.watch(msg)
         raise ProtocolError(f"a local pull does not send {type(msg).__name__}")
 
     def _peer_handlers(self) -> dict[type, Handler]:
@@ -438,8 +450,13 @@ class Daemon:
             producer.on_notice(m, req.header.instance or "peer")
             return P.Ok()
 
+        async def watch(m: P.Watch, req: Request) -> None:
+            # A long poll: answered at the first change, while the face serves the rest.
+            self.spawn(self.peer_face.answer_later(req.identity, req.header.id,
+                                                   producer.watch(m)))
+
         return {P.Hello: hello, P.Acquire: acquire, P.Heartbeat: heartbeat, P.Abandon: abandon,
-                P.ReadNotice: notice}
+                P.ReadNotice: notice, P.Watch: watch}
 
 
 def _bind_face(ctx: zmq.asyncio.Context, name: str, setting: str, address: str,

@@ -281,10 +281,56 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
     reply_when_done: bool = False
     # The request's W3C trace context (v3; "" none): the pull's spans join that trace.
     traceparent: Traceparent = ""
+    # A progressive pull: sent when the decode engine admits the request, before the
+    # producer has sealed anything. ``remote_block_ids`` is then empty (the producer's
+    # seals name its blocks); ``local_block_ids`` are the blocks of the whole prompt
+    # (after the engine's own prefix hit) and ``num_tokens`` is required. The daemon
+    # watches the producer (``Watch``) and reads each sealed range as it comes, as
+    # ordinary pulls, and reports one done_recving once the last range has landed.
+    progressive: bool = False
+    # How long a progressive pull waits for the producer's first seal, and then for each
+    # next one (0: the daemon's progressive_hold_s).
+    hold_timeout_s: TimeoutS = 0.0
 
     @property
     def producer_request_id(self) -> str:
         return self.remote_request_id or self.request_id
+
+
+class Seal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Producer engine: these blocks of a request are final (a progressive publish).
+
+    Each Seal of one ``generation`` repeats and extends the previous one: ``block_ids``
+    are every final block of the request so far, in prompt order, holding
+    ``num_tokens`` final tokens (whole blocks, except with ``complete``). ``complete``
+    (the last Seal): the prompt is whole; for a hybrid model it is the first Seal that
+    names the Mamba state (``group_block_ids``). A higher ``generation`` unseals every
+    earlier one (the engine preempted the request: its blocks were freed or moved);
+    its block lists start again. ``abort``: the request is gone; consumers fail.
+    The first Seal opens the hold (``lease_s``, ``consumers``, ``hold_id`` as in
+    Publish); the request ends with one done_sending, as a published one does.
+    """
+
+    engine_id: Id
+    request_id: Id
+    block_ids: list[int]
+    num_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    generation: Annotated[int, msgspec.Meta(ge=0, lt=2**62)] = 0
+    complete: bool = False
+    abort: bool = False
+    group_block_ids: list[list[int]] | None = None
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_LEASE_S)] | None = None
+    consumers: Annotated[int, msgspec.Meta(ge=1, le=MAX_CONSUMERS)] = 1
+    hold_id: Annotated[int, msgspec.Meta(ge=0, lt=2**62)] = 0
+
+
+class CancelPull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Consumer engine: stop a progressive pull (the request was aborted). Its
+    done_recving still comes (not ok), once nothing of it can land any more: only then
+    may the engine reuse the blocks. An ordinary pull, or one that ended, is left as is."""
+
+    engine_id: Id
+    request_id: Id
 
 
 class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -484,6 +530,47 @@ class Abandon(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     consumer_engine_id: str
 
 
+class Watch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Consumer daemon -> producer daemon: what of this request is sealed? (progressive)
+
+    Answered by ``Sealed`` as soon as the producer's seals differ from what the consumer
+    saw (``generation``, ``num_tokens``, ``complete``; -1: nothing yet) or the request
+    ends, else after ``wait_s``. A request not sealed yet is waited for (its first Seal
+    may come later). ``done``: the consumer read every block of ``generation``,
+    complete; the producer counts it as one consumer done (if that generation is still
+    the current one).
+    Every Watch renews the hold's lease.
+    """
+
+    request_id: Id
+    producer_engine_id: Id
+    consumer_engine_id: Id
+    generation: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    num_tokens: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    complete: bool = False  # the consumer saw it complete
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = 1.0
+    done: bool = False
+
+
+class Sealed(msgspec.Struct, frozen=True):
+    """The reply to a Watch: the request's seals as they are now.
+
+    ``state``: ``waiting`` (nothing sealed yet), ``open``, ``complete`` (every block of
+    ``generation`` is final), or ``ended`` (aborted, expired, its engine gone:
+    ``error`` says which; consumers fail). ``block_size_tokens`` is the producer engine's.
+    ``sealed_s``: seconds since the seal that made ``num_tokens`` final, on the producer's
+    clock (a READ of those blocks posted after this reply cannot predate that seal).
+    """
+
+    state: Literal["waiting", "open", "complete", "ended"]
+    generation: int = -1
+    num_tokens: int = 0
+    block_ids: list[int] = []
+    group_block_ids: list[list[int]] | None = None
+    block_size_tokens: int = 0
+    error: str = ""
+
+
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     producer_engine_id: str
     request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
@@ -505,6 +592,29 @@ class Published(msgspec.Struct, frozen=True):
     decode engine passes it in its Pull (see ``Pull.publish_receipt``)."""
 
     receipt: str = ""
+
+
+RANGE_MARK = "~~p"  # joins a request id and one range of it (`range_request_id`)
+MAX_PROGRESSIVE_ID_CHARS = MAX_ID_CHARS - 64  # room for the range suffix
+
+
+def range_request_id(request_id: str, generation: int, start: int, end: int,
+                     nonce: str) -> str:
+    """The id a progressive pull's read of tokens [start, end) of ``generation`` goes
+    under (its Acquire, heartbeats, notices): the producer daemon holds those sealed
+    blocks under it for that one reader (``nonce``: the consumer's pull)."""
+    return f"{request_id}{RANGE_MARK}{generation}.{start}.{end}.{nonce}"
+
+
+def parse_range_request_id(rid: str) -> tuple[str, int, int, int] | None:
+    """(request id, generation, start, end) of a `range_request_id`, else None."""
+    base, mark, rest = rid.rpartition(RANGE_MARK)
+    if not mark or not base:
+        return None
+    parts = rest.split(".")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]):
+        return None
+    return base, int(parts[0]), int(parts[1]), int(parts[2])
 
 
 def receipt(instance_id: str, hold_id: int) -> str:
@@ -529,10 +639,11 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: int = 0  # bytes those reads copied out of this daemon's pools (for metrics)
 
 
-ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery)
-PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice)
+ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery, Seal,
+                   CancelPull)
+PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice, Watch)
 REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Published,
-           Error)
+           Error, Sealed)
 ALL_MESSAGES = ENGINE_REQUESTS + PEER_REQUESTS + REPLIES
 
 # The one decode boundary (kvd.wire.codec holds the rules), bound to this message set.

@@ -204,6 +204,11 @@ class HeldTable:
         self.items[key] = held
         return held
 
+    def next_hold_id(self) -> int:
+        """A counted hold id, for a hold made outside `publish` (a progressive one)."""
+        self._last_hold_id += 1
+        return self._last_hold_id
+
     def get(self, engine_id: str, request_id: str) -> HeldRequest:
         held = self.items.get((engine_id, request_id))
         if held is None:

@@ -17,15 +17,19 @@ import asyncio
 import functools
 import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 from kvd.daemon import hybrid
 from kvd.daemon.clock import StallGap
 from kvd.daemon.engines.table import Engine, PlanCache, check_block_ids
 from kvd.daemon.produce.held import HeldRequest, HeldState, HeldTable
+from kvd.daemon.produce.opened import OpenHold, OpenState, OpenTable
 from kvd.daemon.services import Services
 from kvd.errors import (
+    BusyError,
     IncompatibleError,
+    KvdError,
     LayoutError,
     NotFoundError,
     ProtocolError,
@@ -62,6 +66,7 @@ IDLE_POLL_MAX_S = 0.05
 ACQUIRE_WAITS_FOR_PUBLISH_S = 1.0
 # (engine, consumer parallelism) pairs whose expected reads are kept; cleared past it
 MAX_EXPECTED_KEPT = 256
+MAX_EARLY_ABANDONS = 4096  # requests abandoned before their first Seal, remembered
 
 
 def _resolve(fut: asyncio.Future[bool], woke: bool) -> None:
@@ -81,6 +86,14 @@ class Producer:
         # Acquires waiting for their Publish (ACQUIRE_WAITS_FOR_PUBLISH_S), by request.
         self._unpublished: dict[tuple[str, str], list[tuple[str, asyncio.Future[bool]]]] = {}
         self._stall = StallGap(svc.clock.now())  # housekeeping's looks at the leases
+        # Progressive holds (kvd.daemon.produce.opened), their range holds (range request
+        # key -> the progressive hold's key), and the Watches waiting for a change.
+        self.opened = OpenTable(svc.cfg.max_held_requests)
+        self._ranges: dict[tuple[str, str], tuple[str, str]] = {}
+        self._watchers: dict[tuple[str, str], list[asyncio.Future[bool]]] = {}
+        # Consumers that gave up a request before its first Seal (a progressive pull that
+        # timed out): its hold starts without them, so it does not wait a lease for them.
+        self._early_abandons: OrderedDict[tuple[str, str], set[str]] = OrderedDict()
         svc.registry.on_engine_gone(self.engine_gone)
 
     @property
@@ -106,6 +119,9 @@ class Producer:
         if 0 < msg.hold_id < P.ENGINE_HOLD_ID_MIN:
             raise ProtocolError(f"hold_id {msg.hold_id} is below {P.ENGINE_HOLD_ID_MIN}: an "
                            "engine's own hold ids must not collide with the daemon's")
+        if (msg.engine_id, msg.request_id) in self.opened.items:
+            raise KvdError(f"request {msg.request_id!r} is already sealed progressively by "
+                           f"engine {msg.engine_id!r}")
         lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
         held = self.held.publish(msg.engine_id, msg.request_id, list(msg.block_ids), lease_s,
                                  msg.consumers, self.svc.clock.now(), hold_id=msg.hold_id,
@@ -153,7 +169,11 @@ class Producer:
     def acquire_must_wait(self, msg: P.Acquire) -> bool:
         """Whether an Acquire arrived before its Publish (the engine is registered here,
         the request unknown): the peer face then answers it later, never holding every
-        other peer message (heartbeats, notices, other Acquires) while it waits."""
+        other peer message (heartbeats, notices, other Acquires) while it waits.
+        An Acquire of a sealed range (progressive) makes that range's hold first."""
+        if P.parse_range_request_id(msg.request_id) is not None:
+            self._hold_range(msg)
+            return False
         return ((msg.producer_engine_id, msg.request_id) not in self.held.items
                 and msg.producer_engine_id in self.svc.registry.engines)
 
@@ -210,6 +230,18 @@ class Producer:
                           hold_id=held.hold_id)
 
     def abandon(self, msg: P.Abandon, consumer_instance: str = "") -> P.Ok:
+        opened = self.opened.items.get((msg.producer_engine_id, msg.request_id))
+        if opened is not None:
+            if opened.abandon(msg.consumer_engine_id):
+                self._end_open(opened, "cancelled", "every consumer abandoned it")
+            self._changed(opened)
+            return P.Ok()
+        key = (msg.producer_engine_id, msg.request_id)
+        if key not in self.held.items and msg.producer_engine_id in self.svc.registry.engines:
+            self._early_abandons.setdefault(key, set()).add(msg.consumer_engine_id)
+            self._early_abandons.move_to_end(key)
+            while len(self._early_abandons) > MAX_EARLY_ABANDONS:
+                self._early_abandons.popitem(last=False)
         for consumer, fut in self._unpublished.get((msg.producer_engine_id, msg.request_id),
                                                    ()):
             if consumer == msg.consumer_engine_id:
@@ -323,6 +355,14 @@ class Producer:
         self._reading.discard(key)
         for r in self._pinned.pop(key, []):
             r.pins -= 1
+        parent = self._ranges.pop(key, None)
+        if parent is not None:  # a range of a progressive hold: that hold reports, once
+            opened = self.opened.items.get(parent)
+            if opened is not None:
+                opened.ranges.discard(held.request_id)
+                opened.nbytes += held.nbytes
+            self.svc.metrics.held_requests.set(len(self.held))
+            return
         m = self.svc.metrics
         if self.svc.spans is not None:
             self.svc.spans.hold_ended(held, outcome, self.svc.clock.now())
@@ -356,14 +396,24 @@ class Producer:
             log.warning("daemon was stalled %.1fs: leases extended by as much", stalled_s)
         for held in self.held.expired(now_s):
             self.finish(held, "expired")
+        if stalled_s:
+            for opened in self.opened.items.values():
+                opened.deadline_s += stalled_s
+        for opened in [o for o in self.opened.items.values() if now_s >= o.deadline_s]:
+            self._end_open(opened, "expired", "lease expired before every consumer read it")
 
     def engine_gone(self, engine_id: str) -> None:
         """Held requests nobody has acquired are released now; acquired ones run to the end."""
         for held in self.held.of_engine(engine_id):
-            if held.state is HeldState.HELD:
+            if held.state is HeldState.HELD and held.request_id not in self._range_ids:
                 self.finish(held, "cancelled")
+        for opened in [o for o in self.opened.items.values() if o.engine_id == engine_id]:
+            if opened.state is OpenState.OPEN:  # never complete: consumers recompute
+                self._end_open(opened, "cancelled", "its engine left before sealing it all")
 
     def cancel_all(self) -> None:
+        for opened in list(self.opened.items.values()):
+            self._end_open(opened, "cancelled", "the daemon stopped")
         for held in list(self.held.items.values()):
             self.finish(held, "cancelled")
 
@@ -373,7 +423,207 @@ class Producer:
                              blocks=len(h.block_ids),
                              lease_remaining_s=round(h.deadline_s - now, 3),
                              consumers_done=len(h.consumers_done), consumers=h.consumers)
-                for h in self.held.items.values()]
+                for h in self.held.items.values() if h.request_id not in self._range_ids
+                ] + [P.HeldStatus(engine_id=o.engine_id, request_id=o.request_id,
+                                  state=o.state.value, blocks=len(o.block_ids),
+                                  lease_remaining_s=round(o.deadline_s - now, 3),
+                                  consumers_done=len(o.consumers_done), consumers=o.consumers)
+                     for o in self.opened.items.values()]
+
+    # ------------------------------------------------------------ progressive holds
+
+    @property
+    def _range_ids(self) -> set[str]:
+        return {k[1] for k in self._ranges}
+
+    def seal(self, msg: P.Seal) -> P.Published:
+        """A producer engine's Seal: open the progressive hold, extend it, unseal it (a
+        new generation) or abort it; every Watch waiting on it hears at once."""
+        cfg = self.svc.cfg
+        engine = self.svc.registry.get(msg.engine_id)
+        key = (msg.engine_id, msg.request_id)
+        if len(msg.block_ids) > cfg.max_blocks_per_request:
+            raise TooLargeError(f"{len(msg.block_ids)} blocks exceed max_blocks_per_request "
+                                f"({cfg.max_blocks_per_request})")
+        if len(msg.request_id) > P.MAX_PROGRESSIVE_ID_CHARS:
+            raise ProtocolError(f"a progressive request id is at most "
+                                f"{P.MAX_PROGRESSIVE_ID_CHARS} characters")
+        check_block_ids(msg.block_ids, engine.layout.num_blocks, "sealed")
+        if msg.group_block_ids is not None:
+            hybrid.check_group_ids(engine.model, msg.block_ids, msg.group_block_ids, "seal")
+        if 0 < msg.hold_id < P.ENGINE_HOLD_ID_MIN:
+            raise ProtocolError(f"hold_id {msg.hold_id} is below {P.ENGINE_HOLD_ID_MIN}")
+        if key in self.held.items:
+            raise KvdError(f"request {msg.request_id!r} is already published by engine "
+                           f"{msg.engine_id!r}")
+        now = self.svc.clock.now()
+        opened = self.opened.items.get(key)
+        if msg.abort:
+            if opened is not None:
+                self._end_open(opened, "cancelled", "aborted by its engine")
+            else:
+                self.opened.remember(key, "aborted by its engine")
+                self._wake_watchers(key)
+            return P.Published()
+        if opened is None and key in self.opened.ended:
+            # Ended already (every consumer gave up, its lease ran out): no new hold for
+            # nobody. Its complete Seal (the one the engine frees its blocks after) gets
+            # done_sending now, not after a lease.
+            if msg.complete:
+                self.svc.events.push(msg.engine_id, P.Event(
+                    kind="done_sending", request_id=msg.request_id, ok=False,
+                    error=f"the request's hold ended already ({self.opened.ended[key]})"))
+            return P.Published()
+        if opened is None:
+            lease_s = cfg.lease_s if msg.lease_s is None else msg.lease_s
+            if len(self.held) + len(self.opened) >= cfg.max_held_requests:
+                raise BusyError(f"{len(self.held) + len(self.opened)} requests held "
+                                "(max_held_requests)")
+            opened = self.opened.open(OpenHold(
+                engine_id=msg.engine_id, request_id=msg.request_id, consumers=msg.consumers,
+                lease_s=lease_s, deadline_s=now + lease_s, opened_s=now,
+                hold_id=msg.hold_id or self.held.next_hold_id(),
+                block_size_tokens=engine.layout.block_size_tokens, generation=msg.generation))
+            ranks = engine.live_ranks()
+            for r in ranks:
+                r.pins += 1
+            self._pinned[key] = ranks
+            gone = self._early_abandons.pop(key, set())
+            if gone and any(opened.abandon(c) for c in sorted(gone)):
+                self._end_open(opened, "cancelled", "every consumer gave up before the first "
+                               "seal")
+                return P.Published(receipt=P.receipt(self.svc.instance_id, opened.hold_id))
+        for rid in opened.seal(list(msg.block_ids), msg.group_block_ids, msg.num_tokens,
+                               msg.generation, msg.complete, now):
+            held = self.held.items.get((msg.engine_id, rid))
+            if held is not None:
+                self.finish(held, "cancelled")
+        self._changed(opened)
+        return P.Published(receipt=P.receipt(self.svc.instance_id, opened.hold_id))
+
+    def _hold_range(self, msg: P.Acquire) -> None:
+        """The hold of one sealed range, for the one consumer whose Acquire names it:
+        made at its first Acquire, from the progressive hold's current generation."""
+        key = (msg.producer_engine_id, msg.request_id)
+        if key in self.held.items:
+            return
+        parsed = P.parse_range_request_id(msg.request_id)
+        assert parsed is not None
+        base, generation, _start, end = parsed
+        parent = (msg.producer_engine_id, base)
+        opened = self.opened.items.get(parent)
+        if opened is None or opened.terminal:
+            why = self.opened.ended.get(parent, "never sealed")
+            raise NotFoundError(f"request {base!r} is not held progressively here ({why})")
+        if generation != opened.generation:
+            raise NotFoundError(f"request {base!r}: generation {generation} was unsealed "
+                                f"(now {opened.generation}): read it again")
+        sealed_s = opened.sealed_since(end)
+        if sealed_s is None and opened.state is not OpenState.COMPLETE:
+            raise NotFoundError(f"request {base!r}: tokens up to {end} are not sealed")
+        engine = self.svc.registry.get(msg.producer_engine_id)
+        held = self.held.publish(msg.producer_engine_id, msg.request_id,
+                                 list(opened.block_ids), self.svc.cfg.lease_s, 1,
+                                 self.svc.clock.now(), reading_lease_s=self.svc.cfg.lease_s)
+        # the range's blocks were final since its seal, which the consumer heard of
+        # before it sent this Acquire: a READ posted meanwhile cannot predate them
+        held.published_s = sealed_s if sealed_s is not None else opened.sealed_at[-1][1]
+        ranks = engine.live_ranks()
+        for r in ranks:
+            r.pins += 1
+        self._pinned[key] = ranks
+        self._ranges[key] = parent
+        opened.ranges.add(msg.request_id)
+        opened.renew(self.svc.clock.now())
+        self.svc.metrics.held_requests.set(len(self.held))
+
+    def _end_open(self, opened: OpenHold, outcome: str, reason: str) -> None:
+        """End a progressive hold once: its ranges, its pins, one done_sending."""
+        key = (opened.engine_id, opened.request_id)
+        if self.opened.items.get(key) is not opened:
+            return
+        if outcome == "ok":
+            assert opened.state is OpenState.DONE
+        else:
+            opened.end(reason)
+        for rid in sorted(opened.ranges):
+            held = self.held.items.get((opened.engine_id, rid))
+            if held is not None:
+                self.finish(held, "cancelled")
+        self.opened.close(opened)
+        for r in self._pinned.pop(key, []):
+            r.pins -= 1
+        self._wake_watchers(key)
+        nbytes = opened.nbytes
+        duration_s = self.svc.clock.now() - opened.opened_s
+        self.svc.metrics.transfer_finished("producer", outcome, nbytes, duration_s, "remote")
+        self.svc.events.push(opened.engine_id, P.Event(
+            kind="done_sending", request_id=opened.request_id, ok=outcome == "ok",
+            error="" if outcome == "ok" else reason,
+            nbytes=nbytes if outcome == "ok" else 0, duration_s=duration_s))
+
+    def _changed(self, opened: OpenHold) -> None:
+        if opened.state is OpenState.DONE:
+            self._end_open(opened, "ok" if not opened.abandoned else "cancelled", "")
+        self._wake_watchers((opened.engine_id, opened.request_id))
+
+    def _wake_watchers(self, key: tuple[str, str]) -> None:
+        for fut in self._watchers.pop(key, ()):
+            _resolve(fut, True)
+
+    def _sealed(self, key: tuple[str, str]) -> P.Sealed:
+        opened = self.opened.items.get(key)
+        if opened is None:
+            ended = self.opened.ended.get(key)
+            if ended is None:
+                return P.Sealed(state="waiting", num_tokens=-1)
+            return P.Sealed(state="ended", error=ended)
+        if opened.terminal:
+            return P.Sealed(state="ended", error=opened.reason or opened.state.value)
+        return P.Sealed(state="complete" if opened.state is OpenState.COMPLETE else "open",
+                        generation=opened.generation, num_tokens=opened.num_tokens,
+                        block_ids=list(opened.block_ids),
+                        group_block_ids=opened.group_block_ids,
+                        block_size_tokens=opened.block_size_tokens)
+
+    async def watch(self, msg: P.Watch) -> P.Sealed:
+        """A consumer daemon's Watch: answered at the first change past what it saw, or
+        after ``wait_s``. ``done`` counts that consumer as done first."""
+        key = (msg.producer_engine_id, msg.request_id)
+        if key not in self.opened.items and key not in self.opened.ended:
+            self.svc.registry.get(msg.producer_engine_id)  # an unknown engine: refused now
+        opened = self.opened.items.get(key)
+        if opened is not None:
+            opened.renew(self.svc.clock.now())
+            if msg.done:
+                opened.done(msg.consumer_engine_id, msg.generation)
+                self._changed(opened)
+                return self._sealed(key) if not opened.terminal else P.Sealed(
+                    state="complete" if opened.state is OpenState.DONE else "ended",
+                    generation=opened.generation, num_tokens=opened.num_tokens,
+                    error=opened.reason)
+        deadline_s = self.svc.clock.now() + msg.wait_s
+        while True:
+            now = self._sealed(key)
+            if (now.state == "ended" or now.generation != msg.generation
+                    or now.num_tokens != msg.num_tokens
+                    or (now.state == "complete") != msg.complete):
+                return now
+            left_s = deadline_s - self.svc.clock.now()
+            if left_s <= 0:
+                return now
+            fut = asyncio.get_running_loop().create_future()
+            self._watchers.setdefault(key, []).append(fut)
+            try:
+                await self.svc.clock.wait_for(fut, left_s)
+            except TimeoutError:
+                pass
+            finally:
+                waiting = self._watchers.get(key)
+                if waiting is not None and fut in waiting:
+                    waiting.remove(fut)
+                    if not waiting:
+                        del self._watchers[key]
 
 
 def pool_file(pool: object) -> P.PoolFile:

@@ -38,6 +38,7 @@ incarnation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from typing import NamedTuple
@@ -51,6 +52,7 @@ from kvd.daemon.pull.hostmap import HostMapper, HostMaps
 from kvd.daemon.pull.local import Dispatch, LocalMover, LocalPeers, local_copier
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.movers import NixlMover
+from kvd.daemon.pull.progressive import Progressive, ProgressiveRunner
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S, Path
 from kvd.daemon.services import Services
@@ -90,6 +92,8 @@ class Consumer:
         # every pull in flight, by (engine, request): its driver, which holds its Pull
         self.pulls: dict[tuple[str, str], PullDriver] = {}
         self.finished: deque[Pull] = deque(maxlen=FINISHED_KEEP)
+        # Progressive pulls (kvd.daemon.pull.progressive): each reads its ranges as pulls
+        self.progressive: dict[tuple[str, str], ProgressiveRunner] = {}
         self.assembler = PullAssembler(svc.metrics)
         self.quarantine = QuarantineCounts(svc.cfg, svc.metrics)
         cfg = svc.cfg
@@ -191,14 +195,20 @@ class Consumer:
             self._local.mover.close()
         self.hosts.close()
 
-    def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None) -> None:
+    def start(self, msg: P.Pull, reply_to: tuple[bytes, int] | None = None,
+              events: object | None = None) -> None:
         """Validate cheaply and queue; the outcome arrives later as a done_recving event,
         queued for the engine's polls or, with ``reply_to`` (identity, request id), sent
-        as the answer to that one request."""
+        as the answer to that one request. ``events``: where a progressive pull's range
+        pull reports instead (its runner)."""
         cfg = self.svc.cfg
         engine = self.svc.registry.get(msg.engine_id)
-        if (msg.engine_id, msg.request_id) in self.pulls:
+        if (msg.engine_id, msg.request_id) in self.pulls or (
+                msg.engine_id, msg.request_id) in self.progressive:
             raise KvdError(f"request {msg.request_id!r} is already being pulled")
+        if msg.progressive:
+            self._start_progressive(msg, engine, reply_to)
+            return
         if len(self.pulls) >= cfg.max_inflight_pulls:
             raise BusyError(f"{len(self.pulls)} pulls in flight (max_inflight_pulls)")
         for name, ids in (("local", msg.local_block_ids), ("remote", msg.remote_block_ids)):
@@ -217,12 +227,59 @@ class Consumer:
         if self.svc.spans is not None:  # traced: its phases are noted (kvd.ops.otel)
             pull.marks, pull.marks_clock = [], self.svc.clock.now
         self.svc.metrics.inflight_transfers.inc()
-        driver = PullDriver(self.svc, pull, route.mover, route.peers, self.quarantine,
+        svc = self.svc if events is None else dataclasses.replace(self.svc, events=events)
+        driver = PullDriver(svc, pull, route.mover, route.peers, self.quarantine,
                             self.assembler, self._reported,
                             pick=self.pick if route is self._remote else None)
         self.pulls[pull.key] = driver
         if not driver.run_now(engine, self._cached(msg, engine, route.peers)):
             driver.task = self.svc.spawn(driver.run())
+
+    def _start_progressive(self, msg: P.Pull, engine: Engine,
+                           reply_to: tuple[bytes, int] | None) -> None:
+        """A progressive pull: its runner watches the producer and starts a pull per
+        sealed range; one done_recving reports the whole."""
+        cfg = self.svc.cfg
+        if msg.remote_block_ids or msg.remote_group_block_ids:
+            raise BlockIdError("a progressive pull names no remote blocks: the producer's "
+                               "seals do")
+        if len(self.pulls) + len(self.progressive) >= cfg.max_inflight_pulls:
+            raise BusyError(f"{len(self.pulls)} pulls in flight (max_inflight_pulls)")
+        if len(msg.local_block_ids) > cfg.max_blocks_per_request:
+            raise TooLargeError(f"{len(msg.local_block_ids)} local blocks exceed "
+                                f"max_blocks_per_request ({cfg.max_blocks_per_request})")
+        check_block_ids(msg.local_block_ids, engine.layout.num_blocks, "local")
+        hybrid.check_group_ids(engine.model, msg.local_block_ids, msg.local_group_block_ids,
+                               "pull (local)")
+        prog = Progressive(msg=msg, local_block_tokens=engine.layout.block_size_tokens,
+                           started_s=self.svc.clock.now(),
+                           hold_timeout_s=msg.hold_timeout_s or cfg.progressive_hold_s,
+                           hybrid=engine.model.hybrid is not None)
+        route = self.route_for(msg)
+
+        def report(p: Progressive, event: P.Event) -> None:
+            self.progressive.pop(p.key, None)
+            if reply_to is not None:
+                self.svc.events.answer(*reply_to, event)
+            else:
+                self.svc.events.push(msg.engine_id, event)
+            if not event.ok:
+                log.warning("progressive pull failed: %s", event.error,
+                            extra={"request_id": msg.request_id, "engine_id": msg.engine_id,
+                                   "peer": msg.remote_address})
+
+        runner = ProgressiveRunner(
+            prog, route.peers, self.svc,
+            lambda child, answer: self.start(child, events=answer), report)
+        self.progressive[prog.key] = runner
+        runner.task = self.svc.spawn(runner.run())
+
+    def cancel(self, engine_id: str, request_id: str) -> None:
+        """The engine cancels a progressive pull: it reports (not ok) once nothing of it
+        can land any more. Nothing to do for an ordinary or finished one."""
+        runner = self.progressive.get((engine_id, request_id))
+        if runner is not None:
+            runner.cancel()
 
     def _cached(self, msg: P.Pull, engine: Engine, peers: Peers) -> RemoteEngine | None:
         """The cached handshake, when every rank of the engine is here: then the Acquire
@@ -242,6 +299,10 @@ class Consumer:
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its transfers, then reports."""
         tasks = []
+        for runner in self.progressive.values():
+            runner.cancel()
+            if runner.task is not None and not runner.task.done():
+                tasks.append(runner.task)
         for driver in list(self.pulls.values()):
             task = driver.task
             if task is not None and not task.done():

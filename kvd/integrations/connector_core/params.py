@@ -163,3 +163,46 @@ def blocks_to_pull(num_prompt_tokens: int, num_computed_tokens: int, block_size_
         raise ParamsError(f"{len(new_block_ids)} new blocks cannot hold the {need} blocks of "
                           f"tokens [{num_computed_tokens}, {num_prompt_tokens})")
     return list(new_block_ids[:max(need, 0)])
+
+
+# ------------------------------------------------------------------ progressive pulls
+# The router sends a request to the prefill and the decode engine at once. The prefill's
+# params carry ``kvd_transfer_id`` (the id its connector seals the request under); the
+# decode's name the prefill engine, its daemon and that id, and no block ids: the decode's
+# daemon reads each range as the prefill's daemon seals it.
+
+
+def progressive_transfer_id(params: Mapping[str, Any] | None) -> str | None:
+    """A prefill request to seal progressively: its transfer id, else None."""
+    if not wants_remote_decode(params) or not params.get("kvd_progressive"):  # type: ignore[union-attr]
+        return None
+    return _str(params, "kvd_transfer_id")  # type: ignore[arg-type]
+
+
+def wants_progressive_prefill(params: Mapping[str, Any] | None) -> bool:
+    """A decode request whose prompt KV a prefill engine computes meanwhile."""
+    return wants_remote_prefill(params) and bool(params.get("kvd_progressive"))  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class ProgressivePrefill:
+    """Where the decode side finds a prefill still running (no block ids yet)."""
+
+    engine_id: str
+    request_id: str  # the router's transfer id, which the prefill seals under
+    address: str
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, "kvd_progressive": True,
+                "remote_engine_id": self.engine_id, "remote_request_id": self.request_id,
+                "kvd_address": self.address, "kvd_format": PARAMS_FORMAT}
+
+
+def parse_progressive_prefill(params: Mapping[str, Any]) -> ProgressivePrefill:
+    fmt = params.get("kvd_format")
+    if fmt != PARAMS_FORMAT:
+        raise ParamsError(f"kv_transfer_params come from another connector or kvd version "
+                          f"(kvd_format={fmt!r}, expected {PARAMS_FORMAT})")
+    return ProgressivePrefill(engine_id=_str(params, "remote_engine_id"),
+                              request_id=_str(params, "remote_request_id"),
+                              address=_str(params, "kvd_address"))

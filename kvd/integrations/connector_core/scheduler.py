@@ -17,8 +17,9 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
@@ -27,10 +28,14 @@ from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements
 from kvd.integrations.connector_core.params import (
     ParamsError,
+    ProgressivePrefill,
     RemotePrefill,
     blocks_to_pull,
+    parse_progressive_prefill,
     parse_remote_prefill,
+    progressive_transfer_id,
     traceparent_of,
+    wants_progressive_prefill,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -66,11 +71,27 @@ def connector_spans() -> Any:
 
 @dataclass(frozen=True)
 class _Pull:
-    remote: RemotePrefill
+    remote: RemotePrefill | ProgressivePrefill
     local_block_ids: list[int]
     num_tokens: int
     quiet: bool  # notify only: vLLM does not wait for it
     local_groups: list[list[int]] | None = None  # hybrid: one list per KV-cache group
+
+
+MAX_PROGRESSIVE_KEPT = 4096  # decode requests whose progressive pull may still be running
+
+
+@dataclass
+class _Sealing:
+    """A prefill request sealed as its chunks are computed (a progressive publish)."""
+
+    transfer_id: str  # the router's id, which the decode side pulls under
+    blocks: list[int] = field(default_factory=list)  # the request's blocks, in token order
+    generation: int = 0  # bumped at each preemption: its blocks were freed
+    sealed: int = 0  # tokens sealed in this generation
+    # tokens computed before each step of this generation (num_computed_tokens as each
+    # step was scheduled), the latest last
+    computed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -87,7 +108,8 @@ class KvdScheduler:
     def __init__(self, settings: ConnectorSettings, block_size_tokens: int,
                  default_lease_s: float = 30.0,
                  groups: list[tuple[str, int]] | None = None,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = time.monotonic,
+                 async_scheduling: bool = False) -> None:
         self.settings = settings
         self.block_size_tokens = block_size_tokens
         # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
@@ -106,6 +128,12 @@ class KvdScheduler:
         self._spans = connector_spans()
         self._waiting: dict[str, tuple[int, str, dict[str, Any]]] = {}
         self._landed: dict[str, tuple[int, str, dict[str, Any]]] = {}
+        # Progressive prefills: sealed after each chunk. A chunk's KV is final once its
+        # forward ran: with async scheduling the step before this one may still run, so
+        # seal what was computed before the previous step instead.
+        self._sealing: dict[str, _Sealing] = {}
+        self._seal_lag = 1 if async_scheduling else 0
+        self._progressive_pulls: OrderedDict[str, None] = OrderedDict()
 
     @property
     def client(self) -> NoWaitClient:
@@ -168,6 +196,19 @@ class KvdScheduler:
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return 0, False
+        if wants_progressive_prefill(params):
+            try:
+                parse_progressive_prefill(params)
+            except ParamsError as exc:
+                log.warning("request %s: ignoring kv_transfer_params (%s); computing the "
+                            "prompt locally", request.request_id, exc)
+                return 0, False
+            if self.groups is not None:
+                log.warning("request %s: progressive pulls of hybrid models are not "
+                            "supported; computing the prompt locally", request.request_id)
+                return 0, False
+            count = request.num_prompt_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
         try:
             remote = parse_remote_prefill(params)
         except ParamsError as exc:
@@ -191,9 +232,13 @@ class KvdScheduler:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        self._maybe_seal(request)
         if not wants_remote_prefill(params):
             return
         params["do_remote_prefill"] = False  # one pull per request, whatever happens
+        if params.get("kvd_progressive"):
+            self._progressive_after_alloc(request, blocks, num_external_tokens)
+            return
         try:
             remote = parse_remote_prefill(params)
         except ParamsError:
@@ -226,6 +271,117 @@ class KvdScheduler:
         local = blocks_to_pull(num_tokens, hit_tokens, self.block_size_tokens, new_ids)
         self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
 
+    def _progressive_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        """The decode admitted the request: its pull goes now, before the prefill has
+        sealed anything; the daemon reads each range as it is sealed."""
+        try:
+            remote = parse_progressive_prefill(request.kv_transfer_params)
+        except ParamsError:
+            return  # warned in num_new_matched_tokens
+        num_tokens = request.num_prompt_tokens
+        TRACE.point("decode_scheduled", request.request_id)
+        if num_external_tokens <= 0 or self.groups is not None:
+            self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
+            return
+        new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
+        local = blocks_to_pull(num_tokens, num_tokens - num_external_tokens,
+                               self.block_size_tokens, new_ids)
+        self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
+
+    # ------------------------------------------------------------ prefill side: sealing
+
+    def _maybe_seal(self, request: Any) -> None:
+        """A prefill request the router also sent to a decode engine: seal its chunks."""
+        try:
+            tid = progressive_transfer_id(request.kv_transfer_params)
+        except ParamsError as exc:
+            log.warning("request %s: bad kvd_transfer_id (%s); publishing once finished",
+                        request.request_id, exc)
+            return
+        if tid is None or request.request_id in self._sealing:
+            return
+        if self.groups is not None:  # the decode side computes it (see num_new_matched)
+            return
+        self._sealing[request.request_id] = _Sealing(tid)
+
+    def _track(self, output: Any) -> None:
+        """Each step: the sealing requests' blocks and computed tokens; seal what is
+        final. Never waits: the Seals go out without their replies."""
+        preempted = getattr(output, "preempted_req_ids", None) or set()
+        for rid in preempted:
+            s = self._sealing.get(rid)
+            if s is not None:
+                self._unseal(rid, s)
+        for new in getattr(output, "scheduled_new_reqs", ()):
+            s = self._sealing.get(new.req_id)
+            if s is not None:
+                s.blocks = list(new.block_ids[0]) if new.block_ids else []
+                s.computed.append(new.num_computed_tokens)
+        cached = getattr(output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = getattr(cached, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(cached.req_ids):
+                s = self._sealing.get(rid)
+                if s is None:
+                    continue
+                ids = cached.new_block_ids[i]
+                if rid in resumed:
+                    if s.sealed or s.computed and rid not in preempted:
+                        self._unseal(rid, s)
+                    s.blocks = list(ids[0]) if ids else []
+                elif ids:
+                    s.blocks.extend(ids[0])
+                s.computed.append(cached.num_computed_tokens[i])
+        bs = self.block_size_tokens
+        for rid, s in self._sealing.items():
+            if len(s.computed) <= self._seal_lag:
+                continue
+            final = s.computed[-1 - self._seal_lag] // bs * bs
+            del s.computed[:-1 - self._seal_lag]
+            if final > s.sealed and final // bs <= len(s.blocks):
+                self._seal(rid, s, s.blocks[:final // bs], final, complete=False)
+
+    def _unseal(self, rid: str, s: _Sealing) -> None:
+        """Preempted: its blocks were freed; what was sealed is void."""
+        s.generation += 1
+        s.sealed, s.computed = 0, []
+        s.blocks = []
+        self._seal(rid, s, [], 0, complete=False)
+
+    def _seal(self, rid: str, s: _Sealing, blocks: list[int], num_tokens: int,
+              complete: bool, hold_id: int = 0) -> bool:
+        if self.peer_address is None:
+            return False
+        msg = Messages.seal(self.settings.engine_id, s.transfer_id, blocks, num_tokens,
+                            generation=s.generation, complete=complete,
+                            lease_s=self.lease_s, consumers=self.settings.consumers,
+                            hold_id=hold_id)
+        if not self.client.send(msg, _Sent("seal", rid), self._now()):
+            log.warning("request %s: kvd is not taking messages; seal not sent", rid)
+            return False
+        s.sealed = num_tokens
+        TRACE.point("seal_sent", rid)
+        return True
+
+    def _finish_sealing(self, request: Any, block_ids: list[int]
+                        ) -> tuple[bool, dict[str, Any] | None]:
+        s = self._sealing.pop(request.request_id)
+        if request.status.name not in FINISHED_OK:
+            if self.peer_address is not None:
+                self.client.send(Messages.seal(self.settings.engine_id, s.transfer_id, [], 0,
+                                               abort=True), _Sent("seal", request.request_id),
+                                 self._now())
+            return False, None
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
+        if not self._seal(request.request_id, s, blocks, num_tokens, complete=True,
+                          hold_id=engine_hold_id()):
+            return False, None
+        self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
+        self._meta.aliases[s.transfer_id] = request.request_id
+        return True, {"kvd_progressive": True, "kvd_transfer_id": s.transfer_id}
+
     # ------------------------------------------------------------ prefill side
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
@@ -241,11 +397,21 @@ class KvdScheduler:
         params = request.kv_transfer_params
         if self._waiting:
             self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
+        if request.request_id in self._sealing:
+            return self._finish_sealing(request, block_ids)
+        if request.request_id in self._progressive_pulls:
+            del self._progressive_pulls[request.request_id]
+            if request.status.name not in FINISHED_OK:  # aborted while its pull may wait
+                self.client.send(P.CancelPull(engine_id=self.settings.engine_id,
+                                              request_id=request.request_id),
+                                 _Sent("cancel", request.request_id), self._now())
         if wants_remote_prefill(params):
             # A decode request aborted before it was scheduled: release P's blocks.
             params["do_remote_prefill"] = False
             try:
-                remote = parse_remote_prefill(params)
+                remote: RemotePrefill | ProgressivePrefill = (
+                    parse_progressive_prefill(params) if params.get("kvd_progressive")
+                    else parse_remote_prefill(params))
             except ParamsError:
                 return False, None
             self._pending[request.request_id] = _Pull(remote, [], 0, quiet=True)
@@ -315,10 +481,13 @@ class KvdScheduler:
             if not error:
                 self._landed[rid] = (now, traceparent, attrs)
 
-    def build_meta(self, idle: bool = False) -> StepAnnouncements:
+    def build_meta(self, idle: bool = False, output: Any = None) -> StepAnnouncements:
         """Once per step: act on the replies that came, send the pulls queued since.
-        ``idle``: the step computes no token (the workers may wait in it)."""
+        ``idle``: the step computes no token (the workers may wait in it). ``output``:
+        vLLM's scheduler output, whose blocks and computed tokens the seals follow."""
         self._take_replies()
+        if output is not None and self._sealing:
+            self._track(output)
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
@@ -336,6 +505,10 @@ class KvdScheduler:
             exc = Messages.refusal(reply.body)
             if isinstance(exc, NotFoundError) and "not registered" in str(exc):
                 self._meta.rejoin = True  # the daemon restarted: workers register again
+            if sent.kind in ("seal", "cancel"):
+                log.warning("request %s: kvd refused the %s (%s)", sent.request_id,
+                            sent.kind, exc)
+                continue
             if sent.kind == "publish":
                 log.error("request %s: kvd refused the publish (%s); its blocks are freed "
                           "and the decode side computes the prompt itself",
@@ -348,6 +521,9 @@ class KvdScheduler:
         self._client.forget_older(self._now(), FORGET_REPLY_S)
 
     def _start(self, request_id: str, pull: _Pull) -> None:
+        if isinstance(pull.remote, ProgressivePrefill):
+            self._start_progressive(request_id, pull, pull.remote)
+            return
         remote_groups = pull.remote.group_block_ids
         if remote_groups is None and self.groups is not None and len(self.groups) == 1:
             remote_groups = (pull.remote.block_ids,)  # one Mamba group's list comes flat
@@ -386,6 +562,32 @@ class KvdScheduler:
             self._meta.quiet.append(request_id)
         else:
             self._meta.recv[request_id] = pull.local_block_ids
+
+    def _start_progressive(self, request_id: str, pull: _Pull,
+                           remote: ProgressivePrefill) -> None:
+        try:
+            msg = Messages.progressive_pull(self.settings.engine_id, request_id,
+                                            remote.engine_id, remote.address,
+                                            pull.local_block_ids, pull.num_tokens,
+                                            remote_request_id=remote.request_id)
+        except (KvdError, ValueError) as exc:
+            log.warning("request %s: cannot build the pull (%s)", request_id, exc)
+            sent_ok = False
+        else:
+            sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,
+                                                  tuple(pull.local_block_ids)), self._now())
+        if not sent_ok:
+            if not pull.quiet:
+                self._meta.failed[request_id] = pull.local_block_ids
+            return
+        TRACE.point("pull_sent", request_id)
+        if pull.quiet:
+            self._meta.quiet.append(request_id)
+            return
+        self._meta.recv[request_id] = pull.local_block_ids
+        self._progressive_pulls[request_id] = None
+        while len(self._progressive_pulls) > MAX_PROGRESSIVE_KEPT:
+            self._progressive_pulls.popitem(last=False)
 
     def close(self) -> None:
         if self._client is not None:

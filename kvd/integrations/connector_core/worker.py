@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
+
 from kvd.client import EventCursor, KvdClient, RankHandle
 from kvd.errors import KvdTimeoutError, LayoutError
 from kvd.integrations.connector_core import cpu_binding
@@ -57,6 +59,7 @@ class KvdWorker:
         self._announced = ""  # the daemon instance the scheduler last heard of from us
         self._steps = 0  # steps whose announcements came (groups the pulls of a step)
         self._idle_wait_s = 0.0  # this step computes nothing: wait this long for events
+        self._aliases: dict[str, str] = {}  # transfer id -> request id (progressive)
 
     def _lost(self, reason: str) -> None:
         """The pinger's: the daemon no longer knows this rank (it restarted) or does not
@@ -149,6 +152,7 @@ class KvdWorker:
             self.book.announce_failed_submit(rid, blocks)
         for rid, blocks in meta.refused.items():
             self.book.pull_refused(rid, blocks)
+        self._aliases.update(meta.aliases)
         for rid, give_up_s in meta.sent.items():
             self.book.announce_send(rid, now_s + give_up_s)
         for rid in meta.send_refused:
@@ -186,6 +190,8 @@ class KvdWorker:
                           len(lost))
             self.rejoin.kick("a new kvd instance answered")
         for ev in self.cursor.take():
+            if ev.kind == "done_sending" and ev.request_id in self._aliases:
+                ev = msgspec.structs.replace(ev, request_id=self._aliases.pop(ev.request_id))
             if TRACE.on and ev.kind == "done_recving":
                 TRACE.point("event_taken", ev.request_id, ev.duration_s)
             self.book.on_event(ev)

@@ -65,7 +65,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KvdScheduler(
                 self.settings, vllm_config.cache_config.block_size,
                 groups=group_layout(kv_cache_config) if is_multi_group(kv_cache_config)
-                else None)
+                else None,
+                async_scheduling=bool(getattr(vllm_config.scheduler_config,
+                                              "async_scheduling", False)))
             par = vllm_config.parallel_config
             self._keepalive = RankKeepalive(self.settings, par.tensor_parallel_size,
                                             par.pipeline_parallel_size)
@@ -229,7 +231,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-        return as_vllm(self._scheduler.build_meta(idle=idle), KvdConnectorMetadata)
+        return as_vllm(self._scheduler.build_meta(idle=idle, output=scheduler_output),
+                       KvdConnectorMetadata)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

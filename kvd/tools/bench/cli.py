@@ -239,8 +239,10 @@ def vram(
 def vllm_bench(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
     systems: str = typer.Option(
-        "all", "--systems", help="all, quick (plain, kvd-1d, nixl-noprog) or names: plain, "
-        "kvd-1d, kvd-2d, kvd-2d-nixl, nixl, nixl-noprog (plain is always run)."),
+        "all", "--systems", help="all, quick (plain, kvd-1d, nixl-noprog), progressive "
+        "(plain, kvd-1d, kvd-1d-prog, kvd-2d-nixl, kvd-2d-nixl-prog) or names: plain, "
+        "kvd-1d, kvd-2d, kvd-2d-nixl, nixl, nixl-noprog, kvd-1d-prog, kvd-2d-nixl-prog "
+        "(plain is always run)."),
     rounds: int = typer.Option(8, "--rounds", help="Single-request rounds per system (the "
                                "first is the warm-up, reported as 'first')."),
     batch: int = typer.Option(6, "--batch", help="Requests in a concurrent batch."),
@@ -261,6 +263,10 @@ def vllm_bench(
     router_warm_up: bool = typer.Option(
         False, "--router-warm-up", help="Start the routers with --warm-up and wait until "
         "each pair is warm: 'first' is then the first hand-over after the warm-up."),
+    max_num_batched_tokens: int = typer.Option(
+        0, "--max-num-batched-tokens", help="Chunked prefill on every engine, this many "
+        "tokens a step (0: vLLM's default). Progressive systems overlap the transfer with "
+        "the prefill only when a prompt takes several chunks."),
     breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
                                    "hand-over's time goes, and when each request of a batch "
                                    "landed (connector traces, KVD_TRACE_DIR)."),
@@ -287,7 +293,8 @@ def vllm_bench(
                       prompt_tokens=prompt_tokens, max_tokens=max_tokens, idle_s=idle_s,
                       max_model_len=max(2048, prompt_tokens + max_tokens + 64),
                       breakdown=breakdown, decode_timeout_s=decode_timeout_s,
-                      router_warm_up=router_warm_up)
+                      router_warm_up=router_warm_up,
+                      max_num_batched_tokens=max_num_batched_tokens)
     try:
         res = run_bench(cfg, work_dir or None)
     except KvdError as exc:

@@ -71,7 +71,10 @@ LANDING_POINTS = ("decode_scheduled", "pull_sent", "daemon_pull", "daemon_event"
                   "daemon_event_sent", "event_taken", "recv_reported")
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-              "VLLM_LOGGING_LEVEL": "WARNING"}
+              "VLLM_LOGGING_LEVEL": "WARNING",
+              # prompts past the tiny model's 4096 positions (--prompt-tokens 8192): every
+              # engine of the run alike, so the tokens stay comparable
+              "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -93,6 +96,7 @@ class BenchConfig:
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
     router_warm_up: bool = False  # routers hand one request over per pair before round 0
     decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
+    max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
 
 
 # ------------------------------------------------------------------ processes
@@ -381,7 +385,8 @@ class VllmBench:
                     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
                 args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                         *engine_args(self.model, port, self.cfg.kv_cache_bytes,
-                                     self.cfg.max_model_len, cfg)]
+                                     self.cfg.max_model_len, cfg,
+                                     self.cfg.max_num_batched_tokens)]
                 pending.append(_Launch(run, e.role, e.name, args, env))
         starting: list[tuple[Proc, _Launch]] = []
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -435,7 +440,7 @@ class VllmBench:
             sys.executable, "-m", "kvd", "router",
             "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
             "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-            "--port", str(run.router_port),
+            "--port", str(run.router_port), *run.spec.router_args,
             *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
         run.procs.append(proc)
         return proc

@@ -23,10 +23,17 @@ SYSTEMS: dict[str, str] = {
     # not in `all`: an A/B of the connector's idle-step wait in one run
     "kvd-1d-spin": "kvd on one daemon, empty steps not waiting for events "
                    "(kvd_idle_wait_s = 0)",
+    # not in `all` (`progressive` runs them against their sequential base)
+    "kvd-1d-prog": "kvd-1d through `kvd router --progressive` (prefill and decode at once)",
+    "kvd-2d-nixl-prog": "kvd-2d-nixl through `kvd router --progressive`",
 }
 ALL_SYSTEMS = ("plain", "kvd-1d", "kvd-2d", "kvd-2d-nixl", "nixl", "nixl-noprog")
 QUICK_SYSTEMS = ("plain", "kvd-1d", "nixl-noprog")
-KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin")
+KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin", "kvd-1d-prog",
+               "kvd-2d-nixl-prog")
+# The exposed tail of a progressive pull against the sequential hand-off, side by side.
+PROGRESSIVE_SYSTEMS = ("plain", "kvd-1d", "kvd-1d-prog", "kvd-2d-nixl", "kvd-2d-nixl-prog")
+PROGRESSIVE_SUFFIX = "-prog"
 NIXL_SYSTEMS = ("nixl", "nixl-noprog")
 # The connector module that turns NIXL's progress thread off (vllm_nixl_quiet.py).
 QUIET_NIXL_MODULE = "kvd.tools.bench.vllm_nixl_quiet"
@@ -52,6 +59,7 @@ class SystemSpec:
     name: str
     daemons: tuple[DaemonSpec, ...]
     engines: tuple[EngineSpec, ...]
+    router_args: tuple[str, ...] = ()  # more `kvd router` arguments (--progressive)
 
     @property
     def disaggregated(self) -> bool:
@@ -66,6 +74,8 @@ def parse_systems(text: str) -> tuple[str, ...]:
         names = list(ALL_SYSTEMS)
     elif text == "quick":
         names = list(QUICK_SYSTEMS)
+    elif text == "progressive":
+        names = list(PROGRESSIVE_SYSTEMS)
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in SYSTEMS]
@@ -91,6 +101,16 @@ def _nixl_config(quiet: bool) -> dict:
 
 
 def system_spec(name: str) -> SystemSpec:
+    if name.endswith(PROGRESSIVE_SUFFIX) and name in SYSTEMS:
+        base = system_spec(name[:-len(PROGRESSIVE_SUFFIX)])
+        renamed = {d.name: d.name.replace(base.name, name, 1) for d in base.daemons}
+        return SystemSpec(
+            name, tuple(DaemonSpec(renamed[d.name], d.extra_args) for d in base.daemons),
+            tuple(EngineSpec(e.name.replace(base.name, name, 1), e.role,
+                             _kvd_config(e.name.replace(base.name, name, 1)),
+                             daemon=renamed[e.daemon] if e.daemon else None)
+                  for e in base.engines),
+            router_args=("--progressive",))
     if name == "plain":
         return SystemSpec(name, (), (EngineSpec("plain", "plain", None),))
     if name in NIXL_SYSTEMS:
@@ -115,7 +135,8 @@ def system_spec(name: str) -> SystemSpec:
 
 
 def engine_args(model_dir: str, port: int, kv_cache_bytes: int, max_model_len: int,
-                kv_transfer_config: dict | None) -> list[str]:
+                kv_transfer_config: dict | None, max_num_batched_tokens: int = 0
+                ) -> list[str]:
     """vLLM OpenAI server arguments (after ``python -m vllm.entrypoints.openai.api_server``);
     the same for every engine of the run but the port and the connector. Prefix caching
     is off everywhere, so that a prompt seen before is computed (plain, prefill) or
@@ -125,6 +146,9 @@ def engine_args(model_dir: str, port: int, kv_cache_bytes: int, max_model_len: i
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
             str(kv_cache_bytes), "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log"]
+    if max_num_batched_tokens:  # chunked prefill, that many tokens a step (every engine)
+        args += ["--enable-chunked-prefill", "--max-num-batched-tokens",
+                 str(max_num_batched_tokens)]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return args

@@ -1,13 +1,23 @@
 """`kvd router`: a small OpenAI-compatible prefill/decode router for vLLM engines.
 
-vLLM's standard two-step hand-off, nothing more: each request goes first to a prefill
-server with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``,
-then to a decode server with the ``kv_transfer_params`` the prefill answered, copied
-as they are (opaque: the router never reads what the connector put there). Completions
-and chat completions, streamed or not; round-robin over several prefill and several
-decode URLs; a timeout on every upstream call; a prefill that fails is one JSON error
-naming the server and why, and the decode step is not tried. Fan-out (one prefill read
-by several decodes) is out of scope.
+Two modes. Sequential (the default, vLLM's standard two-step hand-off): each request
+goes first to a prefill server with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}``, then to a decode server with the
+``kv_transfer_params`` the prefill answered, copied as they are (opaque: the router
+never reads what the connector put there). Completions and chat completions, streamed or
+not; round-robin over several prefill and several decode URLs; a timeout on every
+upstream call; a prefill that fails is one JSON error naming the server and why, and the
+decode step is not tried. Fan-out (one prefill read by several decodes) is out of scope.
+
+Progressive (``--progressive``): the request goes to the prefill and the decode server at
+once. The router assigns a transfer id; the prefill's ``kv_transfer_params`` ask it to
+seal its chunks under that id, the decode's name the prefill engine, its daemon and the
+id (kvd.integrations.connector_core.params.ProgressivePrefill), so the decode's daemon
+reads each chunk's KV while the prefill computes the next. The router learns each
+prefill server's kvd engine id and daemon address from its first sequential hand-off
+(the warm-up, or the first request sent to it): until then that server is used
+sequentially. A prefill that fails cancels the decode request (its connector then
+cancels the pull).
 
 Why aiohttp: one library is both the async HTTP server and the streaming client, with
 connect/read/total timeouts built in; vLLM already installs it, so a vLLM host needs
@@ -23,12 +33,14 @@ import contextlib
 import itertools
 import json
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from kvd.integrations.connector_core.params import ProgressivePrefill
 from kvd.ops.tracecontext import traceparent_or_new
 
 log = logging.getLogger("kvd.router")
@@ -58,6 +70,9 @@ class RouterConfig:
     # engines' and both daemons' spans. Off, the router still passes a trace context on
     # (the client's, or a new one).
     otel: bool = False
+    # Send each request to the prefill and the decode at once (progressive pulls); the
+    # sequential hand-off stays for prefill servers whose kvd identity is not known yet.
+    progressive: bool = False
 
 
 WARM_UP_PROMPT = " ".join(["kvd router warm-up"] * 16)  # a few blocks of any tokenizer
@@ -108,6 +123,14 @@ def prefill_request(body: dict[str, Any], traceparent: str = "") -> dict[str, An
     return out
 
 
+def progressive_prefill_request(body: dict[str, Any], transfer_id: str,
+                                traceparent: str = "") -> dict[str, Any]:
+    """The prefill's body in progressive mode: as sequential, sealed under ``transfer_id``."""
+    out = prefill_request(body, traceparent)
+    out["kv_transfer_params"].update(kvd_progressive=True, kvd_transfer_id=transfer_id)
+    return out
+
+
 def decode_request(body: dict[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
     """The client's body as sent, plus the prefill's ``kv_transfer_params`` untouched."""
     return {**body, "kv_transfer_params": kv_transfer_params}
@@ -128,6 +151,9 @@ class Router:
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         # (prefill URL, decode URL) -> "ok", "pending" or why it failed (warm_up only)
         self.warm: dict[str, str] = {}
+        # prefill URL -> (its kvd engine id, its daemon's peer address), learned from
+        # its kv_transfer_params (progressive mode)
+        self.identity: dict[str, tuple[str, str]] = {}
         self._warming: asyncio.Task[None] | None = None
         self.spans: Any = None  # kvd.ops.otel.RequestSpans with cfg.otel
 
@@ -176,6 +202,7 @@ class Router:
                     params = (await resp.json()).get("kv_transfer_params")
                 if not params:
                     raise UpstreamError(502, "prefill answered without kv_transfer_params")
+                self._learn(prefill, params)
                 async with self.session.post(decode + "/v1/completions",
                                              json=decode_request(body, params),
                                              timeout=self._timeout(
@@ -207,6 +234,8 @@ class Router:
     async def health(self, _request: web.Request) -> web.Response:
         out: dict[str, Any] = {"prefill": list(self.prefill.urls),
                                "decode": list(self.decode.urls)}
+        if self.cfg.progressive:
+            out["progressive"] = {u: u in self.identity for u in self.prefill.urls}
         if self.cfg.warm_up:
             out["warm"] = self.warm
         return web.json_response(out)
@@ -242,13 +271,18 @@ class Router:
             traceparent = traceparent_or_new(traceparent)
         error = ""
         try:
-            try:
-                params = await self._prefill(request.path, body, traceparent)
-            except UpstreamError as exc:
-                log.warning("%s", exc)
-                error = f"prefill: {exc}"
-                return _json_error(exc.status, str(exc), "prefill_failed")
-            out = await self._decode(request, decode_request(body, params), traceparent)
+            prefill = self.prefill.pick()
+            if self.cfg.progressive and prefill in self.identity:
+                out = await self._progressive(request, body, prefill, traceparent)
+            else:
+                try:
+                    params = await self._prefill(request.path, body, traceparent, prefill)
+                except UpstreamError as exc:
+                    log.warning("%s", exc)
+                    error = f"prefill: {exc}"
+                    return _json_error(exc.status, str(exc), "prefill_failed")
+                self._learn(prefill, params)
+                out = await self._decode(request, decode_request(body, params), traceparent)
             if out.status != 200:
                 error = f"decode answered {out.status}"
             return out
@@ -256,12 +290,54 @@ class Router:
             if span is not None:
                 self.spans.end(span, error)
 
-    async def _prefill(self, path: str, body: dict[str, Any], traceparent: str = "") -> Any:
+    def _learn(self, prefill: str, params: Any) -> None:
+        """A prefill server's kvd identity, from the params its connector returned."""
+        if not self.cfg.progressive or not isinstance(params, dict):
+            return
+        engine, address = params.get("remote_engine_id"), params.get("kvd_address")
+        if isinstance(engine, str) and engine and isinstance(address, str) and address:
+            self.identity[prefill] = (engine, address)
+
+    async def _progressive(self, request: web.Request, body: dict[str, Any],
+                           prefill: str, traceparent: str = "") -> web.StreamResponse:
+        """Prefill and decode at once; the decode's daemon reads the prefill's chunks as
+        they are sealed. A prefill that fails before the decode answers cancels it."""
+        engine, address = self.identity[prefill]
+        tid = f"kvd-{uuid.uuid4().hex}"
+        params = ProgressivePrefill(engine_id=engine, request_id=tid,
+                                    address=address).to_params()
+        if traceparent:
+            params["traceparent"] = traceparent
+        pre = asyncio.create_task(self._prefill(
+            request.path, body, traceparent, prefill,
+            progressive_prefill_request(body, tid, traceparent)))
+        dec = asyncio.create_task(self._decode(request, decode_request(body, params),
+                                               traceparent))
+        done, _ = await asyncio.wait({pre, dec}, return_when=asyncio.FIRST_COMPLETED)
+        if pre in done and pre.exception() is not None and not dec.done():
+            exc = pre.exception()
+            log.warning("%s", exc)
+            dec.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dec
+            if isinstance(exc, UpstreamError):
+                return _json_error(exc.status, str(exc), "prefill_failed")
+            return _json_error(502, f"prefill: {_reason(exc)}", "prefill_failed")
+        out = await dec
+        if not pre.done():
+            pre.add_done_callback(_retrieve)  # the prefill's answer itself is not needed
+        else:
+            _retrieve(pre)
+        return out
+
+    async def _prefill(self, path: str, body: dict[str, Any], traceparent: str = "",
+                       prefill: str | None = None, sent: dict[str, Any] | None = None
+                       ) -> Any:
         """Run the prefill step; its ``kv_transfer_params``, or UpstreamError."""
-        url = self.prefill.pick() + path
+        url = (prefill or self.prefill.pick()) + path
         assert self.session is not None
         try:
-            async with self.session.post(url, json=prefill_request(body, traceparent),
+            async with self.session.post(url, json=sent or prefill_request(body, traceparent),
                                          headers=_trace_headers(traceparent),
                                          timeout=self._timeout(
                                              self.cfg.prefill_timeout_s)) as resp:
@@ -315,6 +391,13 @@ class Router:
 def _trace_headers(traceparent: str) -> dict[str, str] | None:
     """The W3C header an engine reads its trace context from (vLLM, with its tracing on)."""
     return {"traceparent": traceparent} if traceparent else None
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Take a finished task's outcome, so that a failure nobody awaits is not logged as
+    lost (the decode answered already)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("prefill after its decode answered: %s", task.exception())
 
 
 def _json_error(status: int, message: str, kind: str) -> web.Response:

@@ -29,7 +29,8 @@ from kvd.tools.bench.vllm_systems import (
 
 
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
-    assert parse_systems("all") == tuple(n for n in SYSTEMS if n != "kvd-1d-spin")
+    assert parse_systems("all") == tuple(n for n in SYSTEMS if n != "kvd-1d-spin"
+                                         and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
     assert parse_systems("nixl, kvd-1d,nixl") == ("plain", "nixl", "kvd-1d")
@@ -60,6 +61,21 @@ def test_each_system_runs_its_connector_and_daemons():
     assert "--no-enable-prefix-caching" in args
     assert json.loads(args[args.index("--kv-transfer-config") + 1]) == shipped
     assert "--kv-transfer-config" not in engine_args("/m", 8100, 1 << 27, 2048, None)
+
+
+def test_progressive_systems_are_their_base_through_the_progressive_router():
+    prog, base = system_spec("kvd-2d-nixl-prog"), system_spec("kvd-2d-nixl")
+    assert prog.router_args == ("--progressive",) and base.router_args == ()
+    assert [d.extra_args for d in prog.daemons] == [d.extra_args for d in base.daemons]
+    assert [e.daemon for e in prog.engines] == [d.name for d in prog.daemons]
+    names = {d.name for d in prog.daemons} | {e.name for e in prog.engines}
+    assert not names & ({d.name for d in base.daemons} | {e.name for e in base.engines})
+    assert parse_systems("progressive") == ("plain", "kvd-1d", "kvd-1d-prog", "kvd-2d-nixl",
+                                            "kvd-2d-nixl-prog")
+    args = engine_args("/m", 8100, 1 << 27, 9000, None, max_num_batched_tokens=512)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "512"
+    assert "--enable-chunked-prefill" in args
+    assert "--max-num-batched-tokens" not in engine_args("/m", 8100, 1 << 27, 2048, None)
 
 
 def test_percentile_is_nearest_rank():

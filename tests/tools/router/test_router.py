@@ -294,4 +294,66 @@ def test_with_otel_the_routers_span_is_the_engines_parent() -> None:
         sent = f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
         assert p.headers == [sent] and d.headers == [sent]
 
+
+IDENTITY = {"do_remote_prefill": True, "remote_engine_id": "pre-engine",
+            "kvd_address": "tcp://10.0.0.1:7101", "kvd_format": 1}
+
+
+def test_progressive_sends_to_both_at_once_once_the_prefill_is_known() -> None:
+    """The first request learns the prefill's kvd identity (sequential); the next go to
+    the prefill and the decode at once, the decode's params naming the prefill engine, its
+    daemon and the transfer id the prefill seals under."""
+    async def go() -> None:
+        p = FakeServer("p0", "prefill", delay_s=3.0, params=IDENTITY)
+        d = FakeServer("d0", "decode")
+        async with routed([p], [d], progressive=True) as client:
+            first = await client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+            assert (await first.json())["params"] == IDENTITY  # sequential: as answered
+            t0 = asyncio.get_running_loop().time()
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "b"})
+            took = asyncio.get_running_loop().time() - t0
+            assert resp.status == 200
+            sent = (await resp.json())["params"]
+            assert took < 2.5, "the decode waited for the prefill"
+            health = await (await client.get("/health")).json()
+        pre = p.seen[1]["kv_transfer_params"]
+        assert pre["do_remote_decode"] and pre["kvd_progressive"]
+        # both engines get the request's one trace context
+        assert sent.pop("traceparent") == pre["traceparent"]
+        assert sent == {"do_remote_prefill": True, "do_remote_decode": False,
+                        "kvd_progressive": True, "remote_engine_id": "pre-engine",
+                        "remote_request_id": pre["kvd_transfer_id"],
+                        "kvd_address": "tcp://10.0.0.1:7101", "kvd_format": 1}
+        assert p.seen[1]["max_tokens"] == 1
+        assert health["progressive"] == {health["prefill"][0]: True}
+
+    run(go)
+
+
+def test_progressive_prefill_failure_cancels_the_decode() -> None:
+    async def go() -> None:
+        p = FakeServer("p0", "prefill", params=IDENTITY)
+        d = FakeServer("d0", "decode", delay_s=5.0)
+        async with routed([p], [d], progressive=True) as client:
+            await client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+            d.delay_s, p.status = 5.0, 500
+            t0 = asyncio.get_running_loop().time()
+            resp = await client.post("/v1/completions", json={"model": "m", "prompt": "b"})
+            assert resp.status == 502 and "p0 broke" in (await resp.json())["error"]["message"]
+            assert asyncio.get_running_loop().time() - t0 < 3.0
+
+    run(go)
+
+
+def test_sequential_stays_the_default() -> None:
+    async def go() -> None:
+        p, d = FakeServer("p0", "prefill", params=IDENTITY), FakeServer("d0", "decode")
+        async with routed([p], [d]) as client:
+            for prompt in ("a", "b"):
+                await client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+        # sequential: no progressive keys (only the trace context beside the request)
+        assert all({k: v for k, v in s["kv_transfer_params"].items() if k != "traceparent"}
+                   == {"do_remote_decode": True} for s in p.seen)
+        assert all(s["kv_transfer_params"] == IDENTITY for s in d.seen)
+
     run(go)

@@ -1,0 +1,89 @@
+"""The exposed tail of a progressive pull against the sequential hand-off, in whole
+vLLM engines: TTFT through ``kvd router`` minus a standalone engine's TTFT on the same
+prompt (``ttft_minus_plain_p50_ms`` of ``kvd bench vllm``), per prompt length, on one
+daemon (kvd-1d) and two daemons over NIXL (kvd-2d-nixl), sequential and progressive,
+side by side in one run per prompt length (``kvd bench vllm --systems progressive``).
+
+Run it from the venv that has vLLM, holding the vLLM lock on a shared host:
+
+    flock /tmp/kvd-vllm.lock .venv-vllm/bin/python benchmarks/progressive_tail.py \\
+        --prompt-tokens 1024,4096,8192 --out /tmp/progressive.json
+
+The table: per prompt length and daemon layout, the sequential and the progressive
+tail (ms, median of the warm rounds) and their ratio (target: <= 0.25 at 4K and 8K,
+never above 1 at 1K), and whether every token equalled the standalone engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PAIRS = (("one daemon", "kvd-1d", "kvd-1d-prog"),
+         ("two daemons, NIXL", "kvd-2d-nixl", "kvd-2d-nixl-prog"))
+
+
+def run_one(tokens: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """One `kvd bench vllm` run; its JSON, or {"error": ...} with its log's tail (the
+    other prompt lengths still run)."""
+    out = log_dir / f"bench-{tokens}.json"
+    log = log_dir / f"bench-{tokens}.log"
+    cmd = [sys.executable, "-m", "kvd", "bench", "vllm", "--systems", "progressive",
+           "--prompt-tokens", str(tokens), "--rounds", str(args.rounds),
+           "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
+           "--max-tokens", str(args.max_tokens),
+           "--max-num-batched-tokens", str(args.chunk), "--out", str(out)]
+    print("+", " ".join(cmd), f"> {log}", file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not out.exists():
+        return {"error": f"exit {rc}: {log.read_text(errors='replace')[-2000:]}"}
+    return json.loads(out.read_text())
+
+
+def table(results: dict[int, dict[str, Any]]) -> str:
+    lines = ["| prompt | daemons | sequential tail ms | progressive tail ms | ratio | "
+             "tokens equal |", "|---|---|---|---|---|---|"]
+    for tokens, res in results.items():
+        if "error" in res:
+            lines.append(f"| {tokens} | (failed: see its log) | | | | |")
+            continue
+        by = {s["system"]: s for s in res["summaries"]}
+        for label, seq, prog in PAIRS:
+            a = by.get(seq, {}).get("ttft_minus_plain_p50_ms")
+            b = by.get(prog, {}).get("ttft_minus_plain_p50_ms")
+            ratio = f"{b / a:.2f}" if a and b is not None and a > 0 else "-"
+            equal = (f"{by.get(seq, {}).get('tokens_equal')} / "
+                     f"{by.get(prog, {}).get('tokens_equal')}")
+            lines.append(f"| {tokens} | {label} | {a} | {b} | {ratio} | {equal} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-tokens", default="1024,4096,8192")
+    ap.add_argument("--rounds", type=int, default=4, help="the first is the warm-up")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--log-dir", default="", help="each run's JSON and log (default: a "
+                    "temporary directory, kept)")
+    args = ap.parse_args()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvd-progressive-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[int, dict[str, Any]] = {}
+    for t in args.prompt_tokens.split(","):
+        results[int(t)] = run_one(int(t), args, log_dir)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(table({int(t): results[int(t)]}), file=sys.stderr, flush=True)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Progressive P/D through whole vLLM engines: the request goes to the prefill and the
+decode engine at once (as ``kvd router --progressive`` sends it); the prefill engine
+(chunked prefill, small ``max_num_batched_tokens``) seals each chunk, the decode's daemon
+reads it while the prefill computes the next, and the decode's tokens equal a plain
+engine's. Aborting either side ends the other cleanly.
+
+The engines step only inside ``poll`` (engine_proc), so each is polled from its own
+thread, as two servers would run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_proc import EngineProc
+from engine_support import BLOCK, StartEngine, daemon_pair, kv_config, random_prompts
+
+from kvd.integrations.connector_core.params import ProgressivePrefill
+from kvd.tools.localcluster import DaemonProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_TOKENS = 8
+CHUNK = 64  # the prefill's max_num_batched_tokens: a 600-token prompt takes 10 steps
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+    yield from daemon_pair(tmp_path_factory, ("gp", "gd"), args=["--set", "host_pulls=false",
+                                                        "--set", "progressive_hold_s=15"])
+
+
+@pytest.fixture(scope="module")
+def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
+            reference_engine: EngineProc) -> Iterator[dict[str, Any]]:
+    pd, dd = daemons
+    tag = uuid.uuid4().hex[:6]
+    pid, did = f"gprefill-{tag}", f"gdecode-{tag}"
+    prefill = start_engine("gprefill", kv_transfer_config=kv_config(pid, pd),
+                           block_size=BLOCK, llm_kwargs={"enable_chunked_prefill": True,
+                                                         "max_num_batched_tokens": CHUNK})
+    try:
+        decode = start_engine("gdecode", kv_transfer_config=kv_config(did, dd),
+                              block_size=BLOCK)
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        yield {"prefill": prefill, "decode": decode, "plain": reference_engine,
+               "prefill_id": pid, "prefill_address": pd.peer_address}
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _run(engine: EngineProc, requests: list[dict[str, Any]], out: dict[str, Any],
+         timeout_s: float = 120.0, submit: bool = True) -> None:
+    if submit:
+        engine.submit(requests)
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(requests) and time.monotonic() < deadline:
+        for r in engine.poll(step_s=0.2):
+            out[r["request_id"]] = r
+
+
+def _at_once(e: dict[str, Any], prompts: list[list[int]],
+             prefill_params: list[dict[str, Any] | None] | None = None,
+             decode_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Each prompt to both engines at once; (prefill results, decode results, ids)."""
+    tids = [f"t-{uuid.uuid4().hex[:10]}" for _ in prompts]
+    pre = [{"request_id": f"p{i}", "prompt": p, "max_tokens": 1,
+            "kv_transfer_params": (prefill_params[i] if prefill_params else
+                                   {"do_remote_decode": True, "kvd_progressive": True,
+                                    "kvd_transfer_id": t})}
+           for i, (p, t) in enumerate(zip(prompts, tids, strict=True))]
+    dec = [{"request_id": f"d{i}", "prompt": p, "max_tokens": MAX_TOKENS,
+            "kv_transfer_params": ProgressivePrefill(e["prefill_id"], t,
+                                                     e["prefill_address"]).to_params()}
+           for i, (p, t) in enumerate(zip(prompts, tids, strict=True))]
+    got_p: dict[str, Any] = {}
+    got_d: dict[str, Any] = {}
+    # The decode admits its requests first (their pulls wait at the prefill's daemon), so
+    # that how many ranges are read does not depend on which engine this host ran first.
+    e["decode"].submit(dec)
+    for _ in range(3):
+        for r in e["decode"].poll(step_s=0.2):
+            got_d[r["request_id"]] = r
+    worker = None
+    if not decode_only:
+        worker = threading.Thread(target=_run, args=(e["prefill"], pre, got_p))
+        worker.start()
+    _run(e["decode"], dec, got_d, submit=False)
+    if worker is not None:
+        worker.join()
+    return got_p, got_d, tids
+
+
+def test_progressive_decode_equals_a_plain_engine(engines: dict[str, Any],
+                                                  daemons: list[DaemonProcess]) -> None:
+    _, dd = daemons
+    prompts = random_prompts(2, 600, seed=51)
+    want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+    reads0 = dd.metric("kvd_transfers_total", role="consumer", outcome="ok")
+    got_p, got_d, _ = _at_once(engines, prompts)
+    assert len(got_p) == 2 and len(got_d) == 2
+    for i, w in enumerate(want):
+        g = got_d[f"d{i}"]
+        assert g["token_ids"] == w["token_ids"], (
+            f"progressive decode diverged from plain; decode daemon's log:\n"
+            f"{dd.log_path.read_text(errors='replace')[-3000:]}")
+        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
+        assert g["prompt_tokens_computed"] <= 1, g  # the prompt came from kvd
+    reads = dd.metric("kvd_transfers_total", role="consumer", outcome="ok") - reads0
+    assert reads > 2 * 2, f"{reads} range pulls: the chunks were not read as they came"
+
+
+def test_a_prefill_that_never_comes_fails_the_pull_after_the_hold_timeout(
+        engines: dict[str, Any]) -> None:
+    """The prefill request never comes (the router's prefill call failed): the decode's
+    pull fails after progressive_hold_s (15 s here), never ok with wrong bytes; under
+    vLLM's failure policy the decode request then fails (or recomputes: the same
+    tokens), and the engines keep serving."""
+    prompts = random_prompts(1, 300, seed=61)
+    want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+    t0 = time.monotonic()
+    _, got_d, _ = _at_once(engines, prompts, decode_only=True)
+    assert time.monotonic() - t0 < 90
+    assert got_d["d0"]["token_ids"] in (want[0]["token_ids"], []) or \
+        got_d["d0"]["finish_reason"] not in ("length", "stop")
+    # afterwards a progressive request still goes through
+    _, got_d, _ = _at_once(engines, prompts)
+    assert got_d["d0"]["token_ids"] == want[0]["token_ids"]
