@@ -319,6 +319,7 @@ class Services:
         self.metrics = NOP
         self.events = Events(daemon)
         self.instance_id = daemon.instance
+        self.spans = None  # no OpenTelemetry spans in the simulation
 
 
 class SimProducer(Producer):
