@@ -698,3 +698,7 @@ def test_chaos_soak(start_engine: StartEngine, tmp_path: Path) -> None:
     assert not leftover["kvd_shm_left"], leftover["kvd_shm_left"]
     assert not leftover["shm_new_after"], leftover["shm_new_after"]
     assert SOAK_S < 60 or set(report["faults_by_kind"].values()) != {0}
+    if TRACES:  # at least 99.9% of handed-over requests end with a complete, linked trace
+        traces = report["traces"]
+        assert traces["complete_ratio"] is None or traces["complete_ratio"] >= 0.999, \
+            traces["incomplete"][:20]
