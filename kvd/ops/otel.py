@@ -343,7 +343,15 @@ class Spans:
                 if timing is not None:
                     attrs["kvd.build_s"] = timing.build_s
                     attrs["kvd.transfer_s"] = timing.transfer_s
-                self._span("kvd.post", ctx, ns(start), ns(max(end, done)), attrs)
+                parts = getattr(timing, "parts", ())
+                if parts:
+                    attrs["kvd.workers"] = len(parts)
+                post_ctx = self._span("kvd.post", ctx, ns(start), ns(max(end, done)), attrs)
+                for part in parts:  # striped over posting workers: one span per rail
+                    self._span("kvd.rail_read", post_ctx, ns(start), ns(max(end, done)),
+                               {"kvd.worker": part.worker, "kvd.rail": part.rail,
+                                "kvd.descriptors": part.descriptors,
+                                "kvd.bytes": part.nbytes})
 
 
 def _first(marks: Iterable[tuple[str, float]], name: str) -> float | None:

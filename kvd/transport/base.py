@@ -53,6 +53,17 @@ class TransportCounts:
 
 
 @dataclass(frozen=True)
+class PostPart:
+    """One posting worker's part of a striped READ: which worker (and its rail, "" none),
+    how many descriptors and bytes it took (for the pull's spans and logs)."""
+
+    worker: int
+    rail: str
+    descriptors: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class PostTiming:
     """Where the last post's time went, for "µs per descriptor" and the posting share.
 
@@ -64,6 +75,8 @@ class PostTiming:
     descriptors: int
     build_s: float
     transfer_s: float
+    # A READ striped over posting workers: each worker's part (empty: one worker took it)
+    parts: tuple[PostPart, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -179,3 +179,33 @@ def test_two_daemon_processes_export_one_trace_over_otlp(tmp_path, monkeypatch) 
     assert hold.attributes["kvd.outcome"] == "ok" and pull.attributes["kvd.outcome"] == "ok"
     assert {s.parent_id for s in spans if s.name not in ("kvd.hold", "kvd.pull")} == {
         pull.span_id}
+
+
+def test_a_read_striped_over_workers_has_one_span_per_rail() -> None:
+    """A READ the posting workers split: its post span has one child per worker's part,
+    naming the worker, its rail, and the part's descriptors and bytes."""
+    pytest.importorskip("opentelemetry.sdk")
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvd.ops import otel
+    from kvd.transport.base import PostPart, PostTiming
+
+    exporter = InMemorySpanExporter()
+    spans = otel.Spans(None, exporter=exporter)
+    parts = (PostPart(0, "", 4, 4096), PostPart(1, "mlx5_0", 6, 6144),
+             PostPart(2, "mlx5_1", 6, 6144))
+    pull = SimpleNamespace(started_s=1.0, finished_s=1.5, path="remote",
+                           post_records=[(0.001, 16, [PostTiming(16, 0.0005, 0.0005, parts)])],
+                           posts=[SimpleNamespace(peer="agent-p", nbytes=[16384])])
+    parent = otel._child(None)
+    spans._post_spans(pull, parent, lambda t: int(t * 1e9), [("post", 1.1), ("end", 1.4)])
+    spans.flush()
+    got = exporter.get_finished_spans()
+    (post,) = [s for s in got if s.name == "kvd.post"]
+    rails = [s for s in got if s.name == "kvd.rail_read"]
+    assert post.attributes["kvd.workers"] == 3
+    assert [(s.attributes["kvd.worker"], s.attributes["kvd.rail"], s.attributes["kvd.bytes"])
+            for s in rails] == [(0, "", 4096), (1, "mlx5_0", 6144), (2, "mlx5_1", 6144)]
+    assert all(s.parent.span_id == post.context.span_id for s in rails)

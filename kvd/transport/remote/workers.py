@@ -38,6 +38,7 @@ from kvd.config import MAX_POSTING_WORKERS as MAX_WORKERS
 from kvd.errors import TransferError
 from kvd.transport.base import (
     DescRows,
+    PostPart,
     PostTiming,
     PreppedRead,
     ReadPost,
@@ -284,8 +285,13 @@ class WorkerSet:
             raise errors[0]
         if errors:  # posted parts may still land: fail the composite once they ended
             comp.post_error = errors[0]
+        parts = tuple(PostPart(worker, self.stats[worker].rail, len(piece.nbytes),
+                               int(piece.nbytes.sum()))
+                      for worker, piece, res in zip(owners, pieces, results, strict=True)
+                      if not isinstance(res, TransferError))
         self._last_post = PostTiming(descriptors=sum(len(p.nbytes) for p in pieces),
-                                     build_s=build_s, transfer_s=max(0.0, wall_s - build_s))
+                                     build_s=build_s, transfer_s=max(0.0, wall_s - build_s),
+                                     parts=parts)
         with self._lock:
             xfer_id = self._next_id
             self._next_id += 1

@@ -91,6 +91,11 @@ def test_large_read_is_split_over_every_worker_byte_exact(workers) -> None:
     assert [s.reads for s in ws.stats] == [1, 1, 1]
     assert sum(s.nbytes for s in ws.stats) == 48 * MiB
     assert ws.counts().transfers == 0
+    # each worker's part, as the pull's spans show it (one span per rail)
+    parts = ws.last_post.parts
+    assert [p.worker for p in parts] == [0, 1, 2]
+    assert sum(p.nbytes for p in parts) == 48 * MiB
+    assert sum(p.descriptors for p in parts) == ws.last_post.descriptors
 
 
 def test_small_read_stays_whole_on_worker_zero(workers) -> None:
