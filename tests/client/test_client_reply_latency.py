@@ -7,9 +7,9 @@ latency measured is from that send (CLOCK_MONOTONIC, shared by both processes) t
 moment the call returned in the client: ZMQ's loopback transport included (~0.1 ms).
 
 The cases place replies where a lost wake-up would show: at random instants while the
-waiter is between its poll and its receive, at the end of the sync client's 100 ms
-poll slice, on the very deadline of a call, many at once from several threads sharing
-one client. A lost wake-up costs a whole slice (100 ms) or the call's timeout, so the
+waiter is between its poll and its receive, at 100 ms (where the sync client's poll
+slice ended when it woke every 100 ms), on the very deadline of a call, many at once
+from several threads sharing one client. A lost wake-up costs the call's timeout, so the
 bounds here are generous for a loaded 2-core host (p50 1 ms, p99 50 ms, at most
 5 % over 20 ms, none near a second) and still catch one: a lost wake-up is not one
 unlucky reply but every reply that lands on it. The figures are printed (``-s``).
@@ -38,8 +38,8 @@ P50_MAX_S = 0.001
 P99_MAX_S = 0.05  # other processes' turns on 2 shared cores: 5-25 ms seen at load 11
 LATE_S = 0.02  # a reply seen later than this waited for more than the host's scheduling,
 LATE_SHARE_MAX = 0.05  # ...which a loaded host does to a few (1-2 %); a lost wake-up, to most
-HUNG_S = 1.0  # a lost wake-up waits for a poll slice (100 ms) or the call's timeout
-SLICE_S = 0.1  # KvdClient._poll's slice
+HUNG_S = 1.0  # a lost wake-up waits for the call's timeout
+SLICE_S = 0.1  # where KvdClient._poll's slice ended (it now polls until the deadline)
 
 
 class Server:
@@ -108,7 +108,7 @@ def test_sync_client_sees_each_reply_at_once(server: Server) -> None:
     lat: list[float] = []
     with KvdClient(server.address, ping_interval_s=0) as c:
         _sync_calls(c, [rng.uniform(0, 0.003) for _ in range(400)], lat)
-        # at the end of a poll slice, and just either side of it
+        # at 100 ms, and just either side of it
         _sync_calls(c, [SLICE_S + rng.uniform(-0.002, 0.002) for _ in range(12)], lat)
     _check("sync", lat)
 

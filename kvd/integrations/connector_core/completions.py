@@ -14,13 +14,15 @@ that computes none (every request waits for its KV) parks its poll at the daemon
 waits for the reply, woken by it, for a bounded time (``kvd_idle_wait_s``).
 
 ``EventPoller`` long-polls on a thread of its own, for the steps that do not come
-(an idle engine) and a daemon that answers after the step has gone.
+(an idle engine) and a daemon that answers after the step has gone; while steps come
+it stands down (``note_step``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvd.client import EventCursor, KvdClient, NoWaitClient
@@ -82,8 +84,13 @@ class EventPoller:
     POLL_S = 1.0  # long-poll window: an idle engine asks once a second
     RETRY_S = 0.5
 
-    def __init__(self, settings: ConnectorSettings, cursor: EventCursor) -> None:
+    def __init__(self, settings: ConnectorSettings, cursor: EventCursor,
+                 now: Callable[[], float] = time.monotonic) -> None:
         self._cursor = cursor
+        self._now = now
+        # the engine's last step (``note_step``); nothing is announced before the
+        # first one, so the first long poll waits a window too
+        self.stepped_s = now()
         self._client = KvdClient(settings.address, token=settings.token,
                                  timeout_s=settings.request_timeout_s, ping_interval_s=0)
         self._stop = threading.Event()
@@ -91,9 +98,19 @@ class EventPoller:
                                         name=f"kvd-events-{settings.engine_id}")
         self._thread.start()
 
+    def note_step(self, now_s: float) -> None:
+        """The engine stepped: its ``EventPump`` takes the events, so this thread stands
+        down until no step has come for POLL_S. Two threads woken by one reply contend
+        for the GIL, and the step's may be the one that waits (a switch interval, 5 ms)."""
+        self.stepped_s = now_s
+
     def _run(self) -> None:
         failing = False
         while not self._stop.is_set():
+            quiet_s = self._now() - self.stepped_s
+            if quiet_s < self.POLL_S:
+                self._stop.wait(self.POLL_S - quiet_s)
+                continue
             try:
                 poll = self._cursor.poll(timeout_s=self.POLL_S)
                 self._cursor.accept(self._client.call(

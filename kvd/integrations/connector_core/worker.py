@@ -95,7 +95,7 @@ class KvdWorker:
             self.cursor.note_instance(self.handle.instance_id)
             if self.reports:
                 self.pump = EventPump(self.settings, self.cursor, self._now)
-                self.poller = EventPoller(self.settings, self.cursor)
+                self.poller = EventPoller(self.settings, self.cursor, self._now)
             log.info("kvd pool %s (%d bytes, %s) registered for engine %s rank %d/%d",
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
                      getattr(g, "kv_layout", "hybrid"), self.settings.engine_id, g.tp_rank,
@@ -178,6 +178,8 @@ class KvdWorker:
         if not self.reports:
             return StepReport()
         self.book.vllm_finished(set(finished_req_ids))
+        if self.poller is not None:
+            self.poller.note_step(self._now())
         if self.pump is not None:
             self.pump.drain(wait_s=self._idle_wait_s)
             self._idle_wait_s = 0.0

@@ -19,7 +19,7 @@ import time
 import zmq
 
 from kvd.client import EventCursor
-from kvd.integrations.connector_core.completions import EventPump
+from kvd.integrations.connector_core.completions import EventPoller, EventPump
 from kvd.integrations.connector_core.events import GROUP_HOLD_S, EventBook
 from kvd.integrations.connector_core.messages import StepAnnouncements
 from kvd.integrations.connector_core.scheduler import KvdScheduler
@@ -168,4 +168,26 @@ def test_a_busy_step_never_waits() -> None:
         assert daemon.parked_s in ([], [0.0])  # answered at once by a real daemon
     finally:
         pump.close()
+        daemon.close()
+
+
+def test_the_fallback_poller_stands_down_while_the_engine_steps() -> None:
+    """Steps take the events themselves (EventPump); a second thread woken by the same
+    reply would contend with the step for the GIL. Once steps stop, it polls again."""
+    daemon = FakeDaemon(delay_s=0.0)
+    cursor = EventCursor("decode-0")
+    poller = EventPoller(_settings(daemon.address), cursor, time.monotonic)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5 * EventPoller.POLL_S:
+            poller.note_step(time.monotonic())
+            time.sleep(0.01)
+        assert daemon.parked_s == []  # no poll while steps came
+        stopped_s = time.monotonic()
+        while not daemon.parked_s and time.monotonic() - stopped_s < 5.0:
+            time.sleep(0.01)
+        assert daemon.parked_s == [EventPoller.POLL_S]  # the idle engine's long poll
+        assert time.monotonic() - stopped_s < EventPoller.POLL_S + 1.0
+    finally:
+        poller.close()
         daemon.close()
