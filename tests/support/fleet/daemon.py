@@ -227,7 +227,8 @@ class Daemon:
     # scheduling: nothing of a daemon runs while it is frozen, nothing survives its crash
 
     def after(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
-        self.sim.after(delay_s, self._run, self.inc, fn, args)
+        loop = self.sim.loop
+        loop.at(loop._now + delay_s, self._run, (self.inc, fn, args))
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """A task of this daemon (Services.spawn): it runs when what it waits for comes
@@ -407,6 +408,8 @@ class Daemon:
             self.on_reported, pick=pick)
         self.drivers[pull.key] = driver
         self.recs[pull.key] = rec
+        if sim.trace is not None:
+            sim.note(f"{self.instance} {rec.label} starts ({'host' if host else 'remote'})")
         if not driver.run_now(reg, self.peers.cached(  # type: ignore[arg-type]
                 msg.engine_id, msg.remote_engine_id, msg.remote_address)):
             driver.task = self.spawn(driver.run())
@@ -419,6 +422,9 @@ class Daemon:
         rec = self.recs.pop(pull.key)
         event = self.svc.events.last
         assert event is not None and event.request_id == pull.msg.request_id
+        if sim.trace is not None:
+            sim.note(f"{self.instance} {rec.label} reported {pull.state.value} "
+                     f"{event.error or ''}")
         sim.on_outcome(rec, "ok" if event.ok else "failed", pull)
         if event.ok:
             engine = driver.engine

@@ -149,10 +149,16 @@ class FakeConn:
 class FakeConns:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        self._conns: dict[str, FakeConn] = {}
 
     def get(self, address: str, default: Any = None) -> FakeConn | None:
-        other = self.daemon.sim.by_addr.get(address)
-        return default if other is None else FakeConn(self.daemon, other.index)
+        conn = self._conns.get(address)
+        if conn is None:
+            other = self.daemon.sim.by_addr.get(address)
+            if other is None:
+                return default
+            conn = self._conns[address] = FakeConn(self.daemon, other.index)
+        return conn
 
 
 class FakePeers:
