@@ -39,8 +39,8 @@ class _Errors(logging.Handler):
 
 
 _ERRORS = _Errors(logging.ERROR)
-logging.getLogger("kvd").setLevel(logging.ERROR)  # the sim's checks are what count
-logging.getLogger("kvd").addHandler(_ERRORS)
+_KVD_LOG = logging.getLogger("kvd")
+_KVD_LOG.addHandler(_ERRORS)  # inert outside a run
 
 
 class Sim:
@@ -100,6 +100,8 @@ class Sim:
 
     def run(self) -> Sim:
         _ERRORS.sim = self
+        level = _KVD_LOG.level
+        _KVD_LOG.setLevel(logging.ERROR)  # during a run, only errors: the checks count
         try:
             self.loop.run_until(self.knobs.end_s)
             if self.failure is None:  # stopped when idle: time runs out with nothing to do
@@ -107,6 +109,7 @@ class Sim:
         finally:
             _ERRORS.sim = None
             self._bury()
+            _KVD_LOG.setLevel(level)
         if self.failure is not None:
             raise self.failure
         self.check_quiescent()
@@ -129,7 +132,9 @@ class Sim:
 
     def _bury(self) -> None:
         """Close the tasks that will never run again (a crashed daemon's, never woken;
-        those still waiting at the end), now rather than whenever they are collected."""
+        those still waiting at the end), now rather than whenever they are collected
+        (their `finally` blocks log that their pulls never reported: not logged)."""
+        _KVD_LOG.setLevel(logging.CRITICAL + 1)  # the caller restores it
         for task in asyncio.all_tasks(self.loop):  # the daemons' and those kvd made
             if not task.done():
                 task._log_destroy_pending = False  # type: ignore[attr-defined]
