@@ -131,15 +131,18 @@ class SimEngine:
                     self.pool[b] = self.sim.data_rng.integers(0, 256, self.sim.knobs.block_bytes,
                                                               np.uint8)
 
-    def lost_daemon(self) -> None:
-        """Its daemon died: every pull and publish with it is lost (the engine recomputes),
-        its blocks are its own again."""
+    def _give_back_all(self, scribble_pubs: bool) -> None:
         for rec in list(self.pulls.values()):
             self.give_back(rec, scribble=False)
         for pub in list(self.pubs.values()):
-            self.give_back(pub, scribble=True)
+            self.give_back(pub, scribble=scribble_pubs)
         self.pulls.clear()
         self.pubs.clear()
+
+    def lost_daemon(self) -> None:
+        """Its daemon died: every pull and publish with it is lost (the engine recomputes),
+        its blocks are its own again (a publish's reused at once)."""
+        self._give_back_all(scribble_pubs=True)
         self.reg = None
         self.registering = False
 
@@ -147,12 +150,7 @@ class SimEngine:
         d = self.daemon
         self.away = True
         reg, self.reg = self.reg, None
-        for rec in list(self.pulls.values()):
-            self.give_back(rec, scribble=False)
-        for pub in list(self.pubs.values()):
-            self.give_back(pub, scribble=False)
-        self.pulls.clear()
-        self.pubs.clear()
+        self._give_back_all(scribble_pubs=False)
         self.owner.clear()
         self.pool = None
         if reg is not None and d.up and reg.state == "live":
