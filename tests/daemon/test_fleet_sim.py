@@ -1,4 +1,4 @@
-"""The seeded fleet simulation (tests/daemon/fleet.py): thousands of runs, each with a random
+"""The seeded fleet simulation (tests/support/fleet): thousands of runs, each with a random
 schedule of composite faults, every invariant checked as it goes and after quiescence.
 
 Default: ``SEEDS`` seeds (about half a minute). Long mode: ``KVD_SIM_SEEDS=100000``
@@ -14,7 +14,8 @@ import time
 from dataclasses import replace
 
 import pytest
-from fleet import Fault, Knobs, Sim, SimDriver, fails, fault_schedule, report, run, shrink
+from support.fleet import Fault, Knobs, Sim, fails, fault_schedule, report, run, shrink
+from support.fleet.transport import FakeHostMaps
 
 from kvd.config import validate
 from kvd.daemon.pull import machine as M
@@ -303,7 +304,7 @@ def test_a_host_copy_whose_producer_died_is_never_ok(monkeypatch: pytest.MonkeyP
     sim = run(1238, PRODUCER_KILLED_MID_COPY, HOST_CRASHES)
     (pull,) = [p for p in sim.pulls if p.label == "pull#30(e00:r25)"]  # (fewer faults:
     assert pull.outcome == "failed"  # the same pull, numbered as the shrunk run counts)
-    monkeypatch.setattr(SimDriver, "owner_gone", lambda self: "")  # before the fix
+    monkeypatch.setattr(FakeHostMaps, "owner_gone", lambda self: "")  # before the fix
     why = fails(1238, None, HOST_CRASHES)
     assert why is not None and "pull#36(e00:r31) reported ok with wrong bytes" in why
     why = fails(1238, PRODUCER_KILLED_MID_COPY, HOST_CRASHES)

@@ -15,10 +15,12 @@ It is also callable (``clock()`` is ``clock.now()``) for code that takes a plain
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import heapq
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -107,35 +109,160 @@ class FakeClock:
             waited += step_s
 
 
-class VirtualLoop(asyncio.SelectorEventLoop):
+class _Call:
+    """A callback the loop runs once (soon, or at ``when``), unless cancelled first."""
+
+    __slots__ = ("fn", "args", "ctx", "_cancelled", "_when")
+
+    def __init__(self, fn: Callable[..., object], args: tuple, ctx: contextvars.Context | None,
+                 when: float) -> None:
+        self.fn, self.args, self.ctx, self._cancelled, self._when = fn, args, ctx, False, when
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def when(self) -> float:
+        return self._when
+
+
+class VirtualLoop(asyncio.AbstractEventLoop):
     """An asyncio event loop on virtual time that jumps when idle: whenever nothing is
     ready to run, its clock moves straight to the next timer (trio's
     ``MockClock(autojump_threshold=0)``). Real code (kvd's `PullDriver`, whole tasks
     with their sleeps, timeouts and deadlines) runs unchanged on it, against in-memory
     fakes, through minutes of virtual time in milliseconds, the same way every run.
 
-    Only for code whose every wait is a timer or a future the fakes resolve: a loop with
-    nothing scheduled at all would wait forever, and raises instead."""
+    No selector, no threads, no sockets: a ready queue and one heap of timers, which is
+    all that code on virtual time waits on (a timer, or a future a fake resolves). That
+    heap is also the fleet simulation's (tests/support/fleet): its network, transport and
+    engines schedule on it beside the real drivers. An exception out of a plain callback
+    (not a task's) propagates out of the run, as a broken invariant must.
+    ``steps``: callbacks run so far."""
 
     def __init__(self, start_s: float = 1000.0) -> None:
-        super().__init__()
-        self._virtual_s = start_s
-        selector = self._selector  # type: ignore[attr-defined]
-        real_select = selector.select
-
-        def select(timeout: float | None = None) -> list:
-            ready = real_select(0)  # the loop's own wakeup pipe: never blocks
-            if ready or timeout == 0:
-                return ready
-            if timeout is None:
-                raise RuntimeError("virtual loop: nothing scheduled, it would wait forever")
-            self._virtual_s += timeout
-            return []
-
-        selector.select = select
+        self._now = start_s
+        self._ready: collections.deque[_Call] = collections.deque()
+        # (when, seq, fn, args, call): ``call`` None for `at`'s, which cannot be cancelled
+        self._timers: list[tuple[float, int, Any, Any, _Call | None]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+        self._running = False
+        self._closed = False
+        self.steps = 0
+        self.errors: list[dict] = []  # what asyncio reported (a task destroyed pending, ...)
 
     def time(self) -> float:
-        return self._virtual_s
+        return self._now
+
+    def get_debug(self) -> bool:
+        return False
+
+    def is_running(self) -> bool:
+        return self._running
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+        self._ready.clear()
+        self._timers.clear()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def call_soon(self, callback: Callable[..., object], *args: object,
+                  context: contextvars.Context | None = None) -> _Call:
+        call = _Call(callback, args, context, self._now)
+        self._ready.append(call)
+        return call
+
+    call_soon_threadsafe = call_soon
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: object,
+                context: contextvars.Context | None = None) -> _Call:
+        call = _Call(callback, args, context, when)
+        heapq.heappush(self._timers, (when, next(self._seq), None, None, call))
+        return call
+
+    def at(self, when: float, callback: Callable[..., object], args: tuple) -> None:
+        """`call_at` without a handle (nothing to cancel): the fleet simulation's events."""
+        heapq.heappush(self._timers, (when, next(self._seq), callback, args, None))
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: object,
+                   context: contextvars.Context | None = None) -> _Call:
+        return self.call_at(self._now + delay, callback, *args, context=context)
+
+    def create_future(self) -> asyncio.Future:
+        return asyncio.Future(loop=self)
+
+    def create_task(self, coro, *, name: str | None = None,  # type: ignore[override]
+                    context: contextvars.Context | None = None) -> asyncio.Task:
+        return asyncio.Task(coro, loop=self, name=name, context=context)
+
+    def call_exception_handler(self, context: dict) -> None:
+        self.errors.append(context)
+
+    def default_exception_handler(self, context: dict) -> None:
+        self.errors.append(context)
+
+    def run_until(self, until_s: float) -> None:
+        """Run every callback due up to ``until_s`` (or until `stop`); time is then
+        ``until_s``, unless stopped earlier."""
+        self._run(until_s)
+        if not self._stopping and self._now < until_s:
+            self._now = until_s
+        self._stopping = False
+
+    def run_forever(self) -> None:
+        self._run(None)
+        self._stopping = False
+
+    def run_until_complete(self, future):  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(future, loop=self)
+        task.add_done_callback(lambda _: self.stop())
+        self.run_forever()
+        if not task.done():
+            raise RuntimeError("virtual loop stopped before the future completed")
+        return task.result()
+
+    def _run(self, until_s: float | None) -> None:
+        old = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(self)
+        self._running = True
+        ready, timers, pop = self._ready, self._timers, heapq.heappop
+        try:
+            while not self._stopping:
+                if ready:
+                    call = ready.popleft()
+                else:
+                    if not timers:
+                        if until_s is None:
+                            raise RuntimeError("virtual loop: nothing scheduled, it would "
+                                               "wait forever")
+                        return
+                    if until_s is not None and timers[0][0] > until_s:
+                        return
+                    when, _, fn, args, call = pop(timers)
+                    if when > self._now:
+                        self._now = when
+                    if call is None:
+                        self.steps += 1
+                        fn(*args)
+                        continue
+                if call._cancelled:
+                    continue
+                self.steps += 1
+                if call.ctx is None:
+                    call.fn(*call.args)
+                else:
+                    call.ctx.run(call.fn, *call.args)
+        finally:
+            self._running = False
+            asyncio.events._set_running_loop(old)
 
 
 class LoopClock:

@@ -5,7 +5,9 @@ timer whenever nothing is ready: the driver's own task, sleeps, heartbeats, dead
 quarantine run unchanged, through a minute of virtual time in milliseconds. The fakes
 (`Fake*`) stand for what the driver touches: the producer's daemons (`FakePeers`: each
 message answered after a network delay), the transfers (`FakeMover`), the engine, the
-services. No hand copy of the driver: whatever it does wrong shows here.
+services. No hand copy of the driver: whatever it does wrong shows here. The fleet
+simulation (tests/support/fleet) runs the same driver on the same loop, its fakes over a
+simulated network and transport; these are the scripted ones, for one pull at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.clock import LoopClock, VirtualLoop
+from support.fleet.fakes import FakeMetrics
 
 from kvd.config import Config
 from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine
@@ -38,16 +41,6 @@ AGENT = "agent-p"
 NET_S = 0.0005  # one way, each message
 READ_S = 0.002  # a READ's time, unless held
 HEARTBEAT_S = 0.5
-
-
-class FakeMetrics:
-    """Every metric accepted, none kept."""
-
-    def __getattr__(self, _: str) -> Any:
-        return self
-
-    def __call__(self, *_: Any, **__: Any) -> Any:
-        return self
 
 
 class FakeRank:
