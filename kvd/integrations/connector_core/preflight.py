@@ -7,8 +7,8 @@ the import of ``kvd.integrations.vllm``: ``KVConnectorFactory.get_connector_clas
 imports it while ``VllmConfig`` is being built, in the process that parses the command
 line, before any engine process exists, with the ``KVTransferConfig`` in a local of the
 importing frame. ``check_at_import`` takes that config from the stack, dials the engine
-face once (a connect, nothing sent) and, where nothing answers, raises ``SystemExit``
-with kvd's line: Python prints the line, and nothing after it, and exits 1.
+face once (a connect, nothing sent) and, where nothing answers, ends the process with
+kvd's line as the last thing it prints and exit status 1 (``check_at_import``).
 
 Inert wherever it does not apply: a child process (vLLM's engine core and workers
 import the package too; the server's own check has run by then), an import with no
@@ -100,16 +100,34 @@ def check(kv_transfer_config: Any,
     return None if why is None else unreachable_line(settings.address, why)
 
 
+def vllm_is_main(main_spec_name: str | None, argv0: str) -> bool:
+    """Whether the process is vLLM's own command (``vllm serve``, ``python -m
+    vllm.entrypoints...``): no user code of its own that could want to clean up."""
+    if main_spec_name is not None:
+        return main_spec_name.startswith("vllm.")
+    return os.path.basename(argv0) == "vllm"
+
+
 def check_at_import(frame: FrameType | None) -> None:
-    """Raise SystemExit with kvd's line if the config vLLM is importing us for names a
-    kvd that does not answer; ``frame``: the importing module's (``sys._getframe()``)."""
+    """End the process with kvd's line if the config vLLM is importing us for names a
+    kvd that does not answer; ``frame``: the importing module's (``sys._getframe()``).
+
+    In vLLM's own command the line is printed and the process exits 1 at once: Python's
+    teardown of vLLM's imports takes 2.4 to 2.7 s on a 2-core host and there is nothing
+    to tear down yet (no engine process, no socket). In a user's program (``LLM(...)``)
+    it raises SystemExit with the line, so its ``finally`` blocks still run."""
     if multiprocessing.parent_process() is not None:
         return
     config = config_on_stack(frame)
     if config is None:
         return
     line = check(config)
-    if line is not None:
-        sys.stderr.flush()
-        raise SystemExit(line)
+    if line is None:
+        return
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if vllm_is_main(getattr(main_spec, "name", None), sys.argv[0] if sys.argv else ""):
+        sys.stdout.flush()
+        print(line, file=sys.stderr, flush=True)
+        os._exit(1)
+    raise SystemExit(line)
 

@@ -130,3 +130,13 @@ def test_check_at_import_is_inert_in_a_child_process() -> None:
     address = f"tcp://127.0.0.1:{_closed_tcp_port()}"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_import_in_child, (address,)) == "passed"
+
+
+@pytest.mark.parametrize(("spec", "argv0", "hard"), [
+    ("vllm.entrypoints.openai.api_server", "/x/api_server.py", True),  # python -m ...
+    (None, "/venv/bin/vllm", True),  # the console script
+    (None, "serve.py", False),  # a user's script that builds LLM(...)
+    ("myapp.main", "/x/main.py", False),
+])
+def test_only_vllms_own_command_exits_hard(spec: str | None, argv0: str, hard: bool) -> None:
+    assert preflight.vllm_is_main(spec, argv0) is hard
