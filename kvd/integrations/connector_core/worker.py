@@ -28,6 +28,7 @@ from kvd.integrations.connector_core.events import EventBook, StepReport
 from kvd.integrations.connector_core.geometry import LayerView, VllmKvGeometry, check_views
 from kvd.integrations.connector_core.hybrid import VllmHybridGeometry, check_hybrid_views
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements, WorkerRejoined
+from kvd.integrations.connector_core.preflight import unreachable_line
 from kvd.integrations.connector_core.rejoin import Rejoin
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.ops.trace import TRACE
@@ -85,7 +86,8 @@ class KvdWorker:
                     tp_rank=g.tp_rank, tp_size=g.tp_size, pp_rank=g.pp_rank,
                     pp_size=g.pp_size, layer_partition=g.layer_partition)
             except KvdTimeoutError:
-                line = unreachable_line(self.settings.address, self.settings.request_timeout_s)
+                line = unreachable_line(self.settings.address, "no answer to registering "
+                                        f"within {self.settings.request_timeout_s:g}s")
                 log.error("%s", line)
                 raise KvdTimeoutError(line) from None
             self._announced = self.handle.instance_id  # the handshake tells the scheduler
@@ -228,13 +230,6 @@ class KvdWorker:
                 self.client.deregister(self.handle)
             self.handle = None
         self.client.close()
-
-
-def unreachable_line(address: str, timeout_s: float) -> str:
-    """The one line an engine logs when its kvd does not answer the registration."""
-    return (f"KvdConnector: no kvd answered at {address} within {timeout_s:g}s: start "
-            f"`kvd serve` on this host first (its engine face must be {address}), or set "
-            "kvd_address in kv_connector_extra_config to the running daemon's address")
 
 
 def _pool_addr(handle: RankHandle) -> int:
