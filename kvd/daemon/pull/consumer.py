@@ -41,6 +41,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvd.daemon import hybrid
@@ -108,9 +109,11 @@ class Consumer:
         self._host_mover.path = Path.HOST
         self.hosts = HostMapper(host_facts(cfg.shm_dir), enabled=cfg.host_pulls)
         self._local: Route | None = None
+        self._local_movers = [self._host_mover]
         if local_dispatch is not None:
             own = cfg.peer_advertise or cfg.peer_address
             local_mover = LocalMover(self._copier, cuda_copier=_cuda_copier)
+            self._local_movers.append(local_mover)
             if cfg.device == "cuda":  # its kernels compile now, off the loop
                 local_mover.start_cuda()
             self._local = Route(
@@ -120,6 +123,12 @@ class Consumer:
         self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
         self._local_hosts = local_host_names()
         self._names_me: dict[str, bool] = {}
+
+    def copy_bursts(self, more_waiting: Callable[[], bool]) -> None:
+        """Local and same-host pulls read in a burst copy together when the burst has
+        been read (kvd.daemon.pull.burst); ``more_waiting``: requests wait on the face."""
+        for mover in self._local_movers:
+            mover.more_waiting = more_waiting
 
     async def warm_local(self, engine_id: str) -> None:
         """An engine registered: what a local pull between it and every other engine
