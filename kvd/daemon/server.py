@@ -40,6 +40,7 @@ from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull.consumer import Consumer
+from kvd.daemon.pull.warmup import warm_producers
 from kvd.daemon.services import Services
 from kvd.errors import ConfigError, DrainingError, NotFoundError, ProtocolError
 from kvd.ops.metrics import Metrics
@@ -401,9 +402,15 @@ class Daemon:
                             pulls=pulls, instance_id=self.instance_id, rails=rails,
                             finished_pulls=finished)
 
+        async def warm_up(m: P.WarmUp, _: Request) -> P.Ok:
+            if m.producers:  # in the background: answered now (kvd.daemon.pull.warmup)
+                self.spawn(warm_producers(consumer.warm_pair, self.clock, m.engine_id,
+                                          list(m.producers)))
+            return P.Ok()
+
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status,
-                P.Seal: seal, P.CancelPull: cancel_pull}
+                P.Seal: seal, P.CancelPull: cancel_pull, P.WarmUp: warm_up}
 
     def _local_peer(self, msg: object) -> object:
         """A local pull's peer message to this daemon's own producer side (kvd.daemon.pull.

@@ -156,20 +156,46 @@ class Consumer:
                     log.debug("local pair %s <- %s not warmed: %s", consumer.engine_id,
                               producer.engine_id, exc)
 
+    async def warm_pair(self, engine_id: str, producer_id: str, address: str) -> bool:
+        """A `WarmUp`'s producer (kvd.daemon.pull.warmup): what the pair's first pull
+        would do first, done now (the handshake, the mover's choice with its host
+        mappings, the prepared assembly). False: not possible yet (an engine not
+        registered, or not every rank); KvdError: refused (unreachable...), retried."""
+        registry, own = self.svc.registry, self.svc.cfg.peer_advertise
+        engine = registry.engines.get(engine_id)
+        if engine is None or engine.missing_ranks(own) or not engine.live_ranks():
+            return False
+        route = self.route_for_address(address)
+        if route is self._local:  # this daemon's own: warmed when the later one registered
+            producer = registry.engines.get(producer_id)
+            if producer is None or producer.missing_ranks(own):
+                return False
+            await self.warm_local(engine_id)
+            return True
+        remote = await route.peers.remote_engine(engine, producer_id, address)
+        if self.pick(remote) is None:  # its mappings were retired meanwhile
+            route.peers.forget(engine_id, producer_id)
+            return False
+        self.assembler.prepare(engine, remote)
+        return True
+
     def route_for(self, msg: P.Pull) -> Route:
         """A pull's route, the first of the two steps that choose its mover (the second is
-        `pick`): a producer daemon address that names this very daemon, however it is
-        spelled (loopback or advertised, a wildcard bind), is a local pull, with this
-        daemon's own producer side as its peers; any other goes over the network."""
+        `pick`): see `route_for_address`."""
+        return self.route_for_address(msg.remote_address)
+
+    def route_for_address(self, address: str) -> Route:
+        """A producer daemon address that names this very daemon, however it is spelled
+        (loopback or advertised, a wildcard bind), is a local pull, with this daemon's
+        own producer side as its peers; any other goes over the network."""
         if self._local is None:
             return self._remote
-        me = self._names_me.get(msg.remote_address)
+        me = self._names_me.get(address)
         if me is None:
-            me = names_this_daemon(msg.remote_address, self._own_addresses,
-                                   self._local_hosts)
+            me = names_this_daemon(address, self._own_addresses, self._local_hosts)
             if len(self._names_me) >= MAX_NAMED:
                 self._names_me.clear()
-            self._names_me[msg.remote_address] = me
+            self._names_me[address] = me
         return self._local if me else self._remote
 
     def pick(self, remote: RemoteEngine) -> tuple[Mover, HostMaps | None] | None:
