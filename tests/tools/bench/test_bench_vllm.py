@@ -14,6 +14,7 @@ from kvd.tools.bench.vllm_stats import (
     Single,
     add_ratios,
     breakdown,
+    first_transfers,
     percentile,
     render,
     summarize,
@@ -157,6 +158,13 @@ def test_breakdown_splits_a_hand_over_into_its_stages():
     assert out["  of which: to the daemon and the event back"] == 5.0
     assert out["hand-over (decode sent to first token)"] == 29.0
     assert "  pull sent -> daemon took it" in out
+
+
+def test_first_transfer_is_the_first_rounds_pull_against_the_warm_rounds():
+    stage = "pull sent to event taken (all)"
+    rows = [{stage: 60.0}, {stage: 10.0}, {stage: 30.0}, {stage: 20.0}]
+    out = first_transfers({"kvd-2d": rows, "kvd-1d": [{stage: 5.0}]})
+    assert out == {"kvd-2d": {"first_ms": 60.0, "warm_p50_ms": 20.0, "x_warm": 3.0}}
 
 
 def test_render_shows_every_system_and_the_targets():
