@@ -152,7 +152,8 @@ class Daemon:
                        spans=self.spans)
         self.producer = Producer(svc)
         self.consumer = Consumer(svc, self._local_peer)
-        self.consumer.copy_bursts(self.engine_face.inbox.waiting)
+        if cfg.copy_bursts:
+            self.consumer.copy_bursts(self.engine_face.inbox.waiting)
         self.connections = ConnectionTracker()
         self.registry.on_engine_gone(self.connections.forget)
         self.spawn(self.engine_face.serve({t: self._noting(h)
