@@ -173,11 +173,13 @@ class Config:
                     "bytes.",
     )] = 2
     copy_bursts: Annotated[bool, Meta(
-        description="Local and same-host pulls that arrive together (a decode step's, "
-                    "read while more requests wait on the engine face) copy together once "
-                    "the face has read them, so their events leave in one reply; false: "
-                    "each small pull copies inline as it is read.",
-    )] = True
+        description="Experimental: local and same-host pulls that arrive together (read "
+                    "while more requests wait on the engine face) copy together once the "
+                    "face has read them, so their events leave in one reply. Measured "
+                    "slower under CPU starvation (each queued pull then runs as a task: "
+                    "about twice the daemon CPU per pull); false: each small pull copies "
+                    "inline as it is read.",
+    )] = False
     prefault_pools: Annotated[bool, Meta(
         description="Map every page of each DRAM pool the daemon creates ahead of traffic "
                     "(a thread after registration), so that a pull into blocks "

@@ -31,7 +31,7 @@ from kvd.tools.bench.vllm_systems import (
 
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
     assert parse_systems("all") == tuple(n for n in SYSTEMS
-                                         if n not in ("kvd-1d-spin", "kvd-1d-each")
+                                         if n not in ("kvd-1d-spin", "kvd-1d-burst")
                                          and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
@@ -40,9 +40,9 @@ def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
         parse_systems("kvd-3d")
 
 
-def test_the_copy_burst_a_b_is_one_daemon_with_copy_bursts_off():
-    each = system_spec("kvd-1d-each")
-    assert [d.extra_args for d in each.daemons] == [("--set", "copy_bursts=false")]
+def test_the_copy_burst_a_b_is_one_daemon_with_copy_bursts_on():
+    each = system_spec("kvd-1d-burst")
+    assert [d.extra_args for d in each.daemons] == [("--set", "copy_bursts=true")]
     assert {e.daemon for e in each.engines} == {each.daemons[0].name}
 
 
