@@ -172,6 +172,14 @@ class Config:
                     "this daemon) between their pools, the copy split between them by "
                     "bytes.",
     )] = 2
+    copy_bursts: Annotated[bool, Meta(
+        description="Experimental: local and same-host pulls that arrive together (read "
+                    "while more requests wait on the engine face) copy together once the "
+                    "face has read them, so their events leave in one reply. Measured "
+                    "slower under CPU starvation (each queued pull then runs as a task: "
+                    "about twice the daemon CPU per pull); false: each small pull copies "
+                    "inline as it is read.",
+    )] = False
     prefault_pools: Annotated[bool, Meta(
         description="Map every page of each DRAM pool the daemon creates ahead of traffic "
                     "(a thread after registration), so that a pull into blocks "

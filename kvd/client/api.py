@@ -290,6 +290,11 @@ class KvdClient(_ClientSettings):
         """Stop a progressive pull; its done_recving (not ok) still comes."""
         self.call(P.CancelPull(engine_id=engine_id, request_id=request_id))
 
+    def warm_up(self, engine_id: str, producers: Sequence[tuple[str, str]]) -> None:
+        """Have the daemon greet these producers ((engine id, daemon peer address) each)
+        in the background, ahead of ``engine_id``'s first pulls from them."""
+        self.call(Messages.warm_up(engine_id, producers))
+
     def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                       remote_address: str, remote_block_ids: BlockIds,
                       local_block_ids: BlockIds, remote_request_id: str = "",
@@ -472,6 +477,10 @@ class AsyncKvdClient(_ClientSettings):
 
     async def cancel_pull(self, engine_id: str, request_id: str) -> None:
         await self.call(P.CancelPull(engine_id=engine_id, request_id=request_id))
+
+    async def warm_up(self, engine_id: str, producers: Sequence[tuple[str, str]]) -> None:
+        """Like ``KvdClient.warm_up``."""
+        await self.call(Messages.warm_up(engine_id, producers))
 
     async def pull_and_wait(self, engine_id: str, request_id: str, remote_engine_id: str,
                             remote_address: str, remote_block_ids: BlockIds,

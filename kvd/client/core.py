@@ -105,6 +105,11 @@ class Messages:
     """The sans-IO core: every request both clients send, and what a reply means."""
 
     @staticmethod
+    def warm_up(engine_id: str, producers: Sequence[tuple[str, str]]) -> P.WarmUp:
+        return P.WarmUp(engine_id=engine_id, producers=[
+            P.Producer(engine_id=e, address=a) for e, a in producers])
+
+    @staticmethod
     def register(engine_id: str, model: P.ModelSpec, layout: P.LayoutSpec, tp_rank: int,
                  tp_size: int, pp_rank: int, pp_size: int,
                  layer_partition: Sequence[int] | None,

@@ -130,6 +130,19 @@ class Inbox:
             finally:
                 self._waiter = None
 
+    def waiting(self) -> bool:
+        """Whether a message waits to be received. Reading EVENTS consumes the
+        descriptor's signal, so a waiting `recv` is woken here as `kick` would: this
+        may be asked from outside the face's own task (a pull's post)."""
+        try:
+            readable = bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:  # closed meanwhile
+            return False
+        waiter = self._waiter
+        if readable and waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return readable
+
     def kick(self) -> None:
         """Wake a waiting `recv` if a message is there (the loop's reader on the
         descriptor, and every send). Reading EVENTS also consumes the descriptor's signal,

@@ -40,6 +40,7 @@ from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers.table import PeerTable
 from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull.consumer import Consumer
+from kvd.daemon.pull.warmup import warm_producers
 from kvd.daemon.services import Services
 from kvd.errors import ConfigError, DrainingError, NotFoundError, ProtocolError
 from kvd.ops.metrics import Metrics
@@ -151,6 +152,8 @@ class Daemon:
                        spans=self.spans)
         self.producer = Producer(svc)
         self.consumer = Consumer(svc, self._local_peer)
+        if cfg.copy_bursts:
+            self.consumer.copy_bursts(self.engine_face.inbox.waiting)
         self.connections = ConnectionTracker()
         self.registry.on_engine_gone(self.connections.forget)
         self.spawn(self.engine_face.serve({t: self._noting(h)
@@ -400,9 +403,15 @@ class Daemon:
                             pulls=pulls, instance_id=self.instance_id, rails=rails,
                             finished_pulls=finished)
 
+        async def warm_up(m: P.WarmUp, _: Request) -> P.Ok:
+            if m.producers:  # in the background: answered now (kvd.daemon.pull.warmup)
+                self.spawn(warm_producers(consumer.warm_pair, self.clock, m.engine_id,
+                                          list(m.producers)))
+            return P.Ok()
+
         return {P.RegisterEngine: register, P.Deregister: deregister, P.Ping: ping,
                 P.Publish: publish, P.Pull: pull, P.Poll: poll, P.StatusQuery: status,
-                P.Seal: seal, P.CancelPull: cancel_pull}
+                P.Seal: seal, P.CancelPull: cancel_pull, P.WarmUp: warm_up}
 
     def _local_peer(self, msg: object) -> object:
         """A local pull's peer message to this daemon's own producer side (kvd.daemon.pull.

@@ -44,6 +44,8 @@ MAX_CONSUMERS = 1024
 MAX_POLL_EVENTS = 10_000
 MAX_HEARTBEAT_IDS = 4096
 MAX_ID_CHARS = 256
+MAX_ADDRESS_CHARS = 1024  # a daemon's peer address (tcp://host:port, ipc://path)
+MAX_WARM_PRODUCERS = 1024
 MAX_RECEIPT_CHARS = 128  # Published.receipt: "<instance id>/<hold id>"
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # engine, request
 TimeoutS = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMEOUT_S)]
@@ -331,6 +333,26 @@ class CancelPull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     engine_id: Id
     request_id: Id
+
+
+class Producer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A producer engine a consumer will pull from, and the peer address of a daemon
+    hosting it (what its engines hand out as ``remote_address``)."""
+
+    engine_id: Id
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDRESS_CHARS)]
+
+
+class WarmUp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Consumer engine: greet these producers now, ahead of the first pull (the handshake,
+    the host mappings, the pull's prepared assembly), and keep trying, in the
+    background, those not reachable or registered yet (up to ``warm_up_timeout_s``).
+    Answered at once; nothing is reported: a producer never greeted is greeted by its
+    first pull, as without this message. A producer on this very daemon is warmed at
+    registration already."""
+
+    engine_id: Id
+    producers: Annotated[list[Producer], msgspec.Meta(max_length=MAX_WARM_PRODUCERS)]
 
 
 class Poll(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -640,7 +662,7 @@ class ReadNotice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 ENGINE_REQUESTS = (RegisterEngine, Deregister, Ping, Publish, Pull, Poll, StatusQuery, Seal,
-                   CancelPull)
+                   CancelPull, WarmUp)
 PEER_REQUESTS = (Hello, Acquire, Heartbeat, Abandon, ReadNotice, Watch)
 REPLIES = (Registered, Events, Status, HelloReply, Acquired, HeartbeatAck, Ok, Published,
            Error, Sealed)

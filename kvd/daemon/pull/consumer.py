@@ -41,6 +41,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 from kvd.daemon import hybrid
@@ -108,9 +109,11 @@ class Consumer:
         self._host_mover.path = Path.HOST
         self.hosts = HostMapper(host_facts(cfg.shm_dir), enabled=cfg.host_pulls)
         self._local: Route | None = None
+        self._local_movers = [self._host_mover]
         if local_dispatch is not None:
             own = cfg.peer_advertise or cfg.peer_address
             local_mover = LocalMover(self._copier, cuda_copier=_cuda_copier)
+            self._local_movers.append(local_mover)
             if cfg.device == "cuda":  # its kernels compile now, off the loop
                 local_mover.start_cuda()
             self._local = Route(
@@ -120,6 +123,12 @@ class Consumer:
         self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
         self._local_hosts = local_host_names()
         self._names_me: dict[str, bool] = {}
+
+    def copy_bursts(self, more_waiting: Callable[[], bool]) -> None:
+        """Local and same-host pulls read in a burst copy together when the burst has
+        been read (kvd.daemon.pull.burst); ``more_waiting``: requests wait on the face."""
+        for mover in self._local_movers:
+            mover.more_waiting = more_waiting
 
     async def warm_local(self, engine_id: str) -> None:
         """An engine registered: what a local pull between it and every other engine
@@ -147,20 +156,46 @@ class Consumer:
                     log.debug("local pair %s <- %s not warmed: %s", consumer.engine_id,
                               producer.engine_id, exc)
 
+    async def warm_pair(self, engine_id: str, producer_id: str, address: str) -> bool:
+        """A `WarmUp`'s producer (kvd.daemon.pull.warmup): what the pair's first pull
+        would do first, done now (the handshake, the mover's choice with its host
+        mappings, the prepared assembly). False: not possible yet (an engine not
+        registered, or not every rank); KvdError: refused (unreachable...), retried."""
+        registry, own = self.svc.registry, self.svc.cfg.peer_advertise
+        engine = registry.engines.get(engine_id)
+        if engine is None or engine.missing_ranks(own) or not engine.live_ranks():
+            return False
+        route = self.route_for_address(address)
+        if route is self._local:  # this daemon's own: warmed when the later one registered
+            producer = registry.engines.get(producer_id)
+            if producer is None or producer.missing_ranks(own):
+                return False
+            await self.warm_local(engine_id)
+            return True
+        remote = await route.peers.remote_engine(engine, producer_id, address)
+        if self.pick(remote) is None:  # its mappings were retired meanwhile
+            route.peers.forget(engine_id, producer_id)
+            return False
+        self.assembler.prepare(engine, remote)
+        return True
+
     def route_for(self, msg: P.Pull) -> Route:
         """A pull's route, the first of the two steps that choose its mover (the second is
-        `pick`): a producer daemon address that names this very daemon, however it is
-        spelled (loopback or advertised, a wildcard bind), is a local pull, with this
-        daemon's own producer side as its peers; any other goes over the network."""
+        `pick`): see `route_for_address`."""
+        return self.route_for_address(msg.remote_address)
+
+    def route_for_address(self, address: str) -> Route:
+        """A producer daemon address that names this very daemon, however it is spelled
+        (loopback or advertised, a wildcard bind), is a local pull, with this daemon's
+        own producer side as its peers; any other goes over the network."""
         if self._local is None:
             return self._remote
-        me = self._names_me.get(msg.remote_address)
+        me = self._names_me.get(address)
         if me is None:
-            me = names_this_daemon(msg.remote_address, self._own_addresses,
-                                   self._local_hosts)
+            me = names_this_daemon(address, self._own_addresses, self._local_hosts)
             if len(self._names_me) >= MAX_NAMED:
                 self._names_me.clear()
-            self._names_me[msg.remote_address] = me
+            self._names_me[address] = me
         return self._local if me else self._remote
 
     def pick(self, remote: RemoteEngine) -> tuple[Mover, HostMaps | None] | None:

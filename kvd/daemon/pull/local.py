@@ -25,6 +25,7 @@ from kvd.daemon.engines.registry import EngineRegistry
 from kvd.daemon.engines.table import Engine
 from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.daemon.peers.reply import Reply
+from kvd.daemon.pull.burst import BurstCopies
 from kvd.daemon.pull.state import Path
 from kvd.errors import IncompatibleError, KvdError, TransferError
 from kvd.planner import RankId
@@ -197,6 +198,10 @@ class LocalMover:
         # handle -> done when its copy has ended (or its waiter gave up): wakes the poll
         self._wakes: dict[int, asyncio.Future[None]] = {}
         self._waiters: concurrent.futures.ThreadPoolExecutor | None = None
+        # Whether more requests wait on the engine face (the server sets it): a small
+        # copy then joins the burst's (kvd.daemon.pull.burst) instead of running inline.
+        self.more_waiting: Callable[[], bool] = _never
+        self.burst = BurstCopies()
 
     def _copier_for(self, post: ReadPost) -> tuple[Copier, dict[str, Any]]:
         """DRAM to DRAM: the copy threads. Any side in VRAM: the CUDA copier, a DRAM
@@ -246,6 +251,12 @@ class LocalMover:
                 if post.blocks is not None and hasattr(copier, "post_blocks"):
                     # addresses made on the GPU
                     handle = cast(BlockCopier, copier).post_blocks(post.blocks)
+                elif self._joins_burst(copier, post):
+                    handle, wake = self.burst.defer(
+                        copier, (post.local_addrs, post.remote_addrs, post.nbytes), extra)
+                    self._wakes[handle] = wake
+                    results.append(PostResult(handle, False))
+                    continue
                 else:
                     handle = copier.post(post.local_addrs, post.remote_addrs, post.nbytes,
                                          **extra)
@@ -270,6 +281,17 @@ class LocalMover:
                 self._watch(copier, handle)
                 results.append(PostResult(handle, False))
         return results
+
+    def _joins_burst(self, copier: Copier, post: ReadPost) -> bool:
+        """A small DRAM copy while a burst of requests is being read (or its copies are
+        queued): queued, to run with the burst's when the face has read it."""
+        if copier is not self.copier or not (self.burst.queued or self.more_waiting()):
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False  # posted off the loop (tests): inline
+        return _total_nbytes(post) <= getattr(copier, "inline_max_nbytes", 0)
 
     def _watch(self, copier: Copier, handle: int) -> None:
         """Have a waiter thread wake the event loop when this copy ends."""
@@ -302,6 +324,9 @@ class LocalMover:
     def _states(self, handles: list[int]) -> dict[int, XferStatus]:
         out: dict[int, XferStatus] = {}
         for h in handles:
+            if h in self.burst:
+                out[h] = self.burst.status(h)
+                continue
             try:
                 done = self._where[h].poll(h)
                 out[h] = XferStatus(XferState.DONE if done else XferState.PENDING)
@@ -315,6 +340,11 @@ class LocalMover:
         for h in handles:
             copier = self._where.pop(h, None)
             self._wakes.pop(h, None)
+            if h in self.burst:
+                went = self.burst.release(h)  # queued: dropped, never run
+                if went is None:
+                    continue
+                copier, h = went
             if copier is None:
                 continue
             if _ended(copier, h):
@@ -335,6 +365,15 @@ class LocalMover:
             self._cuda.close()
         if self._waiters is not None:  # every copy has ended: the waiters return
             self._waiters.shutdown(wait=False)
+
+
+def _never() -> bool:
+    return False
+
+
+def _total_nbytes(post: ReadPost) -> int:
+    n = post.nbytes
+    return sum(n) if isinstance(n, tuple) else int(n.sum())
 
 
 def _ended(copier: Copier, handle: int) -> bool:

@@ -37,6 +37,9 @@ class ConnectorSettings:
     # the longest an empty step (every request waiting for its KV) waits for kvd's
     # events, woken by them; 0: never wait (spin through empty steps, as vLLM does)
     idle_wait_s: float = 0.005
+    # the producer engines this engine pulls from, (engine id, their daemon's peer
+    # address) each: its daemon greets them at start-up, ahead of the first pull
+    producers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> ConnectorSettings:
@@ -72,7 +75,29 @@ class ConnectorSettings:
                 model_name=extra.get("kvd_model_name"),
                 request_timeout_s=float(extra.get("kvd_request_timeout_s", 10.0)),
                 idle_wait_s=max(0.0, min(0.05, float(extra.get("kvd_idle_wait_s", 0.005)))),
+                producers=_producers(extra.get("kvd_producers")),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvd_* value in kv_connector_extra_config: "
                                        f"{exc}") from None
+
+
+def _producers(value: Any) -> tuple[tuple[str, str], ...]:
+    """``kvd_producers``: [{"engine_id": ..., "address": ...}, ...] (address: the peer
+    address of a daemon hosting that producer engine, ``kvd serve --peer-address``)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConnectorConfigError("kvd_producers must be a list of {\"engine_id\": ..., "
+                                   "\"address\": ...} (the producer engine and the peer "
+                                   "address of its kvd)")
+    out = []
+    for item in value:
+        if (not isinstance(item, dict) or set(item) != {"engine_id", "address"}
+                or not all(isinstance(v, str) and v for v in item.values())):
+            raise ConnectorConfigError(
+                f"kvd_producers: {item!r} is not {{\"engine_id\": \"prefill-0\", "
+                "\"address\": \"tcp://host:port\"}} (the producer engine and the peer "
+                "address of its kvd)")
+        out.append((item["engine_id"], item["address"]))
+    return tuple(out)

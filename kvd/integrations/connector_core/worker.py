@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from kvd.client import EventCursor, KvdClient, RankHandle
-from kvd.errors import KvdTimeoutError, LayoutError
+from kvd.errors import KvdError, KvdTimeoutError, LayoutError
 from kvd.integrations.connector_core import cpu_binding
 from kvd.integrations.connector_core.completions import EventPoller, EventPump
 from kvd.integrations.connector_core.events import EventBook, StepReport
@@ -98,6 +98,7 @@ class KvdWorker:
             if self.reports:
                 self.pump = EventPump(self.settings, self.cursor, self._now)
                 self.poller = EventPoller(self.settings, self.cursor, self._now)
+                self._warm_up()
             log.info("kvd pool %s (%d bytes, %s) registered for engine %s rank %d/%d",
                      self.handle.pool.handle.name, self.handle.pool.handle.nbytes,
                      getattr(g, "kv_layout", "hybrid"), self.settings.engine_id, g.tp_rank,
@@ -106,6 +107,17 @@ class KvdWorker:
                 # CPU engines only (vLLM binds no threads on GPUs); once, off the step.
                 cpu_binding.warn_if_shared()
         return self.handle
+
+    def _warm_up(self) -> None:
+        """Once, at start-up: name this engine's producers (``kvd_producers``) to its
+        daemon, which greets them in the background (answered at once)."""
+        if not self.settings.producers:
+            return
+        try:
+            self.client.warm_up(self.settings.engine_id, self.settings.producers)
+        except KvdError as exc:  # an earlier daemon: the first pulls greet, as before
+            log.info("kvd did not take the warm-up of %d producers (%s); the first pull "
+                     "from each greets it", len(self.settings.producers), exc)
 
     def allocation_context(self) -> contextlib.AbstractContextManager:
         handle = self.register()

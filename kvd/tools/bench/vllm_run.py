@@ -47,12 +47,14 @@ from kvd.errors import KvdError
 from kvd.ops.trace import ENV as TRACE_ENV
 from kvd.ops.trace import read_traces
 from kvd.tools.bench.vllm_stats import (
+    TARGET_FIRST_X_WARM,
     Batch,
     Counters,
     Single,
     add_ratios,
     batch_landing,
     breakdown,
+    first_transfers,
     median_breakdown,
     summarize,
     targets,
@@ -362,7 +364,7 @@ class VllmBench:
             spec = system_spec(name)
             run = Running(spec, {})
             self.systems[name] = run
-            homes = {}
+            homes, peers = {}, {}
             daemon_env = {TRACE_ENV: str(self.work / "trace")} if self.cfg.breakdown else None
             for d in spec.daemons:
                 daemon = DaemonProcess.start(d.name, self.work, list(d.extra_args),
@@ -370,6 +372,8 @@ class VllmBench:
                                              timeout_s=self.cfg.daemon_start_timeout_s)
                 run.daemons.append(daemon)
                 homes[d.name] = daemon.engine_address
+                peers[d.name] = daemon.peer_address
+            prefill = next((e for e in spec.engines if e.role == "prefill"), None)
             for e in spec.engines:
                 port = free_port()
                 run.ports[e.role] = port
@@ -377,7 +381,13 @@ class VllmBench:
                 if e.kv_transfer_config is not None:
                     cfg = json.loads(json.dumps(e.kv_transfer_config))
                     if e.daemon is not None:
-                        cfg["kv_connector_extra_config"]["kvd_address"] = homes[e.daemon]
+                        extra = cfg["kv_connector_extra_config"]
+                        extra["kvd_address"] = homes[e.daemon]
+                        if e.role == "decode" and prefill is not None and prefill.daemon:
+                            # as an operator would: the decode names its producer, and
+                            # its daemon greets the prefill's ahead of the first pull
+                            extra["kvd_producers"] = [{"engine_id": prefill.name,
+                                                       "address": peers[prefill.daemon]}]
                 env = dict(ENGINE_ENV)
                 if self.cfg.breakdown and e.daemon is not None:
                     env[TRACE_ENV] = str(self.work / "trace")
@@ -623,8 +633,13 @@ class VllmBench:
                     "every request failed (not in the batch figures nor in tokens equal)")
         add_ratios(summaries)
         extra = self.breakdowns() if self.cfg.breakdown else {}
+        goals = targets(summaries)
+        if extra.get("first_transfers"):
+            goals["first_transfer_le_2x_warm"] = {
+                n: f["x_warm"] <= TARGET_FIRST_X_WARM
+                for n, f in extra["first_transfers"].items()}
         return {**extra, "summaries": [asdict(s) for s in summaries.values()],
-                "targets": targets(summaries),
+                "targets": goals,
                 "singles": [asdict(s) for s in self.singles],
                 "batches": [asdict(b) for b in self.batches],
                 "legend": {n: SYSTEMS[n] for n in names}}
@@ -665,7 +680,7 @@ class VllmBench:
                             "step_ms": round(b.step_s * 1000, 1),
                             **batch_landing(b.sent_s, by_point)})
         return {"breakdown": medians, "breakdown_samples": per_system,
-                "batch_landing": landing}
+                "first_transfers": first_transfers(per_system), "batch_landing": landing}
 
 
 def _counters(name: str, before: dict[str, float], after: dict[str, float],

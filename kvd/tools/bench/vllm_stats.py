@@ -255,6 +255,9 @@ def render(result: dict[str, Any]) -> str:
     if result.get("breakdown"):
         out += ["", "one hand-over, where the time goes (warm single requests, p50):",
                 render_breakdown(result["breakdown"])]
+    for name, f in result.get("first_transfers", {}).items():
+        out.append(f"{name}: first transfer (pull sent -> event taken) {f['first_ms']} ms, "
+                   f"warm p50 {f['warm_p50_ms']} ms ({f['x_warm']}x)")
     for b in result.get("batch_landing", []):
         out.append(f"batch {b['system']} round {b['round']} (step {b['step_ms']} ms), ms "
                    "after sent:")
@@ -299,6 +302,24 @@ def breakdown(stamps: dict[str, float], copy_s: float | None) -> dict[str, float
     if "decode_sent" in stamps and "first_token" in stamps:
         out["hand-over (decode sent to first token)"] = round(
             (stamps["first_token"] - stamps["decode_sent"]) * 1000, 2)
+    return out
+
+
+FIRST_STAGE = "pull sent to event taken (all)"
+TARGET_FIRST_X_WARM = 2.0
+
+
+def first_transfers(samples: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per kvd system: its first single hand-over's transfer (pull sent -> event taken:
+    the handshake, when a pair's first pull pays it) against the warm rounds' p50."""
+    out = {}
+    for name, rows in samples.items():
+        warm = [r[FIRST_STAGE] for r in rows[1:] if FIRST_STAGE in r]
+        if not rows or FIRST_STAGE not in rows[0] or not warm:
+            continue
+        first, p50 = rows[0][FIRST_STAGE], statistics.median(warm)
+        out[name] = {"first_ms": first, "warm_p50_ms": round(p50, 2),
+                     "x_warm": round(first / p50, 2) if p50 > 0 else float("inf")}
     return out
 
 

@@ -52,3 +52,19 @@ def test_idle_wait_is_a_setting_bounded_to_50_ms() -> None:
     assert _settings().idle_wait_s == 0.005
     assert _settings(kvd_idle_wait_s=0).idle_wait_s == 0.0  # spin, as vLLM does
     assert _settings(kvd_idle_wait_s=5).idle_wait_s == 0.05
+
+
+def test_producers_are_engine_and_daemon_address_pairs() -> None:
+    assert _settings().producers == ()
+    got = _settings(kvd_producers=[{"engine_id": "prefill-0", "address": "tcp://10.0.0.5:7300"},
+                                   {"engine_id": "prefill-1", "address": "tcp://h:7300"}])
+    assert got.producers == (("prefill-0", "tcp://10.0.0.5:7300"), ("prefill-1", "tcp://h:7300"))
+
+
+@pytest.mark.parametrize("bad", ["prefill-0@tcp://h:1", [{"engine_id": "prefill-0"}],
+                                 [{"engine_id": "", "address": "tcp://h:1"}],
+                                 [["prefill-0", "tcp://h:1"]]])
+def test_a_malformed_producer_list_is_one_line_naming_the_key(bad: object) -> None:
+    with pytest.raises(ConnectorConfigError) as info:
+        _settings(kvd_producers=bad)
+    assert "kvd_producers" in str(info.value) and "\n" not in str(info.value)

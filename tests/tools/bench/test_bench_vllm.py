@@ -14,6 +14,7 @@ from kvd.tools.bench.vllm_stats import (
     Single,
     add_ratios,
     breakdown,
+    first_transfers,
     percentile,
     render,
     summarize,
@@ -29,13 +30,20 @@ from kvd.tools.bench.vllm_systems import (
 
 
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
-    assert parse_systems("all") == tuple(n for n in SYSTEMS if n != "kvd-1d-spin"
+    assert parse_systems("all") == tuple(n for n in SYSTEMS
+                                         if n not in ("kvd-1d-spin", "kvd-1d-burst")
                                          and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
     assert parse_systems("nixl, kvd-1d,nixl") == ("plain", "nixl", "kvd-1d")
     with pytest.raises(ValueError, match="unknown systems kvd-3d"):
         parse_systems("kvd-3d")
+
+
+def test_the_copy_burst_a_b_is_one_daemon_with_copy_bursts_on():
+    each = system_spec("kvd-1d-burst")
+    assert [d.extra_args for d in each.daemons] == [("--set", "copy_bursts=true")]
+    assert {e.daemon for e in each.engines} == {each.daemons[0].name}
 
 
 def test_each_system_runs_its_connector_and_daemons():
@@ -157,6 +165,13 @@ def test_breakdown_splits_a_hand_over_into_its_stages():
     assert out["  of which: to the daemon and the event back"] == 5.0
     assert out["hand-over (decode sent to first token)"] == 29.0
     assert "  pull sent -> daemon took it" in out
+
+
+def test_first_transfer_is_the_first_rounds_pull_against_the_warm_rounds():
+    stage = "pull sent to event taken (all)"
+    rows = [{stage: 60.0}, {stage: 10.0}, {stage: 30.0}, {stage: 20.0}]
+    out = first_transfers({"kvd-2d": rows, "kvd-1d": [{stage: 5.0}]})
+    assert out == {"kvd-2d": {"first_ms": 60.0, "warm_p50_ms": 20.0, "x_warm": 3.0}}
 
 
 def test_render_shows_every_system_and_the_targets():

@@ -1,0 +1,55 @@
+"""The decode engine's connector names its producers (``kvd_producers``) to its daemon at
+registration, and that daemon greets them in the background: before any pull, the
+consumer daemon has done the handshake with the producer's. Real ``kvd serve``
+processes and the connector's own worker half (no vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from support.cluster import metric, start_daemon, stop_and_check_clean, wait_until
+
+from kvd.integrations.connector_core.geometry import VllmKvGeometry
+from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.integrations.connector_core.worker import KvdWorker
+
+pytestmark = pytest.mark.nixl
+
+
+def _geometry() -> VllmKvGeometry:
+    return VllmKvGeometry(model_name="m", total_kv_heads=2, total_layers=2, heads_on_rank=2,
+                          layer_names=("l0", "l1"), head_size=64, head_size_v=64,
+                          dtype="float16", mla=False, block_size_tokens=32, num_blocks=4,
+                          kv_layout="LBHNC", buf_nbytes=4 * 2 * 2 * 32 * 2 * 64 * 2,
+                          tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+
+
+def _worker(engine_id: str, address: str, **extra: object) -> KvdWorker:
+    return KvdWorker(ConnectorSettings.from_vllm(SimpleNamespace(
+        engine_id=engine_id, kv_connector_extra_config={"kvd_address": address, **extra})),
+        _geometry())
+
+
+def test_a_decode_engine_naming_its_producer_has_its_daemon_greet_it(tmp_path) -> None:
+    prefill_d = start_daemon(tmp_path, "wp")
+    decode_d = start_daemon(tmp_path, "wd")
+    workers: list[KvdWorker] = []
+    try:
+        decode = _worker("decode-0", decode_d.engine_address, kvd_producers=[
+            {"engine_id": "prefill-0", "address": prefill_d.peer_address}])
+        workers.append(decode)
+        decode.register()  # the decode engine starts first, naming a producer not yet up
+        assert metric(decode_d, "kvd_handshakes_total", outcome="ok") == 0
+        prefill = _worker("prefill-0", prefill_d.engine_address)
+        workers.append(prefill)
+        prefill.register()
+        wait_until(lambda: metric(decode_d, "kvd_handshakes_total", outcome="ok") == 1, 15.0,
+                   what="the decode daemon's handshake with the prefill's")
+        [peer] = decode.client.status().peers
+        assert (peer.local_engine, peer.remote_engine) == ("decode-0", "prefill-0")
+    finally:
+        for w in workers:
+            w.close()
+        stop_and_check_clean(decode_d)
+        stop_and_check_clean(prefill_d)
