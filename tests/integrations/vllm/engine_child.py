@@ -17,6 +17,24 @@ import traceback
 from typing import Any
 
 
+def _output_ready(engine: Any, timeout_s: float) -> bool:
+    """Whether ``engine.step()`` can return within ``timeout_s``: waits up to then for the
+    engine core's next output. With vLLM's multiprocess engine core (``SyncMPClient``),
+    ``LLMEngine.step()`` blocks in ``get_output()`` until the core sends an output, and a
+    core whose only requests wait for remote KV sends none for as long as they wait: a
+    decode's progressive pull then held ``poll`` (and a test thread that was to start the
+    prefill next) for the whole hold timeout. An in-process core (no output queue) never
+    blocks there."""
+    if getattr(engine, "should_execute_dummy_batch", False):
+        return True
+    queue = getattr(engine.engine_core, "outputs_queue", None)
+    if queue is None:
+        return True
+    with queue.not_empty:
+        return bool(queue.not_empty.wait_for(lambda: len(queue.queue) > 0,
+                                             timeout=max(timeout_s, 0.0)))
+
+
 class _Child:
     """The child side: one ``LLM`` and a command loop. Runs under vLLM's venv."""
 
@@ -103,12 +121,15 @@ class _Child:
         return {"in_flight": len(self.inflight)}
 
     def op_poll(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Step the engine for up to ``timeout_s`` (at least one step while anything is
-        in flight), until a submitted request finishes; the finished ones' results."""
+        """Step the engine for up to ``timeout_s``, until a submitted request finishes; the
+        finished ones' results (none when the engine core sent nothing meanwhile: its
+        requests wait for remote KV)."""
         engine = self.llm.llm_engine
         deadline = time.monotonic() + float(msg.get("timeout_s", 0.5))
         finished: dict[str, Any] = {}
         while self.inflight and not finished:
+            if not _output_ready(engine, deadline - time.monotonic()):
+                break
             outs = engine.step()
             t1 = time.monotonic()
             for out in outs:

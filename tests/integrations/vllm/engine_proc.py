@@ -304,9 +304,11 @@ class EngineProc:
         return int(reply["in_flight"])
 
     def poll(self, step_s: float = 0.5, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Step the engine for up to ``step_s`` (at least one step while a submitted
-        request is in flight) or until one finishes; the finished submitted requests,
-        each as ``generate`` returns it (``token_times`` included), in no order."""
+        """Step the engine for up to ``step_s`` or until a submitted request finishes;
+        the finished submitted requests, each as ``generate`` returns it
+        (``token_times`` included), in no order. Returns after ``step_s`` with none
+        while the engine core sends nothing (its requests wait for remote KV): the
+        caller's thread may go on to start the prefill those requests wait for."""
         reply = self._call({"op": "poll", "timeout_s": step_s}, timeout_s)
         return list(reply["results"])
 

@@ -27,12 +27,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 8
 CHUNK = 64  # the prefill's max_num_batched_tokens: a 600-token prompt takes 10 steps
+HOLD_S = 15  # the decode daemon's progressive_hold_s
 
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
     yield from daemon_pair(tmp_path_factory, ("gp", "gd"), args=["--set", "host_pulls=false",
-                                                        "--set", "progressive_hold_s=15"])
+                                                        "--set", f"progressive_hold_s={HOLD_S}"])
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +87,15 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
     got_d: dict[str, Any] = {}
     # The decode admits its requests first (their pulls wait at the prefill's daemon), so
     # that how many ranges are read does not depend on which engine this host ran first.
+    t0 = time.monotonic()
     e["decode"].submit(dec)
     for _ in range(3):
         for r in e["decode"].poll(step_s=0.2):
             got_d[r["request_id"]] = r
+    held_s = time.monotonic() - t0
+    assert held_s < HOLD_S / 3, (
+        f"the decode's polls took {held_s:.1f} s: the prefill would start after its pulls "
+        "gave up (EngineProc.poll must return while the decode waits for remote KV)")
     worker = None
     if not decode_only:
         worker = threading.Thread(target=_run, args=(e["prefill"], pre, got_p))
