@@ -49,6 +49,7 @@ class _Child:
         self.sched: dict[str, dict[str, Any]] = {}
         # submit/poll (requests in flight across commands): id -> its token times
         self.inflight: dict[str, list[float]] = {}
+        self.internal_ids: dict[str, str] = {}  # caller's request id -> vLLM's
 
     def send(self, obj: dict[str, Any]) -> None:
         self.reply.write(json.dumps(obj) + "\n")
@@ -151,6 +152,16 @@ class _Child:
             results.append(r)
         return {"results": results, "in_flight": len(self.inflight)}
 
+    def op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Abort submitted requests, as a client that went away: vLLM ends them ABORTED
+        (its connector's ``request_finished`` sees that); they return no result."""
+        ids = [rid for rid in msg["request_ids"] if rid in self.inflight]
+        self.llm.llm_engine.abort_request(ids)
+        for rid in ids:
+            del self.inflight[rid]
+            self.internal_ids.pop(rid, None)
+        return {"aborted": ids}
+
     def op_reset_prefix_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"reset": bool(self.llm.reset_prefix_cache())}
 
@@ -211,7 +222,9 @@ class _Child:
             detokenize=False,
             extra_args={"kv_transfer_params": params} if params is not None else None,
         )
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+        internal = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+        if isinstance(internal, str):  # vLLM's own id of it, the scheduler records' key
+            self.internal_ids[rid] = internal
 
     def _read_sched(self) -> None:
         """Fold the scheduler records written since the last call into ``self.sched``."""
@@ -244,6 +257,9 @@ class _Child:
                 acc["external_cached"] = rec["external_cached"]
 
     def _sched_for(self, rid: str) -> dict[str, Any] | None:
+        internal = self.internal_ids.pop(rid, None)
+        if internal is not None:  # exact: a reused caller id has older records too
+            return self.sched.pop(internal, None)
         # vLLM's internal id is "<caller id>-<8 random characters>".
         matches = [k for k in self.sched if k.rsplit("-", 1)[0] == rid and len(k) == len(rid) + 9]
         if len(matches) != 1:

@@ -312,6 +312,12 @@ class EngineProc:
         reply = self._call({"op": "poll", "timeout_s": step_s}, timeout_s)
         return list(reply["results"])
 
+    def abort(self, request_ids: list[str], timeout_s: float = 60.0) -> list[str]:
+        """Abort submitted requests still in flight (as a client that went away); they
+        return no result. Returns those aborted."""
+        return list(self._call({"op": "abort", "request_ids": request_ids},
+                               timeout_s)["aborted"])
+
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
         """Drop the engine's prefix cache (vLLM's ``LLM.reset_prefix_cache``).
 
