@@ -118,8 +118,9 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
         worker.start()
     aborted = 0
     deadline = time.monotonic() + timeout_s
+    step_s = 0.2 if during is None else 0.05  # ``during`` acts mid-prompt: look often
     while len(got_d) + aborted < len(dec) and time.monotonic() < deadline:
-        for r in decode.poll(step_s=0.2):
+        for r in decode.poll(step_s=step_s):
             got_d[r["request_id"]] = r
         if during is not None:
             aborted = during(decode)
@@ -236,11 +237,12 @@ def test_a_prefill_engine_killed_mid_prompt_the_decode_recomputes(
     timeout of the kill."""
     pd, dd = daemons
     pid = f"gkill-{uuid.uuid4().hex[:6]}"
+    # One block a step over a longer prompt (96 steps): the kill must come before its end.
     victim = start_engine("gkill", kv_transfer_config=kv_config(pid, pd), block_size=BLOCK,
                           llm_kwargs={"enable_chunked_prefill": True,
-                                      "max_num_batched_tokens": CHUNK})
+                                      "max_num_batched_tokens": BLOCK})
     try:
-        prompts = random_prompts(1, LONG, seed=81)
+        prompts = random_prompts(1, 3 * 1024, seed=81)
         want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
         reads0 = _ranges_read(dd)
         killed: list[float] = []
