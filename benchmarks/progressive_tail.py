@@ -38,6 +38,8 @@ def run_one(tokens: int, args: argparse.Namespace, log_dir: Path) -> dict[str, A
            "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
            "--max-tokens", str(args.max_tokens),
            "--max-num-batched-tokens", str(args.chunk), "--out", str(out)]
+    if args.breakdown:  # every process's trace points kept, in the run's work directory
+        cmd += ["--breakdown", "--work-dir", str(log_dir / f"work-{tokens}")]
     print("+", " ".join(cmd), f"> {log}", file=sys.stderr, flush=True)
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--log-dir", default="", help="each run's JSON and log (default: a "
                     "temporary directory, kept)")
+    ap.add_argument("--breakdown", action="store_true", help="kvd bench vllm --breakdown, "
+                    "each run's work directory (traces, logs) kept under --log-dir")
     args = ap.parse_args()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvd-progressive-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
@@ -33,12 +33,12 @@ from kvd.integrations.connector_core.params import (
     blocks_to_pull,
     parse_progressive_prefill,
     parse_remote_prefill,
-    progressive_transfer_id,
     traceparent_of,
     wants_progressive_prefill,
     wants_remote_decode,
     wants_remote_prefill,
 )
+from kvd.integrations.connector_core.sealing import FINISHED_OK, Sealer
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
@@ -48,7 +48,6 @@ log = logging.getLogger("kvd.vllm")
 # How long past its lease the worker waits for a publish's done_sending before it
 # frees the blocks anyway (the daemon that held them must have died).
 SEND_GRACE_S = 30.0
-FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 # Replies not come by then are forgotten (the workers' own deadlines cover the outcome).
 FORGET_REPLY_S = 600.0
 OTEL_ENV = "KVD_OTEL_TRACES"  # true: spans of the wait for the KV and the first step
@@ -79,19 +78,6 @@ class _Pull:
 
 
 MAX_PROGRESSIVE_KEPT = 4096  # decode requests whose progressive pull may still be running
-
-
-@dataclass
-class _Sealing:
-    """A prefill request sealed as its chunks are computed (a progressive publish)."""
-
-    transfer_id: str  # the router's id, which the decode side pulls under
-    blocks: list[int] = field(default_factory=list)  # the request's blocks, in token order
-    generation: int = 0  # bumped at each preemption: its blocks were freed
-    sealed: int = 0  # tokens sealed in this generation
-    # tokens computed before each step of this generation (num_computed_tokens as each
-    # step was scheduled), the latest last
-    computed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -128,11 +114,11 @@ class KvdScheduler:
         self._spans = connector_spans()
         self._waiting: dict[str, tuple[int, str, dict[str, Any]]] = {}
         self._landed: dict[str, tuple[int, str, dict[str, Any]]] = {}
-        # Progressive prefills: sealed after each chunk. A chunk's KV is final once its
-        # forward ran: with async scheduling the step before this one may still run, so
-        # seal what was computed before the previous step instead.
-        self._sealing: dict[str, _Sealing] = {}
-        self._seal_lag = 1 if async_scheduling else 0
+        # Progressive prefills: sealed after each chunk (sealing.py).
+        self.sealing = Sealer(settings.engine_id, block_size_tokens, self.lease_s,
+                              settings.consumers, lambda: self.peer_address is not None,
+                              self._send_seal, async_scheduling=async_scheduling,
+                              hybrid=self.groups is not None)
         self._progressive_pulls: OrderedDict[str, None] = OrderedDict()
 
     @property
@@ -232,7 +218,7 @@ class KvdScheduler:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        self._maybe_seal(request)
+        self.sealing.begin(request)
         if not wants_remote_prefill(params):
             return
         params["do_remote_prefill"] = False  # one pull per request, whatever happens
@@ -289,99 +275,6 @@ class KvdScheduler:
                                self.block_size_tokens, new_ids)
         self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
 
-    # ------------------------------------------------------------ prefill side: sealing
-
-    def _maybe_seal(self, request: Any) -> None:
-        """A prefill request the router also sent to a decode engine: seal its chunks."""
-        try:
-            tid = progressive_transfer_id(request.kv_transfer_params)
-        except ParamsError as exc:
-            log.warning("request %s: bad kvd_transfer_id (%s); publishing once finished",
-                        request.request_id, exc)
-            return
-        if tid is None or request.request_id in self._sealing:
-            return
-        if self.groups is not None:  # the decode side computes it (see num_new_matched)
-            return
-        self._sealing[request.request_id] = _Sealing(tid)
-
-    def _track(self, output: Any) -> None:
-        """Each step: the sealing requests' blocks and computed tokens; seal what is
-        final. Never waits: the Seals go out without their replies."""
-        preempted = getattr(output, "preempted_req_ids", None) or set()
-        for rid in preempted:
-            s = self._sealing.get(rid)
-            if s is not None:
-                self._unseal(rid, s)
-        for new in getattr(output, "scheduled_new_reqs", ()):
-            s = self._sealing.get(new.req_id)
-            if s is not None:
-                s.blocks = list(new.block_ids[0]) if new.block_ids else []
-                s.computed.append(new.num_computed_tokens)
-        cached = getattr(output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            resumed = getattr(cached, "resumed_req_ids", set()) or set()
-            for i, rid in enumerate(cached.req_ids):
-                s = self._sealing.get(rid)
-                if s is None:
-                    continue
-                ids = cached.new_block_ids[i]
-                if rid in resumed:
-                    if s.sealed or s.computed and rid not in preempted:
-                        self._unseal(rid, s)
-                    s.blocks = list(ids[0]) if ids else []
-                elif ids:
-                    s.blocks.extend(ids[0])
-                s.computed.append(cached.num_computed_tokens[i])
-        bs = self.block_size_tokens
-        for rid, s in self._sealing.items():
-            if len(s.computed) <= self._seal_lag:
-                continue
-            final = s.computed[-1 - self._seal_lag] // bs * bs
-            del s.computed[:-1 - self._seal_lag]
-            if final > s.sealed and final // bs <= len(s.blocks):
-                self._seal(rid, s, s.blocks[:final // bs], final, complete=False)
-
-    def _unseal(self, rid: str, s: _Sealing) -> None:
-        """Preempted: its blocks were freed; what was sealed is void."""
-        s.generation += 1
-        s.sealed, s.computed = 0, []
-        s.blocks = []
-        self._seal(rid, s, [], 0, complete=False)
-
-    def _seal(self, rid: str, s: _Sealing, blocks: list[int], num_tokens: int,
-              complete: bool, hold_id: int = 0) -> bool:
-        if self.peer_address is None:
-            return False
-        msg = Messages.seal(self.settings.engine_id, s.transfer_id, blocks, num_tokens,
-                            generation=s.generation, complete=complete,
-                            lease_s=self.lease_s, consumers=self.settings.consumers,
-                            hold_id=hold_id)
-        if not self.client.send(msg, _Sent("seal", rid), self._now()):
-            log.warning("request %s: kvd is not taking messages; seal not sent", rid)
-            return False
-        s.sealed = num_tokens
-        TRACE.point("seal_sent", rid)
-        return True
-
-    def _finish_sealing(self, request: Any, block_ids: list[int]
-                        ) -> tuple[bool, dict[str, Any] | None]:
-        s = self._sealing.pop(request.request_id)
-        if request.status.name not in FINISHED_OK:
-            if self.peer_address is not None:
-                self.client.send(Messages.seal(self.settings.engine_id, s.transfer_id, [], 0,
-                                               abort=True), _Sent("seal", request.request_id),
-                                 self._now())
-            return False, None
-        num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
-        if not self._seal(request.request_id, s, blocks, num_tokens, complete=True,
-                          hold_id=engine_hold_id()):
-            return False, None
-        self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
-        self._meta.aliases[s.transfer_id] = request.request_id
-        return True, {"kvd_progressive": True, "kvd_transfer_id": s.transfer_id}
-
     # ------------------------------------------------------------ prefill side
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
@@ -397,8 +290,13 @@ class KvdScheduler:
         params = request.kv_transfer_params
         if self._waiting:
             self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
-        if request.request_id in self._sealing:
-            return self._finish_sealing(request, block_ids)
+        if request.request_id in self.sealing:
+            transfer_id = self.sealing.finish(request, block_ids)
+            if transfer_id is None:
+                return False, None
+            self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
+            self._meta.aliases[transfer_id] = request.request_id
+            return True, {"kvd_progressive": True, "kvd_transfer_id": transfer_id}
         if request.request_id in self._progressive_pulls:
             del self._progressive_pulls[request.request_id]
             if request.status.name not in FINISHED_OK:  # aborted while its pull may wait
@@ -486,14 +384,17 @@ class KvdScheduler:
         ``idle``: the step computes no token (the workers may wait in it). ``output``:
         vLLM's scheduler output, whose blocks and computed tokens the seals follow."""
         self._take_replies()
-        if output is not None and self._sealing:
-            self._track(output)
+        if output is not None and self.sealing:
+            self.sealing.track(output)
         for request_id, pull in self._pending.items():
             self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
         meta.idle = idle
         return meta
+
+    def _send_seal(self, msg: P.Seal, request_id: str) -> bool:
+        return self.client.send(msg, _Sent("seal", request_id), self._now())
 
     def _take_replies(self) -> None:
         if self._client is None:

@@ -3,8 +3,8 @@
 One class because vLLM loads one by name; it holds either the scheduler
 half (engine-core process) or the worker half (each worker process) and
 forwards to it. Everything with logic lives in the vLLM-free
-``kvd.integrations.connector_core`` (scheduler.py, worker.py); what differs between
-vLLM versions lives in ``compat``.
+``kvd.integrations.connector_core`` (scheduler.py, sealing.py, worker.py); what
+differs between vLLM versions lives in ``compat``.
 """
 
 from __future__ import annotations

@@ -73,10 +73,7 @@ LANDING_POINTS = ("decode_scheduled", "pull_sent", "daemon_pull", "daemon_event"
                   "daemon_event_sent", "event_taken", "recv_reported")
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-              "VLLM_LOGGING_LEVEL": "WARNING",
-              # prompts past the tiny model's 4096 positions (--prompt-tokens 8192): every
-              # engine of the run alike, so the tokens stay comparable
-              "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+              "VLLM_LOGGING_LEVEL": "WARNING"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -761,7 +758,10 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
     work.mkdir(parents=True, exist_ok=True)
     from kvd.tools.tiny_model.llama import build_tiny_llama
 
-    model = build_tiny_llama(work / "model")
+    # A model with as many positions as the longest request (--prompt-tokens 8192):
+    # past them vLLM's rotary cache was read out of range (a plain engine streamed no
+    # token for an 8K prompt under VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+    model = build_tiny_llama(work / "model", max_positions=max(4096, cfg.max_model_len))
     bench = VllmBench(cfg, work, model, log)
     load_before = host_load()
     failed = True

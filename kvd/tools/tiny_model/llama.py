@@ -19,6 +19,7 @@ Only ``numpy``, ``safetensors`` and ``tokenizers`` are needed (vLLM brings both;
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -85,19 +86,26 @@ SEED = 20261123
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def _spec() -> dict[str, Any]:
+MAX_POSITIONS = CONFIG["max_position_embeddings"]
+
+
+def _config(max_positions: int) -> dict[str, Any]:
+    return {**CONFIG, "max_position_embeddings": max_positions}
+
+
+def _spec(max_positions: int = MAX_POSITIONS) -> dict[str, Any]:
     """Everything that determines the files; its hash names the content."""
     return {
         "builder_version": BUILDER_VERSION,
-        "config": CONFIG,
+        "config": _config(max_positions),
         "scales": SCALES,
         "seed": SEED,
     }
 
 
-def spec_hash() -> str:
+def spec_hash(max_positions: int = MAX_POSITIONS) -> str:
     """Content hash of the model this module builds (stable across runs and machines)."""
-    blob = json.dumps(_spec(), sort_keys=True).encode()
+    blob = json.dumps(_spec(max_positions), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -171,14 +179,15 @@ def write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddi
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _write_all(out: Path) -> None:
+def _write_all(out: Path, max_positions: int = MAX_POSITIONS) -> None:
     from safetensors.numpy import save_file
 
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(_config(max_positions), indent=2,
+                                                sort_keys=True) + "\n")
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     save_file(_weights(), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(out)
+    write_tokenizer(out, max_positions)
 
 
 def _file_digests(directory: Path) -> dict[str, str]:
@@ -231,9 +240,15 @@ def build_model_dir(directory: str | os.PathLike[str], digest: str,
     return target
 
 
-def build_tiny_llama(directory: str | os.PathLike[str]) -> Path:
-    """The tiny Llama in ``directory`` (see build_model_dir)."""
-    return build_model_dir(directory, spec_hash(), _write_all)
+def build_tiny_llama(directory: str | os.PathLike[str],
+                     max_positions: int = MAX_POSITIONS) -> Path:
+    """The tiny Llama in ``directory`` (see build_model_dir). ``max_positions``: its
+    max_position_embeddings (and the tokenizer's model_max_length), for prompts past
+    4096 tokens. Positions are rotary, so the weights, and every output within 4096
+    positions, are the same whatever it is; vLLM sizes its rotary cache by it, and a
+    prompt past it (allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN) read past the cache."""
+    return build_model_dir(directory, spec_hash(max_positions),
+                           functools.partial(_write_all, max_positions=max_positions))
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:

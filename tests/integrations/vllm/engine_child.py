@@ -17,6 +17,24 @@ import traceback
 from typing import Any
 
 
+def _output_ready(engine: Any, timeout_s: float) -> bool:
+    """Whether ``engine.step()`` can return within ``timeout_s``: waits up to then for the
+    engine core's next output. With vLLM's multiprocess engine core (``SyncMPClient``),
+    ``LLMEngine.step()`` blocks in ``get_output()`` until the core sends an output, and a
+    core whose only requests wait for remote KV sends none for as long as they wait: a
+    decode's progressive pull then held ``poll`` (and a test thread that was to start the
+    prefill next) for the whole hold timeout. An in-process core (no output queue) never
+    blocks there."""
+    if getattr(engine, "should_execute_dummy_batch", False):
+        return True
+    queue = getattr(engine.engine_core, "outputs_queue", None)
+    if queue is None:
+        return True
+    with queue.not_empty:
+        return bool(queue.not_empty.wait_for(lambda: len(queue.queue) > 0,
+                                             timeout=max(timeout_s, 0.0)))
+
+
 class _Child:
     """The child side: one ``LLM`` and a command loop. Runs under vLLM's venv."""
 
@@ -31,6 +49,7 @@ class _Child:
         self.sched: dict[str, dict[str, Any]] = {}
         # submit/poll (requests in flight across commands): id -> its token times
         self.inflight: dict[str, list[float]] = {}
+        self.internal_ids: dict[str, str] = {}  # caller's request id -> vLLM's
 
     def send(self, obj: dict[str, Any]) -> None:
         self.reply.write(json.dumps(obj) + "\n")
@@ -103,12 +122,15 @@ class _Child:
         return {"in_flight": len(self.inflight)}
 
     def op_poll(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Step the engine for up to ``timeout_s`` (at least one step while anything is
-        in flight), until a submitted request finishes; the finished ones' results."""
+        """Step the engine for up to ``timeout_s``, until a submitted request finishes; the
+        finished ones' results (none when the engine core sent nothing meanwhile: its
+        requests wait for remote KV)."""
         engine = self.llm.llm_engine
         deadline = time.monotonic() + float(msg.get("timeout_s", 0.5))
         finished: dict[str, Any] = {}
         while self.inflight and not finished:
+            if not _output_ready(engine, deadline - time.monotonic()):
+                break
             outs = engine.step()
             t1 = time.monotonic()
             for out in outs:
@@ -129,6 +151,16 @@ class _Child:
             r["token_times"] = self.inflight.pop(rid)
             results.append(r)
         return {"results": results, "in_flight": len(self.inflight)}
+
+    def op_abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Abort submitted requests, as a client that went away: vLLM ends them ABORTED
+        (its connector's ``request_finished`` sees that); they return no result."""
+        ids = [rid for rid in msg["request_ids"] if rid in self.inflight]
+        self.llm.llm_engine.abort_request(ids)
+        for rid in ids:
+            del self.inflight[rid]
+            self.internal_ids.pop(rid, None)
+        return {"aborted": ids}
 
     def op_reset_prefix_cache(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"reset": bool(self.llm.reset_prefix_cache())}
@@ -190,7 +222,9 @@ class _Child:
             detokenize=False,
             extra_args={"kv_transfer_params": params} if params is not None else None,
         )
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+        internal = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(ids)}, sp)
+        if isinstance(internal, str):  # vLLM's own id of it, the scheduler records' key
+            self.internal_ids[rid] = internal
 
     def _read_sched(self) -> None:
         """Fold the scheduler records written since the last call into ``self.sched``."""
@@ -223,6 +257,9 @@ class _Child:
                 acc["external_cached"] = rec["external_cached"]
 
     def _sched_for(self, rid: str) -> dict[str, Any] | None:
+        internal = self.internal_ids.pop(rid, None)
+        if internal is not None:  # exact: a reused caller id has older records too
+            return self.sched.pop(internal, None)
         # vLLM's internal id is "<caller id>-<8 random characters>".
         matches = [k for k in self.sched if k.rsplit("-", 1)[0] == rid and len(k) == len(rid) + 9]
         if len(matches) != 1:

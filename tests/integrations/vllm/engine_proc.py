@@ -304,11 +304,19 @@ class EngineProc:
         return int(reply["in_flight"])
 
     def poll(self, step_s: float = 0.5, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Step the engine for up to ``step_s`` (at least one step while a submitted
-        request is in flight) or until one finishes; the finished submitted requests,
-        each as ``generate`` returns it (``token_times`` included), in no order."""
+        """Step the engine for up to ``step_s`` or until a submitted request finishes;
+        the finished submitted requests, each as ``generate`` returns it
+        (``token_times`` included), in no order. Returns after ``step_s`` with none
+        while the engine core sends nothing (its requests wait for remote KV): the
+        caller's thread may go on to start the prefill those requests wait for."""
         reply = self._call({"op": "poll", "timeout_s": step_s}, timeout_s)
         return list(reply["results"])
+
+    def abort(self, request_ids: list[str], timeout_s: float = 60.0) -> list[str]:
+        """Abort submitted requests still in flight (as a client that went away); they
+        return no result. Returns those aborted."""
+        return list(self._call({"op": "abort", "request_ids": request_ids},
+                               timeout_s)["aborted"])
 
     def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
         """Drop the engine's prefix cache (vLLM's ``LLM.reset_prefix_cache``).

@@ -2,7 +2,9 @@
 decode engine at once (as ``kvd router --progressive`` sends it); the prefill engine
 (chunked prefill, small ``max_num_batched_tokens``) seals each chunk, the decode's daemon
 reads it while the prefill computes the next, and the decode's tokens equal a plain
-engine's. Aborting either side ends the other cleanly.
+engine's. Aborting the decode mid-prompt ends the pull and lets the prefill's blocks go;
+a prefill engine killed mid-prompt, or one that never comes, fails the pull and the
+decode recomputes the prompt (``kv_load_failure_policy="recompute"``): the same tokens.
 
 The engines step only inside ``poll`` (engine_proc), so each is polled from its own
 thread, as two servers would run.
@@ -10,15 +12,18 @@ thread, as two servers would run.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_proc import EngineProc
+from engine_proc import EngineProc, EngineProcError
 from engine_support import BLOCK, StartEngine, daemon_pair, kv_config, random_prompts
+from proc_probe import descendants
 
 from kvd.integrations.connector_core.params import ProgressivePrefill
 from kvd.tools.localcluster import DaemonProcess
@@ -27,12 +32,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 MAX_TOKENS = 8
 CHUNK = 64  # the prefill's max_num_batched_tokens: a 600-token prompt takes 10 steps
+HOLD_S = 15  # the decode daemon's progressive_hold_s
+LONG = 2048  # tokens: 32 prefill steps, time to act between the first range and the last
 
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
     yield from daemon_pair(tmp_path_factory, ("gp", "gd"), args=["--set", "host_pulls=false",
-                                                        "--set", "progressive_hold_s=15"])
+                                                        "--set", f"progressive_hold_s={HOLD_S}"])
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +52,8 @@ def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
                            block_size=BLOCK, llm_kwargs={"enable_chunked_prefill": True,
                                                          "max_num_batched_tokens": CHUNK})
     try:
-        decode = start_engine("gdecode", kv_transfer_config=kv_config(did, dd),
-                              block_size=BLOCK)
+        decode = start_engine("gdecode", kv_transfer_config=kv_config(
+            did, dd, kv_load_failure_policy="recompute"), block_size=BLOCK)
     except BaseException:
         prefill.close()
         raise
@@ -59,19 +66,27 @@ def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
 
 
 def _run(engine: EngineProc, requests: list[dict[str, Any]], out: dict[str, Any],
-         timeout_s: float = 120.0, submit: bool = True) -> None:
-    if submit:
+         timeout_s: float = 120.0, dead_ok: bool = False) -> None:
+    try:
         engine.submit(requests)
-    deadline = time.monotonic() + timeout_s
-    while len(out) < len(requests) and time.monotonic() < deadline:
-        for r in engine.poll(step_s=0.2):
-            out[r["request_id"]] = r
+        deadline = time.monotonic() + timeout_s
+        while len(out) < len(requests) and time.monotonic() < deadline:
+            for r in engine.poll(step_s=0.2):
+                out[r["request_id"]] = r
+    except EngineProcError:
+        if not dead_ok:
+            raise
 
 
 def _at_once(e: dict[str, Any], prompts: list[list[int]],
              prefill_params: list[dict[str, Any] | None] | None = None,
-             decode_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """Each prompt to both engines at once; (prefill results, decode results, ids)."""
+             decode_only: bool = False, prefill: EngineProc | None = None,
+             during: Callable[[EngineProc], int] | None = None,
+             timeout_s: float = 120.0) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Each prompt to both engines at once; (prefill results, decode results, ids).
+    ``prefill``: another prefill engine on the same daemon (one the test kills).
+    ``during(decode)``, after each poll of the decode: how many decode requests it has
+    aborted (they return no result)."""
     tids = [f"t-{uuid.uuid4().hex[:10]}" for _ in prompts]
     pre = [{"request_id": f"p{i}", "prompt": p, "max_tokens": 1,
             "kv_transfer_params": (prefill_params[i] if prefill_params else
@@ -84,20 +99,56 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
            for i, (p, t) in enumerate(zip(prompts, tids, strict=True))]
     got_p: dict[str, Any] = {}
     got_d: dict[str, Any] = {}
+    decode = e["decode"]
     # The decode admits its requests first (their pulls wait at the prefill's daemon), so
     # that how many ranges are read does not depend on which engine this host ran first.
-    e["decode"].submit(dec)
+    t0 = time.monotonic()
+    decode.submit(dec)
     for _ in range(3):
-        for r in e["decode"].poll(step_s=0.2):
+        for r in decode.poll(step_s=0.2):
             got_d[r["request_id"]] = r
+    held_s = time.monotonic() - t0
+    assert held_s < HOLD_S / 3, (
+        f"the decode's polls took {held_s:.1f} s: the prefill would start after its pulls "
+        "gave up (EngineProc.poll must return while the decode waits for remote KV)")
     worker = None
     if not decode_only:
-        worker = threading.Thread(target=_run, args=(e["prefill"], pre, got_p))
+        worker = threading.Thread(target=_run, args=(prefill or e["prefill"], pre, got_p),
+                                  kwargs={"dead_ok": prefill is not None})
         worker.start()
-    _run(e["decode"], dec, got_d, submit=False)
+    aborted = 0
+    deadline = time.monotonic() + timeout_s
+    step_s = 0.2 if during is None else 0.05  # ``during`` acts mid-prompt: look often
+    while len(got_d) + aborted < len(dec) and time.monotonic() < deadline:
+        for r in decode.poll(step_s=step_s):
+            got_d[r["request_id"]] = r
+        if during is not None:
+            aborted = during(decode)
     if worker is not None:
         worker.join()
     return got_p, got_d, tids
+
+
+def _ranges_read(dd: DaemonProcess) -> float:
+    return dd.metric("kvd_transfers_total", role="consumer", outcome="ok")
+
+
+def _cpu_s(engine: EngineProc) -> float:
+    """CPU seconds (user + system) the engine's processes have used so far."""
+    ticks = 0
+    for pid in descendants(engine.proc.pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _held(d: DaemonProcess, engine_id: str) -> list[Any]:
+    with d.client(ping_interval_s=0) as c:
+        return [h for h in c.status().held if h.engine_id == engine_id]
 
 
 def test_progressive_decode_equals_a_plain_engine(engines: dict[str, Any],
@@ -127,11 +178,90 @@ def test_a_prefill_that_never_comes_fails_the_pull_after_the_hold_timeout(
     tokens), and the engines keep serving."""
     prompts = random_prompts(1, 300, seed=61)
     want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
-    t0 = time.monotonic()
+    decode = engines["decode"]
+    cpu0, t0 = _cpu_s(decode), time.monotonic()
     _, got_d, _ = _at_once(engines, prompts, decode_only=True)
-    assert time.monotonic() - t0 < 90
+    wall_s = time.monotonic() - t0
+    assert wall_s < 90
+    # What a decode engine costs while its only request waits for a progressive pull
+    # (vLLM's engine core steps on while it has requests; the connector parks each idle
+    # step kvd_idle_wait_s): CPU the prefill engine, on a CPU host, does not get.
+    cpu_s, (steps, _) = _cpu_s(decode) - cpu0, decode.steps_in([(t0, t0 + wall_s)])
+    print(f"\ndecode waiting {wall_s:.1f} s for a pull that fails: {steps} steps "
+          f"({steps / wall_s:.0f}/s), {cpu_s:.1f} CPU s ({cpu_s / wall_s:.2f} cores)")
     assert got_d["d0"]["token_ids"] in (want[0]["token_ids"], []) or \
         got_d["d0"]["finish_reason"] not in ("length", "stop")
     # afterwards a progressive request still goes through
     _, got_d, _ = _at_once(engines, prompts)
     assert got_d["d0"]["token_ids"] == want[0]["token_ids"]
+
+
+def test_a_decode_aborted_mid_prompt_cancels_its_pull_and_the_prefill_lets_go(
+        engines: dict[str, Any], daemons: list[DaemonProcess]) -> None:
+    """The decode's client goes away after the first range was read: its connector
+    cancels the pull, the decode daemon abandons the producer's hold, and the prefill's
+    complete seal is answered at once (its blocks freed, nothing held)."""
+    pd, dd = daemons
+    prompts = random_prompts(1, LONG, seed=71)
+    reads0 = _ranges_read(dd)
+    aborted: list[str] = []
+
+    def abort_after_the_first_range(decode: EngineProc) -> int:
+        if not aborted and _ranges_read(dd) > reads0:
+            aborted.extend(decode.abort(["d0"]))
+        return len(aborted)
+
+    got_p, got_d, _ = _at_once(engines, prompts, during=abort_after_the_first_range)
+    assert aborted == ["d0"] and got_d == {}, "the decode finished before its abort"
+    assert set(got_p) == {"p0"}, "the prefill did not finish"
+    deadline = time.monotonic() + 15
+    while _held(pd, engines["prefill_id"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _held(pd, engines["prefill_id"]), "the prefill daemon still holds the request"
+    print(f"\ndecode aborted after {_ranges_read(dd) - reads0:.0f} range(s) read "
+          f"(of up to {LONG // CHUNK})")
+    # the engines go on serving progressive requests
+    short = random_prompts(1, 300, seed=72)
+    want = engines["plain"].generate(short, max_tokens=MAX_TOKENS)
+    _, got_d, _ = _at_once(engines, short)
+    assert got_d["d0"]["token_ids"] == want[0]["token_ids"]
+    assert got_d["d0"]["prompt_tokens_computed"] <= 1
+
+
+def test_a_prefill_engine_killed_mid_prompt_the_decode_recomputes(
+        engines: dict[str, Any], daemons: list[DaemonProcess],
+        start_engine: StartEngine) -> None:
+    """The prefill engine (its three processes) is SIGKILLed after the decode's daemon
+    read its first range: the prefill daemon sees its engine leave, the pull fails, and
+    the decode computes the prompt itself: the plain engine's tokens, within the hold
+    timeout of the kill."""
+    pd, dd = daemons
+    pid = f"gkill-{uuid.uuid4().hex[:6]}"
+    # One block a step over a longer prompt (96 steps): the kill must come before its end.
+    victim = start_engine("gkill", kv_transfer_config=kv_config(pid, pd), block_size=BLOCK,
+                          llm_kwargs={"enable_chunked_prefill": True,
+                                      "max_num_batched_tokens": BLOCK})
+    try:
+        prompts = random_prompts(1, 3 * 1024, seed=81)
+        want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+        reads0 = _ranges_read(dd)
+        killed: list[float] = []
+
+        def kill_after_the_first_range(decode: EngineProc) -> int:
+            if not killed and _ranges_read(dd) > reads0:
+                os.killpg(victim.proc.pid, signal.SIGKILL)  # its own session (EngineProc)
+                killed.append(time.monotonic())
+            return 0
+
+        got_p, got_d, _ = _at_once(dict(engines, prefill_id=pid), prompts, prefill=victim,
+                                   during=kill_after_the_first_range)
+        assert killed and got_p == {}, "the prefill finished before it was killed"
+        g = got_d["d0"]
+        assert g["token_ids"] == want[0]["token_ids"]
+        assert g["prompt_tokens_computed"] > 1, g  # the decode computed the prompt itself
+        answered_s = max(g["token_times"]) - killed[0]
+        assert answered_s < HOLD_S + 10, f"the decode answered {answered_s:.1f} s after the kill"
+        print(f"\nprefill engine killed mid-prompt: the decode answered {answered_s:.2f} s "
+              f"after the kill, {_ranges_read(dd) - reads0:.0f} ranges read before")
+    finally:
+        victim.close()

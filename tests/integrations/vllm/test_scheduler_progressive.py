@@ -39,7 +39,7 @@ def _both(p, d, daemons: Daemons, prompt: list[int], rid: str) -> str:
 
 
 def _sealing(p, rid: str):
-    return p.connector._scheduler._sealing.get(f"pre-{rid}")
+    return p.connector._scheduler.sealing.get(f"pre-{rid}")
 
 
 def test_sealed_chunks_are_read_while_the_prefill_computes(daemons: Daemons,

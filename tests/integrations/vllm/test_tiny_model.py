@@ -64,6 +64,21 @@ def test_builder_is_idempotent(tmp_path: Path) -> None:
     assert (other / "keep.txt").exists()
 
 
+def test_more_positions_change_only_the_position_limits(tmp_path: Path) -> None:
+    """kvd bench vllm's 8K prompts need a model with 8K positions (past them vLLM's
+    rotary cache is read out of range); the weights stay the default model's."""
+    import json
+
+    default = build_tiny_llama(tmp_path / "d")
+    longer = build_tiny_llama(tmp_path / "l", max_positions=8260)
+    assert json.loads((longer / "config.json").read_text())["max_position_embeddings"] == 8260
+    tok = json.loads((longer / "tokenizer_config.json").read_text())
+    assert tok["model_max_length"] == 8260
+    assert (longer / "model.safetensors").read_bytes() == \
+        (default / "model.safetensors").read_bytes()
+    assert spec_hash(8260) in (longer / STAMP_FILE).read_text() and spec_hash(8260) != spec_hash()
+
+
 def test_output_depends_on_the_first_prompt_tokens(
     reference_engine: EngineProc, record_property: pytest.RecordProperty
 ) -> None:
