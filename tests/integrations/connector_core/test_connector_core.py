@@ -10,10 +10,10 @@ import shutil
 from dataclasses import dataclass
 
 import pytest
+from support.connector_cases import tiny_geometry
 
 from kvd.errors import KvdError, KvdTimeoutError
 from kvd.integrations.connector_core import cuda_alloc
-from kvd.integrations.connector_core.geometry import VllmKvGeometry
 from kvd.integrations.connector_core.messages import (
     Handshake,
     StepAnnouncements,
@@ -59,19 +59,12 @@ def test_scheduler_takes_the_first_handshake_naming_a_daemon():
         sched.close()
 
 
-def _geometry() -> VllmKvGeometry:
-    return VllmKvGeometry(model_name="m", total_kv_heads=2, total_layers=2, heads_on_rank=2,
-                          layer_names=("l0", "l1"), head_size=64, head_size_v=64,
-                          dtype="float16", mla=False, block_size_tokens=32, num_blocks=4,
-                          kv_layout="LBHNC", buf_nbytes=4 * 2 * 2 * 32 * 2 * 64 * 2,
-                          tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-
 
 def test_registration_nobody_answers_is_one_line_naming_the_address_and_the_fix(caplog):
     """Nothing listens at the address: the worker logs one ERROR line that names the
     address and what to start, and raises with the same line (no second cause)."""
     worker = KvdWorker(_settings("tcp://127.0.0.1:9", kvd_request_timeout_s=0.3),
-                       _geometry())
+                       tiny_geometry())
     try:
         with caplog.at_level(logging.ERROR, logger="kvd.vllm"), \
                 pytest.raises(KvdTimeoutError) as err:

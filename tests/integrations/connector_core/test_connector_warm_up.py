@@ -9,26 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 from support.cluster import metric, start_daemon, stop_and_check_clean, wait_until
+from support.connector_cases import tiny_geometry
 
-from kvd.integrations.connector_core.geometry import VllmKvGeometry
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.integrations.connector_core.worker import KvdWorker
 
 pytestmark = pytest.mark.nixl
 
 
-def _geometry() -> VllmKvGeometry:
-    return VllmKvGeometry(model_name="m", total_kv_heads=2, total_layers=2, heads_on_rank=2,
-                          layer_names=("l0", "l1"), head_size=64, head_size_v=64,
-                          dtype="float16", mla=False, block_size_tokens=32, num_blocks=4,
-                          kv_layout="LBHNC", buf_nbytes=4 * 2 * 2 * 32 * 2 * 64 * 2,
-                          tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-
 
 def _worker(engine_id: str, address: str, **extra: object) -> KvdWorker:
     return KvdWorker(ConnectorSettings.from_vllm(SimpleNamespace(
         engine_id=engine_id, kv_connector_extra_config={"kvd_address": address, **extra})),
-        _geometry())
+        tiny_geometry())
 
 
 def test_a_decode_engine_naming_its_producer_has_its_daemon_greet_it(tmp_path) -> None:
