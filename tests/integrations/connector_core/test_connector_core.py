@@ -59,7 +59,6 @@ def test_scheduler_takes_the_first_handshake_naming_a_daemon():
         sched.close()
 
 
-
 def test_registration_nobody_answers_is_one_line_naming_the_address_and_the_fix(caplog):
     """Nothing listens at the address: the worker logs one ERROR line that names the
     address and what to start, and raises with the same line (no second cause)."""
