@@ -454,15 +454,21 @@ class KvdScheduler:
             if not sent_ok:
                 log.warning("request %s: kvd is not taking messages (frozen or gone); the "
                             "pull fails now", request_id)
+        self._note_sent(request_id, pull, sent_ok)
+
+    def _note_sent(self, request_id: str, pull: _Pull, sent_ok: bool) -> bool:
+        """Put a pull's send into this step's announcements; True if the workers now
+        wait for its event (sent, and not quiet)."""
         if not sent_ok:
             if not pull.quiet:
                 self._meta.failed[request_id] = pull.local_block_ids
-            return
+            return False
         TRACE.point("pull_sent", request_id)
         if pull.quiet:
             self._meta.quiet.append(request_id)
-        else:
-            self._meta.recv[request_id] = pull.local_block_ids
+            return False
+        self._meta.recv[request_id] = pull.local_block_ids
+        return True
 
     def _start_progressive(self, request_id: str, pull: _Pull,
                            remote: ProgressivePrefill) -> None:
@@ -477,15 +483,8 @@ class KvdScheduler:
         else:
             sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,
                                                   tuple(pull.local_block_ids)), self._now())
-        if not sent_ok:
-            if not pull.quiet:
-                self._meta.failed[request_id] = pull.local_block_ids
+        if not self._note_sent(request_id, pull, sent_ok):
             return
-        TRACE.point("pull_sent", request_id)
-        if pull.quiet:
-            self._meta.quiet.append(request_id)
-            return
-        self._meta.recv[request_id] = pull.local_block_ids
         self._progressive_pulls[request_id] = None
         while len(self._progressive_pulls) > MAX_PROGRESSIVE_KEPT:
             self._progressive_pulls.popitem(last=False)
