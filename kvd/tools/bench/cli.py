@@ -267,6 +267,12 @@ def vllm_bench(
         0, "--max-num-batched-tokens", help="Chunked prefill on every engine, this many "
         "tokens a step (0: vLLM's default). Progressive systems overlap the transfer with "
         "the prefill only when a prompt takes several chunks."),
+    hog: int = typer.Option(0, "--hog", help="Run this many CPU hogs (busy loops) beside "
+                            "the engines for the whole run: a busy host."),
+    pause_others: bool = typer.Option(
+        True, "--pause-others/--no-pause-others", help="Between its turns pause each "
+        "system's processes (SIGSTOP; SIGCONT for its turn), so that a turn runs with only "
+        "the measured system on the CPUs (NixlConnector as shipped spins when idle)."),
     breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
                                    "hand-over's time goes, and when each request of a batch "
                                    "landed (connector traces, KVD_TRACE_DIR)."),
@@ -280,6 +286,8 @@ def vllm_bench(
     if min(rounds, batch, batch_rounds, prompt_tokens, max_tokens) < 1 or rounds < 2:
         _fail("--rounds must be >= 2 (the first is the warm-up); --batch, --batch-rounds, "
               "--prompt-tokens and --max-tokens >= 1")
+    if hog < 0:
+        _fail("--hog must be >= 0")
     if max_tokens < 2:
         _fail("--max-tokens must be >= 2 (the decode step is the gap between two tokens)")
     try:
@@ -294,7 +302,8 @@ def vllm_bench(
                       max_model_len=max(2048, prompt_tokens + max_tokens + 64),
                       breakdown=breakdown, decode_timeout_s=decode_timeout_s,
                       router_warm_up=router_warm_up,
-                      max_num_batched_tokens=max_num_batched_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens, hogs=hog,
+                      pause_others=pause_others)
     try:
         res = run_bench(cfg, work_dir or None)
     except KvdError as exc:

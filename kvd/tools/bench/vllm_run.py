@@ -51,6 +51,7 @@ from kvd.tools.bench.vllm_stats import (
     Batch,
     Counters,
     Single,
+    Summary,
     add_ratios,
     batch_landing,
     breakdown,
@@ -60,6 +61,7 @@ from kvd.tools.bench.vllm_stats import (
     targets,
 )
 from kvd.tools.bench.vllm_systems import SYSTEMS, SystemSpec, engine_args, system_spec
+from kvd.tools.bench.vllm_turns import Group, Hogs, Turns, cpu_s, session_pids
 from kvd.tools.localcluster import DaemonProcess, free_port
 
 HTTP_TIMEOUT_S = 300.0
@@ -96,6 +98,9 @@ class BenchConfig:
     router_warm_up: bool = False  # routers hand one request over per pair before round 0
     decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
     max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
+    pause_others: bool = True  # between its turns a system is paused (SIGSTOP): a quiet host
+    settle_s: float = 1.0  # after a system is continued, before its turn
+    hogs: int = 0  # busy loops beside the engines for the whole run (a busy host)
 
 
 # ------------------------------------------------------------------ processes
@@ -155,32 +160,9 @@ def stop_session(proc: subprocess.Popen, term_wait_s: float = 20.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _stat_fields(pid: str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def session_pids(sid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(entry)
-            if fields and int(fields[3]) == sid and fields[0] != "Z":
-                out.append(int(entry))
-    return out
-
-
 def session_cpu_s(sid: int) -> float:
     """User + system CPU seconds of every live process of session ``sid``."""
-    total = 0
-    for pid in session_pids(sid):
-        fields = _stat_fields(str(pid))
-        if fields:
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+    return cpu_s(session_pids(sid))
 
 
 # ------------------------------------------------------------------ HTTP
@@ -352,6 +334,9 @@ class VllmBench:
         self.failed_batches: dict[str, int] = {}  # system -> batches with no stream at all
         # (system, client time stamps) of each single hand-over, for the breakdown
         self.timelines: list[tuple[str, dict[str, float]]] = []
+        self.failed_systems: dict[str, str] = {}  # system -> why it was dropped
+        self.turns: Turns | None = None  # set by run(): only the measured system runs
+        self.hogs: Hogs | None = None
 
     # -------------------------------------------------------------- start / stop
 
@@ -468,6 +453,11 @@ class VllmBench:
             d.proc.pid for r in self.systems.values() for d in r.daemons]
 
     def stop(self) -> None:
+        if self.turns is not None:  # a stopped process would not act on SIGTERM
+            with contextlib.suppress(Exception):
+                self.turns.resume_all()
+        if self.hogs is not None:
+            self.hogs.stop()
         for run in self.systems.values():
             for proc in reversed(run.procs):
                 with contextlib.suppress(Exception):
@@ -507,7 +497,7 @@ class VllmBench:
             return stream_completion(run.ports["decode"],
                                      {**self._body(seed), "kv_transfer_params": params},
                                      self.cfg.decode_timeout_s)
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, KvdError) as exc:
             self.log(f"  {run.spec.name}: decode request failed ({exc})")
             return None
 
@@ -515,7 +505,7 @@ class VllmBench:
         try:
             return stream_completion(run.router_port, self._body(seed),
                                      self.cfg.decode_timeout_s)
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, KvdError) as exc:
             self.log(f"  {run.spec.name}: request through the router failed ({exc})")
             return None
 
@@ -524,103 +514,163 @@ class VllmBench:
 
     def single_round(self, rnd: int, order: list[str]) -> None:
         seed = self.cfg.seed * 100_000 + rnd
-        for name in order:
-            run = self.systems[name]
-            if not run.spec.disaggregated:
-                s = stream_completion(run.ports["plain"], self._body(seed))
-                self.reference[seed] = s.text
-                self.singles.append(Single(name, rnd, None, s.ttft_s, 1, 1))
-                continue
-            prefill_sent = time.monotonic()
-            params = self._prefill(run, seed)
-            prefill_answered = time.monotonic()
-            handed = self._decode(run, seed, params)
-            routed = self._routed(run, seed)
-            self.singles.append(Single(
-                name, rnd, None if handed is None else handed.ttft_s,
-                None if routed is None else routed.ttft_s,
-                sum(self._equal(seed, s.text) for s in (handed, routed) if s is not None), 2,
-                failed=(handed is None) + (routed is None)))
-            if handed is not None:
-                self.timelines.append((name, {
-                    "prefill_sent": prefill_sent, "prefill_answered": prefill_answered,
-                    "decode_sent": handed.sent_s, "first_token": handed.token_s[0],
-                    "end": handed.end_s}))
+        for name in self._live(order):
+            with self._turn(name):
+                self._single(name, rnd, seed)
+
+    def _single(self, name: str, rnd: int, seed: int) -> None:
+        run = self.systems[name]
+        if not run.spec.disaggregated:
+            s = stream_completion(run.ports["plain"], self._body(seed))
+            self.reference[seed] = s.text
+            self.singles.append(Single(name, rnd, None, s.ttft_s, 1, 1))
+            return
+        prefill_sent = time.monotonic()
+        params = self._prefill(run, seed)
+        prefill_answered = time.monotonic()
+        handed = self._decode(run, seed, params)
+        routed = self._routed(run, seed)
+        self.singles.append(Single(
+            name, rnd, None if handed is None else handed.ttft_s,
+            None if routed is None else routed.ttft_s,
+            sum(self._equal(seed, s.text) for s in (handed, routed) if s is not None), 2,
+            failed=(handed is None) + (routed is None)))
+        if handed is not None:
+            self.timelines.append((name, {
+                "prefill_sent": prefill_sent, "prefill_answered": prefill_answered,
+                "decode_sent": handed.sent_s, "first_token": handed.token_s[0],
+                "end": handed.end_s}))
 
     def batch_round(self, rnd: int, order: list[str]) -> None:
         seeds = [self.cfg.seed * 100_000 + 50_000 + rnd * 1000 + i
                  for i in range(self.cfg.batch)]
         plain = self.systems.get("plain")
-        if plain is not None:
-            for seed in seeds:  # references, one at a time (as the single rounds)
-                self.reference[seed] = stream_completion(plain.ports["plain"],
-                                                         self._body(seed)).text
-        for name in order:
-            run = self.systems[name]
-            if run.spec.disaggregated:
-                params = _parallel([lambda s=s, r=run: self._prefill(r, s) for s in seeds])
-                calls = [lambda s=s, p=p, r=run: self._decode(r, s, p)
-                         for s, p in zip(seeds, params, strict=True)]
-            else:
-                port = run.ports["plain"]
-                calls = [lambda s=s, p=port: stream_completion(p, self._body(s)) for s in seeds]
-            got = _parallel(calls)
-            streams = [st for st in got if st is not None]
-            if not streams:
-                self.log(f"  {name}: every request of the batch failed")
-                self.failed_batches[name] = self.failed_batches.get(name, 0) + 1
-                continue
-            gaps = [b - a for st in streams
-                    for a, b in zip(st.token_s, st.token_s[1:], strict=False)]
-            self.batches.append(Batch(
-                name, rnd, min(st.sent_s for st in streams),
-                tuple(st.token_s[0] for st in streams), tuple(st.end_s for st in streams),
-                tuple(gaps), sum(self._equal(s, st.text)
-                                 for s, st in zip(seeds, got, strict=True) if st is not None),
-                len(got), failed=len(got) - len(streams)))
+        if plain is not None and "plain" in self._live(order):
+            with self._turn("plain"):  # references, one at a time (as the single rounds)
+                for seed in seeds:
+                    self.reference[seed] = stream_completion(plain.ports["plain"],
+                                                             self._body(seed)).text
+        for name in self._live(order):
+            with self._turn(name):
+                self._batch(name, rnd, seeds)
+
+    def _batch(self, name: str, rnd: int, seeds: list[int]) -> None:
+        run = self.systems[name]
+        if run.spec.disaggregated:
+            params = _parallel([lambda s=s, r=run: self._prefill(r, s) for s in seeds])
+            calls = [lambda s=s, p=p, r=run: self._decode(r, s, p)
+                     for s, p in zip(seeds, params, strict=True)]
+        else:
+            port = run.ports["plain"]
+            calls = [lambda s=s, p=port: stream_completion(p, self._body(s)) for s in seeds]
+        got = _parallel(calls)
+        streams = [st for st in got if st is not None]
+        if not streams:
+            self.log(f"  {name}: every request of the batch failed")
+            self.failed_batches[name] = self.failed_batches.get(name, 0) + 1
+            return
+        gaps = [b - a for st in streams
+                for a, b in zip(st.token_s, st.token_s[1:], strict=False)]
+        self.batches.append(Batch(
+            name, rnd, min(st.sent_s for st in streams),
+            tuple(st.token_s[0] for st in streams), tuple(st.end_s for st in streams),
+            tuple(gaps), sum(self._equal(s, st.text)
+                             for s, st in zip(seeds, got, strict=True) if st is not None),
+            len(got), failed=len(got) - len(streams)))
 
     def idle_cores(self) -> dict[str, float]:
-        """Per system: CPU cores its engines (and their daemons' share) use idle."""
-        time.sleep(2.0)  # let the last requests' bookkeeping settle
-        sids: dict[str, list[int]] = {
-            name: [p.proc.pid for p in run.procs if not p.name.endswith("-router")]
-                  + [d.proc.pid for d in run.daemons]
-            for name, run in self.systems.items()}
-        before = {n: sum(session_cpu_s(s) for s in ss) for n, ss in sids.items()}
-        t0 = time.monotonic()
-        time.sleep(self.cfg.idle_s)
-        elapsed = time.monotonic() - t0
+        """Per system, in its turn: CPU cores its engines (and their daemons' share) use
+        idle."""
         out = {}
-        for name, ss in sids.items():
-            engines = len(self.systems[name].spec.engines)
-            used = sum(session_cpu_s(s) for s in ss) - before[name]
-            out[name] = used / elapsed / engines
+        for name, run in self.systems.items():
+            if name in self.failed_systems:
+                continue
+            sids = ([p.proc.pid for p in run.procs if not p.name.endswith("-router")]
+                    + [d.proc.pid for d in run.daemons])
+            with self._turn(name):
+                time.sleep(2.0)  # let the last requests' bookkeeping settle
+                before = sum(session_cpu_s(s) for s in sids)
+                t0 = time.monotonic()
+                time.sleep(self.cfg.idle_s)
+                elapsed = time.monotonic() - t0
+                used = sum(session_cpu_s(s) for s in sids) - before
+                out[name] = used / elapsed / len(run.spec.engines)
         return out
 
     def decode_metrics(self) -> dict[str, dict[str, float]]:
         out = {}
         for name, run in self.systems.items():
-            port = run.ports.get("decode") or run.ports["plain"]
-            out[name] = scrape(port)
+            if name in self.failed_systems:
+                continue
+            with self._turn(name):
+                out[name] = scrape(run.ports.get("decode") or run.ports["plain"])
         return out
+
+    # -------------------------------------------------------------- turns
+
+    def _groups(self) -> dict[str, Group]:
+        return {name: Group(tuple(d.proc.pid for d in run.daemons),
+                            tuple(p.proc.pid for p in run.procs))
+                for name, run in self.systems.items()}
+
+    @contextlib.contextmanager
+    def _turn(self, name: str) -> Iterator[None]:
+        """The system's turn: only it runs (the others paused, when pause_others). An
+        error of the system's own (a request that raised, a server gone) ends the system,
+        not the run: it is reported as failed and the others go on."""
+        try:
+            if self.turns is None:
+                yield
+            else:
+                with self.turns.turn(name):
+                    yield
+        except Exception as exc:  # noqa: BLE001 - the system's failure, recorded
+            self._fail_system(name, exc)
+
+    def _fail_system(self, name: str, exc: BaseException) -> None:
+        why = f"{type(exc).__name__}: {exc}"[:500]
+        self.log(f"  {name}: failed ({why}); stopping it, the others go on")
+        self.failed_systems[name] = why
+        if self.turns is not None:
+            self.turns.drop(name)
+        run = self.systems[name]
+        for proc in reversed(run.procs):
+            with contextlib.suppress(Exception):
+                proc.stop()
+        for d in run.daemons:
+            with contextlib.suppress(Exception):
+                d.stop()
+
+    def _live(self, order: list[str]) -> list[str]:
+        return [n for n in order if n not in self.failed_systems]
 
     def run(self) -> dict[str, Any]:
         names = list(self.systems)
+        if self.cfg.hogs:
+            self.hogs = Hogs(self.cfg.hogs)
+            self.log(f"  {self.cfg.hogs} CPU hog(s) beside the engines")
+        if self.cfg.pause_others:
+            hogs = self.hogs
+            self.turns = Turns(self._groups(), self.cfg.settle_s,
+                               hog_pids=(hogs.pids if hogs is not None else tuple))
         before = self.decode_metrics()
         for rnd in range(self.cfg.rounds):
-            order = _rotated(names, rnd)
-            self.single_round(rnd, order)
+            self.single_round(rnd, self._live(_rotated(names, rnd)))
             self.log(f"  round {rnd + 1}/{self.cfg.rounds} done")
         for rnd in range(self.cfg.batch_rounds):
-            self.batch_round(rnd, _rotated(names, rnd))
+            self.batch_round(rnd, self._live(_rotated(names, rnd)))
             self.log(f"  batch {rnd + 1}/{self.cfg.batch_rounds} done")
         after = self.decode_metrics()
         idle = self.idle_cores()
         plain_ttft = {s.round: s.ttft_s for s in self.singles if s.system == "plain"}
         summaries = {}
         for name in names:
+            if name in self.failed_systems or name not in after or name not in before:
+                summaries[name] = Summary(name, notes=[
+                    f"failed, not measured after that: {self.failed_systems.get(name)}"])
+                continue
             counters = _counters(name, before[name], after[name], self.cfg)
-            counters.idle_cores_per_engine = idle[name]
+            counters.idle_cores_per_engine = idle.get(name)
             summaries[name] = summarize(
                 name, [s for s in self.singles if s.system == name],
                 [b for b in self.batches if b.system == name], plain_ttft, counters)
@@ -635,6 +685,9 @@ class VllmBench:
             goals["first_transfer_le_2x_warm"] = {
                 n: f["x_warm"] <= TARGET_FIRST_X_WARM
                 for n, f in extra["first_transfers"].items()}
+        if self.turns is not None:
+            extra["turn_load"] = self.turns.summary()
+        extra["failed_systems"] = dict(self.failed_systems)
         return {**extra, "summaries": [asdict(s) for s in summaries.values()],
                 "targets": goals,
                 "singles": [asdict(s) for s in self.singles],
@@ -776,7 +829,8 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
         if not keep and not failed:
             shutil.rmtree(work, ignore_errors=True)
     result["host"] = {"cpus": os.cpu_count(), "load_before": load_before,
-                      "load_after": host_load()}
+                      "load_after": host_load(), "hogs": cfg.hogs,
+                      "pause_others": cfg.pause_others}
     result["started_sessions"] = bench.sessions()
     result["config"] = asdict(cfg)
     return result

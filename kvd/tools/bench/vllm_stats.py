@@ -247,6 +247,13 @@ def render(result: dict[str, Any]) -> str:
                f"{result['config']['batch']} x {result['config']['batch_rounds']}, prompt "
                f"{result['config']['prompt_tokens']} tokens, {result['config']['max_tokens']} "
                "generated")
+    for name, t in result.get("turn_load", {}).items():
+        out.append(f"turns of {name}: {t['turns']} ({t['turn_s']} s), runnable p50 "
+                   f"{t['runnable_p50']} max {t['runnable_max']}, busy cores: host "
+                   f"{t['host_cores']}, the system {t['system_cores']}, hogs "
+                   f"{t['hog_cores']}, others {t['others_cores']}")
+    for name, why in result.get("failed_systems", {}).items():
+        out.append(f"FAILED {name}: {why}")
     for name, ok in result.get("targets", {}).items():
         out.append(f"target {name}: {ok}")
     for s in summaries:
