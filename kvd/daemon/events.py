@@ -13,12 +13,20 @@ carries every unacknowledged event, so a lost, late, duplicated or reordered rep
 loses nothing and the client drops the ``seq`` it has seen (kvd.client.EventCursor).
 An engine should use one mode: a plain poll still takes the events it is given.
 
-Delivery after a push is scheduled (the daemon passes ``loop.call_soon``), so a
-burst of events of one loop iteration (pulls failed together) is one reply.
+Delivery after a push is scheduled, so a burst of events of one loop iteration (pulls
+failed together) is one reply. The daemon schedules it with `AfterBurst`: when the
+engine face has read every request that waits on it (at most BURST_HOLD_S later). A
+decode engine's step sends its pulls back to back; each local pull ends inside its
+handler, and the face yields the loop every 2 ms, so delivered at the next loop turn
+the burst's events went out in pieces (run 6 of docs/notes/2026-11-28-handover-runs.md:
+the five events of a step in replies 100 ms apart), each piece a reply to send and a
+wake-up of the engine's worker, which on a busy host takes the CPU the daemon needs
+for the rest of the burst. Held until the burst is read, they leave in one reply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections import deque
@@ -34,6 +42,47 @@ log = logging.getLogger("kvd.events")
 
 MAX_EVENTS_PER_ENGINE = 100_000
 MAX_POLL_WAIT_S = 60.0  # a longer Poll timeout is answered (empty) after this
+# Events wait for the engine face's burst to be read at most this long (a face that
+# never runs dry, e.g. a flood of pings, delays no event more than this).
+BURST_HOLD_S = 0.03
+
+
+class AfterBurst:
+    """Runs scheduled callbacks (event deliveries) once nothing waits on the engine face
+    (``waiting``: its Inbox's), or ``hold_s`` after the first of them was scheduled;
+    never inside the call that schedules. No task, no timer: a check at each loop turn
+    while a burst is read (the face yields every SERVE_SLICE_S)."""
+
+    def __init__(self, now: Callable[[], float], hold_s: float = BURST_HOLD_S,
+                 call_soon: Callable[[Callable[[], None]], object] | None = None) -> None:
+        self.waiting: Callable[[], bool] = lambda: False  # the engine face's, once bound
+        self._now = now
+        self._hold_s = hold_s
+        self._call_soon = call_soon
+        self._pending: list[Callable[[], None]] = []
+        self._since_s = 0.0
+        self.held = 0  # loop turns a delivery waited for the burst (tests)
+
+    def schedule(self, fn: Callable[[], None]) -> None:
+        if not self._pending:
+            self._since_s = self._now()
+            self._soon(self._run)
+        self._pending.append(fn)
+
+    def _soon(self, fn: Callable[[], None]) -> None:
+        if self._call_soon is not None:
+            self._call_soon(fn)
+        else:
+            asyncio.get_running_loop().call_soon(fn)
+
+    def _run(self) -> None:
+        if self._pending and self.waiting() and self._now() - self._since_s < self._hold_s:
+            self.held += 1
+            self._soon(self._run)
+            return
+        fns, self._pending = self._pending, []
+        for fn in fns:
+            fn()
 
 
 @dataclass

@@ -34,7 +34,7 @@ from kvd.daemon.curve_auth import CurveGuard
 from kvd.daemon.datapath import DataPath, new_nixl_executor
 from kvd.daemon.engines.liveness import ConnectionTracker
 from kvd.daemon.engines.registry import EngineRegistry
-from kvd.daemon.events import EventHub
+from kvd.daemon.events import AfterBurst, EventHub
 from kvd.daemon.faces import Face, Handler, Request, is_loopback
 from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers.table import PeerTable
@@ -86,8 +86,11 @@ class Daemon:
         self.instance_id = uuid.uuid4().hex  # this incarnation; never reused
         self.token = token
         self._transport_factory = transport_factory
+        # events leave when the engine face has read its burst (bound to it at start)
+        self.after_burst = AfterBurst(self.clock.now)
         self.events = EventHub(self._reply_poll, self.clock.now, self.metrics.events_dropped.inc,
-                               schedule=self._call_soon, instance_id=self.instance_id)
+                               schedule=self.after_burst.schedule,
+                               instance_id=self.instance_id)
         self.draining = self.ready = self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
@@ -152,6 +155,7 @@ class Daemon:
                        spans=self.spans)
         self.producer = Producer(svc)
         self.consumer = Consumer(svc, self._local_peer)
+        self.after_burst.waiting = self.engine_face.inbox.waiting
         if cfg.copy_bursts:
             self.consumer.copy_bursts(self.engine_face.inbox.waiting)
         self.connections = ConnectionTracker()
@@ -232,10 +236,6 @@ class Daemon:
         if not self.ready:
             return False, "starting"
         return True, f"serving {self.registry.rank_count()} engine ranks"
-
-    @staticmethod
-    def _call_soon(fn: Callable[[], None]) -> None:
-        asyncio.get_running_loop().call_soon(fn)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
