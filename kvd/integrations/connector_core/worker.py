@@ -70,8 +70,12 @@ class KvdWorker:
         self.rejoin.kick(reason)
 
     def _rejoined(self, handle: RankHandle) -> None:
+        """The rejoin thread's (never the step's): the rank is registered again."""
+        restarted = self.handle is None or handle.instance_id != self.handle.instance_id
         self.handle = handle  # same mapping; the step's next worker_meta tells the scheduler
         self.cursor.note_instance(handle.instance_id)  # (a restart, if no poll said so yet)
+        if restarted and self.reports:
+            self._warm_up()  # a new daemon knows none of our producers: greet them again
 
     # ------------------------------------------------------------ memory
 
@@ -109,8 +113,9 @@ class KvdWorker:
         return self.handle
 
     def _warm_up(self) -> None:
-        """Once, at start-up: name this engine's producers (``kvd_producers``) to its
-        daemon, which greets them in the background (answered at once)."""
+        """At start-up, and after a restart of the daemon (its incarnation changed): name
+        this engine's producers (``kvd_producers``) to its daemon, which greets them in
+        the background (answered at once). Never inside a step."""
         if not self.settings.producers:
             return
         try:
