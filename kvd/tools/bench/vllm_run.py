@@ -77,6 +77,7 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
               "VLLM_LOGGING_LEVEL": "WARNING"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+IDLE_SETTLE_S = 5.0  # in a system's turn, before its idle CPU is measured
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,9 @@ class VllmBench:
             sids = ([p.proc.pid for p in run.procs if not p.name.endswith("-router")]
                     + [d.proc.pid for d in run.daemons])
             with self._turn(name):
-                time.sleep(2.0)  # let the last requests' bookkeeping settle
+                # the last requests' bookkeeping, and what a continued process catches
+                # up on (timers that came due while it was paused), settle first
+                time.sleep(IDLE_SETTLE_S)
                 before = sum(session_cpu_s(s) for s in sids)
                 t0 = time.monotonic()
                 time.sleep(self.cfg.idle_s)
