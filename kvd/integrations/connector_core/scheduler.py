@@ -40,6 +40,7 @@ from kvd.integrations.connector_core.params import (
 )
 from kvd.integrations.connector_core.sealing import FINISHED_OK, Sealer
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.integrations.connector_core.steplog import step_log
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
@@ -97,6 +98,7 @@ class KvdScheduler:
                  now: Callable[[], float] = time.monotonic,
                  async_scheduling: bool = False) -> None:
         self.settings = settings
+        step_log.start()  # the thread that writes the step's log lines, started here
         self.block_size_tokens = block_size_tokens
         # Hybrid models: (kvd layer kind, block size in tokens) of each KV-cache group, in
         # vLLM's order; None for one attention group (attention-only models, unchanged).
@@ -142,8 +144,8 @@ class KvdScheduler:
         if peer_address:
             self.peer_address = peer_address
         if instance_id and instance_id != self.daemon_instance:
-            log.warning("kvd restarted: the workers registered again with instance %s; "
-                        "P/D resumes through it", instance_id)
+            step_log.warning("kvd restarted: the workers registered again with instance %s; "
+                             "P/D resumes through it", instance_id)
             self.daemon_instance = instance_id
 
     # ------------------------------------------------------------ prefill side (new)
@@ -186,20 +188,20 @@ class KvdScheduler:
             try:
                 parse_progressive_prefill(params)
             except ParamsError as exc:
-                log.warning("request %s: ignoring kv_transfer_params (%s); computing the "
-                            "prompt locally", request.request_id, exc)
+                step_log.warning("request %s: ignoring kv_transfer_params (%s); computing the "
+                                 "prompt locally", request.request_id, exc)
                 return 0, False
             if self.groups is not None:
-                log.warning("request %s: progressive pulls of hybrid models are not "
-                            "supported; computing the prompt locally", request.request_id)
+                step_log.warning("request %s: progressive pulls of hybrid models are not "
+                                 "supported; computing the prompt locally", request.request_id)
                 return 0, False
             count = request.num_prompt_tokens - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         try:
             remote = parse_remote_prefill(params)
         except ParamsError as exc:
-            log.warning("request %s: ignoring kv_transfer_params (%s); computing the prompt "
-                        "locally", request.request_id, exc)
+            step_log.warning("request %s: ignoring kv_transfer_params (%s); computing the prompt "
+                             "locally", request.request_id, exc)
             return 0, False
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         remote_bs = remote.block_size_tokens
@@ -210,9 +212,9 @@ class KvdScheduler:
             # refuses it, and vLLM's "fail" policy would then fail the request). vLLM
             # cannot shrink its local hit, so compute the tail here; after_alloc sends
             # a notify-only pull that releases the prefill engine's blocks.
-            log.info("request %s: local prefix hit of %d tokens ends inside a prefill "
-                     "block of %d tokens; computing the remaining %d tokens locally",
-                     request.request_id, num_computed_tokens, remote_bs, count)
+            step_log.info("request %s: local prefix hit of %d tokens ends inside a prefill "
+                          "block of %d tokens; computing the remaining %d tokens locally",
+                          request.request_id, num_computed_tokens, remote_bs, count)
             return 0, False
         return (count, True) if count > 0 else (0, False)
 
@@ -327,8 +329,8 @@ class KvdScheduler:
         if not blocks:
             return False, None
         if self.peer_address is None:
-            log.error("request %s: no kvd peer address from the workers; not publishing",
-                      request.request_id)
+            step_log.error("request %s: no kvd peer address from the workers; not publishing",
+                           request.request_id)
             return False, None
         consumers = int(params.get("kvd_consumers", self.settings.consumers))
         hold_id = engine_hold_id()
@@ -338,9 +340,9 @@ class KvdScheduler:
                                consumers=consumers, hold_id=hold_id,
                                traceparent=traceparent)
         if not self.client.send(msg, _Sent("publish", request.request_id), self._now()):
-            log.error("request %s: kvd is not taking messages (frozen or gone); not "
-                      "publishing, the decode side will compute the prompt itself",
-                      request.request_id)
+            step_log.error("request %s: kvd is not taking messages (frozen or gone); not "
+                           "publishing, the decode side will compute the prompt itself",
+                           request.request_id)
             return False, None
         # The receipt needs no reply: the hold id is ours, the incarnation the workers'.
         TRACE.point("publish_sent", request.request_id)
@@ -407,16 +409,16 @@ class KvdScheduler:
             if isinstance(exc, NotFoundError) and "not registered" in str(exc):
                 self._meta.rejoin = True  # the daemon restarted: workers register again
             if sent.kind in ("seal", "cancel"):
-                log.warning("request %s: kvd refused the %s (%s)", sent.request_id,
-                            sent.kind, exc)
+                step_log.warning("request %s: kvd refused the %s (%s)", sent.request_id,
+                                 sent.kind, exc)
                 continue
             if sent.kind == "publish":
-                log.error("request %s: kvd refused the publish (%s); its blocks are freed "
-                          "and the decode side computes the prompt itself",
-                          sent.request_id, exc)
+                step_log.error("request %s: kvd refused the publish (%s); its blocks are freed "
+                               "and the decode side computes the prompt itself",
+                               sent.request_id, exc)
                 self._meta.send_refused.append(sent.request_id)
             else:
-                log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
+                step_log.warning("request %s: kvd refused the pull (%s)", sent.request_id, exc)
                 if not sent.quiet:
                     self._meta.refused[sent.request_id] = list(sent.local_block_ids)
         self._client.forget_older(self._now(), FORGET_REPLY_S)
@@ -446,14 +448,14 @@ class KvdScheduler:
                                 num_tokens=(pull.num_tokens if pull.local_block_ids or hybrid
                                             else -1))
         except (KvdError, ValueError) as exc:  # msgspec bounds (ValidationError)
-            log.warning("request %s: cannot build the pull (%s)", request_id, exc)
+            step_log.warning("request %s: cannot build the pull (%s)", request_id, exc)
             sent_ok = False
         else:
             sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,
                                                   tuple(pull.local_block_ids)), self._now())
             if not sent_ok:
-                log.warning("request %s: kvd is not taking messages (frozen or gone); the "
-                            "pull fails now", request_id)
+                step_log.warning("request %s: kvd is not taking messages (frozen or gone); the "
+                                 "pull fails now", request_id)
         self._note_sent(request_id, pull, sent_ok)
 
     def _note_sent(self, request_id: str, pull: _Pull, sent_ok: bool) -> bool:
@@ -478,7 +480,7 @@ class KvdScheduler:
                                             pull.local_block_ids, pull.num_tokens,
                                             remote_request_id=remote.request_id)
         except (KvdError, ValueError) as exc:
-            log.warning("request %s: cannot build the pull (%s)", request_id, exc)
+            step_log.warning("request %s: cannot build the pull (%s)", request_id, exc)
             sent_ok = False
         else:
             sent_ok = self.client.send(msg, _Sent("pull", request_id, pull.quiet,

@@ -16,17 +16,15 @@ logged when ``KvdScheduler`` takes the replies.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.client import Messages, engine_hold_id
 from kvd.integrations.connector_core.params import ParamsError, progressive_transfer_id
+from kvd.integrations.connector_core.steplog import step_log
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
-
-log = logging.getLogger("kvd.vllm")
 
 FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 
@@ -80,8 +78,8 @@ class Sealer:
         try:
             tid = progressive_transfer_id(request.kv_transfer_params)
         except ParamsError as exc:
-            log.warning("request %s: bad kvd_transfer_id (%s); publishing once finished",
-                        request.request_id, exc)
+            step_log.warning("request %s: bad kvd_transfer_id (%s); publishing once finished",
+                             request.request_id, exc)
             return
         if tid is None or request.request_id in self._sealing or self._hybrid:
             return
@@ -157,7 +155,7 @@ class Sealer:
                             lease_s=self.lease_s, consumers=self.consumers,
                             hold_id=hold_id)
         if not self._send(msg, rid):
-            log.warning("request %s: kvd is not taking messages; seal not sent", rid)
+            step_log.warning("request %s: kvd is not taking messages; seal not sent", rid)
             return False
         s.sealed = num_tokens
         TRACE.point("seal_sent", rid)

@@ -31,6 +31,7 @@ from kvd.integrations.connector_core.messages import Handshake, StepAnnouncement
 from kvd.integrations.connector_core.preflight import unreachable_line
 from kvd.integrations.connector_core.rejoin import Rejoin
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.integrations.connector_core.steplog import step_log
 from kvd.ops.trace import TRACE
 
 log = logging.getLogger("kvd.vllm")
@@ -40,6 +41,7 @@ class KvdWorker:
     def __init__(self, settings: ConnectorSettings, geom: VllmKvGeometry | VllmHybridGeometry,
                  multi_group: bool = False, now: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        step_log.start()  # the thread that writes the step's log lines, started here
         self._now = now
         self.geom = geom
         self.reports = geom.tp_rank == 0 and geom.pp_rank == 0
@@ -206,9 +208,9 @@ class KvdWorker:
             self._restarts_seen = self.cursor.restarts
             lost = self.book.daemon_restarted()
             if lost:
-                log.error("kvd restarted: %d transfers in flight there are lost (pulls "
-                          "fail under kv_load_failure_policy; published blocks are freed)",
-                          len(lost))
+                step_log.error("kvd restarted: %d transfers in flight there are lost (pulls "
+                               "fail under kv_load_failure_policy; published blocks are freed)",
+                               len(lost))
             self.rejoin.kick("a new kvd instance answered")
         for ev in self.cursor.take():
             if ev.kind == "done_sending" and ev.request_id in self._aliases:
@@ -217,7 +219,7 @@ class KvdWorker:
                 TRACE.point("event_taken", ev.request_id, ev.duration_s)
             self.book.on_event(ev)
         for rid in self.book.expire(self._now()):
-            log.error("request %s: kvd never reported its transfer; giving up", rid)
+            step_log.error("request %s: kvd never reported its transfer; giving up", rid)
         report = self.book.take()
         if TRACE.on:
             for rid in report.finished_recving:
