@@ -33,6 +33,9 @@ class StepAnnouncements:
     # the step computes no token (every request waits for its KV): the rank-0 worker
     # may wait in it for kvd's events instead of spinning through empty steps
     idle: bool = False
+    # the step computes no token and every pull the engine waits for is progressive
+    # (waiting.py): the worker may wait longer, kvd_progressive_idle_wait_s
+    only_progressive: bool = False
     # progressive prefills: the transfer id a request was sealed under -> its request id
     # (the daemon's done_sending names the transfer id)
     aliases: dict[str, str] = field(default_factory=dict)

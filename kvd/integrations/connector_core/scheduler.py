@@ -41,6 +41,7 @@ from kvd.integrations.connector_core.params import (
 from kvd.integrations.connector_core.sealing import FINISHED_OK, Sealer
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.integrations.connector_core.steplog import step_log
+from kvd.integrations.connector_core.waiting import PullsOut
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
@@ -122,6 +123,7 @@ class KvdScheduler:
                               self._send_seal, async_scheduling=async_scheduling,
                               hybrid=self.groups is not None)
         self._progressive_pulls: OrderedDict[str, None] = OrderedDict()
+        self.pulls_out = PullsOut()  # an empty step waiting only for progressive pulls?
 
     @property
     def client(self) -> NoWaitClient:
@@ -290,8 +292,8 @@ class KvdScheduler:
                          group_block_ids: tuple[list[int], ...] | None = None
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if self._waiting:
-            self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
+        self.pulls_out.ended((request.request_id,))
+        self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
         if request.request_id in self.sealing:
             transfer_id = self.sealing.finish(request, block_ids)
             if transfer_id is None:
@@ -361,9 +363,10 @@ class KvdScheduler:
     # ------------------------------------------------------------ every step
 
     def on_output(self, finished_recving: Any, failed_recving: Any = ()) -> None:
-        """vLLM's connector output of a step (tracing only): a KV that landed ends its
-        ``kvd.wait_kv`` span; the step after ends ``kvd.first_step``
-        (the request's first step on its KV)."""
+        """vLLM's connector output of a step: its receives are no longer out; with tracing
+        on, a KV that landed ends its ``kvd.wait_kv`` span; the step after ends
+        ``kvd.first_step`` (the request's first step on its KV)."""
+        self.pulls_out.ended(finished_recving or ())
         if self._spans is None:
             return
         now = time.time_ns()
@@ -383,8 +386,9 @@ class KvdScheduler:
 
     def build_meta(self, idle: bool = False, output: Any = None) -> StepAnnouncements:
         """Once per step: act on the replies that came, send the pulls queued since.
-        ``idle``: the step computes no token (the workers may wait in it). ``output``:
-        vLLM's scheduler output, whose blocks and computed tokens the seals follow."""
+        ``idle``: the step computes no token (the workers may wait in it; longer if
+        every pull out is progressive). ``output``: vLLM's scheduler output, whose
+        blocks and computed tokens the seals follow."""
         self._take_replies()
         if output is not None and self.sealing:
             self.sealing.track(output)
@@ -393,6 +397,7 @@ class KvdScheduler:
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
         meta.idle = idle
+        meta.only_progressive = idle and self.pulls_out.only_progressive
         return meta
 
     def _send_seal(self, msg: P.Seal, request_id: str) -> bool:
@@ -470,6 +475,7 @@ class KvdScheduler:
             self._meta.quiet.append(request_id)
             return False
         self._meta.recv[request_id] = pull.local_block_ids
+        self.pulls_out.sent(request_id, isinstance(pull.remote, ProgressivePrefill))
         return True
 
     def _start_progressive(self, request_id: str, pull: _Pull,

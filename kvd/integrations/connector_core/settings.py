@@ -16,6 +16,9 @@ from typing import Any
 from kvd.config import client_engine_address
 from kvd.errors import ConfigError
 
+# kvd_progressive_idle_wait_s is capped here: it is what a new request may wait for
+# its first step on an engine waiting only for progressive pulls
+MAX_PROGRESSIVE_IDLE_WAIT_S = 0.5
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
@@ -37,6 +40,9 @@ class ConnectorSettings:
     # the longest an empty step (every request waiting for its KV) waits for kvd's
     # events, woken by them; 0: never wait (spin through empty steps, as vLLM does)
     idle_wait_s: float = 0.005
+    # the same while every pull out is progressive (the engine waits for a whole prefill):
+    # the longest a new request reaching that engine may wait for its first step
+    progressive_idle_wait_s: float = 0.05
     # the producer engines this engine pulls from, (engine id, their daemon's peer
     # address) each: its daemon greets them at start-up, ahead of the first pull
     producers: tuple[tuple[str, str], ...] = ()
@@ -75,6 +81,8 @@ class ConnectorSettings:
                 model_name=extra.get("kvd_model_name"),
                 request_timeout_s=float(extra.get("kvd_request_timeout_s", 10.0)),
                 idle_wait_s=max(0.0, min(0.05, float(extra.get("kvd_idle_wait_s", 0.005)))),
+                progressive_idle_wait_s=max(0.0, min(MAX_PROGRESSIVE_IDLE_WAIT_S, float(
+                    extra.get("kvd_progressive_idle_wait_s", 0.05)))),
                 producers=_producers(extra.get("kvd_producers")),
             )
         except (TypeError, ValueError) as exc:

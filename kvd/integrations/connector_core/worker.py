@@ -7,7 +7,7 @@ daemon: kvd reports per engine, not per rank (get_finished_count is 1). A step t
 computes tokens never waits on the daemon: it checks for events without blocking, with
 a thread as the fallback (kvd.integrations.connector_core.completions); a step that
 computes none while transfers are out waits for their events, at most
-``kvd_idle_wait_s``.
+``kvd_idle_wait_s`` (``kvd_progressive_idle_wait_s`` while every pull out is progressive).
 """
 
 from __future__ import annotations
@@ -182,9 +182,12 @@ class KvdWorker:
         # events (woken by them) rather than spin through empty steps that take the
         # CPU the daemon needs to finish them.
         # (settings.idle_wait_s: events end the wait at once; the bound is what a new
-        # request reaching an engine that only waits for KV may be delayed by.)
-        self._idle_wait_s = (self.settings.idle_wait_s
-                             if meta.idle and self.book.waiting_on_daemon else 0.0)
+        # request reaching an engine that only waits for KV may be delayed by. Longer,
+        # progressive_idle_wait_s, while every pull out is progressive: the engine then
+        # waits for a whole prefill, and each empty step costs CPU the prefill needs.)
+        idle_wait_s = (self.settings.progressive_idle_wait_s if meta.only_progressive
+                       else self.settings.idle_wait_s)
+        self._idle_wait_s = idle_wait_s if meta.idle and self.book.waiting_on_daemon else 0.0
         if self.pump is not None and self.book.waiting_on_daemon:
             self.pump.kick(park_s=self._idle_wait_s)
 

@@ -25,6 +25,7 @@ from kvd.integrations.connector_core.messages import as_vllm
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorConfigError, ConnectorSettings
 from kvd.integrations.connector_core.worker import KvdWorker
+from kvd.integrations.vllm import executor_wait
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
 from kvd.integrations.vllm.stats import KvdConnectorStats, KvdPromMetrics, totals_to_dict
 from kvd.integrations.vllm.vllm_geometry import (
@@ -61,6 +62,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
         self._invalid: set[int] = set()
+        self._quiet = False  # the engine core's queue readers honour quiet_for
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KvdScheduler(
                 self.settings, vllm_config.cache_config.block_size,
@@ -68,6 +70,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 else None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config,
                                               "async_scheduling", False)))
+            # the engine core waits for workers parked in an empty step in the kernel
+            self._quiet = (self.settings.progressive_idle_wait_s > 0
+                           and executor_wait.install())
             par = vllm_config.parallel_config
             self._keepalive = RankKeepalive(self.settings, par.tensor_parallel_size,
                                             par.pipeline_parallel_size)
@@ -231,8 +236,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
-        return as_vllm(self._scheduler.build_meta(idle=idle, output=scheduler_output),
-                       KvdConnectorMetadata)
+        meta = self._scheduler.build_meta(idle=idle, output=scheduler_output)
+        if self._quiet:
+            executor_wait.quiet_for(self.settings.progressive_idle_wait_s
+                                    if meta.only_progressive else 0.0)
+        return as_vllm(meta, KvdConnectorMetadata)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
