@@ -8,25 +8,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from support.connector_fakes import FakeClient
+
 from kvd.integrations.connector_core.params import ProgressivePrefill
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.wire import protocol as P
-
-
-class FakeClient:
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send(self, msg: Any, tag: Any, now: float) -> bool:
-        self.sent.append(msg)
-        return True
-
-    def replies(self) -> list[Any]:
-        return []
-
-    def forget_older(self, now: float, age_s: float) -> None:
-        pass
 
 
 def scheduler(**kw: Any) -> tuple[KvdScheduler, FakeClient]:

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_progressive_connector import FakeClient
-from test_step_landing import FakeDaemon
+from support.connector_fakes import FakeClient, FakeDaemon
 
 from kvd.integrations.connector_core.completions import EventPump
 from kvd.integrations.connector_core.messages import StepAnnouncements

@@ -13,10 +13,9 @@ instead of spinning.
 
 from __future__ import annotations
 
-import threading
 import time
 
-import zmq
+from support.connector_fakes import FakeDaemon
 
 from kvd.client import EventCursor
 from kvd.integrations.connector_core.completions import EventPoller, EventPump
@@ -24,8 +23,6 @@ from kvd.integrations.connector_core.events import GROUP_HOLD_S, EventBook
 from kvd.integrations.connector_core.messages import StepAnnouncements
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorSettings
-from kvd.tools.localcluster import free_port
-from kvd.wire import protocol as P
 from kvd.wire.protocol import Event
 
 
@@ -103,40 +100,6 @@ def test_the_scheduler_tells_the_workers_which_steps_compute_nothing() -> None:
     assert sched.build_meta(idle=True).idle is True
     assert sched.build_meta().idle is False
     assert StepAnnouncements().idle is False
-
-
-class FakeDaemon:
-    """A ROUTER that answers each Poll after ``delay_s`` with one event (a daemon whose
-    pull ends meanwhile), recording the Poll's park time."""
-
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.parked_s: list[float] = []
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.bind(self.address)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._sock.poll(20, zmq.POLLIN):
-            if self._stop.is_set():
-                return
-        identity, header, body = self._sock.recv_multipart()
-        hdr, poll = P.decode([header, body], P.ENGINE_REQUESTS)
-        self.parked_s.append(poll.timeout_s)
-        time.sleep(self.delay_s)
-        reply = P.Events(events=[Event(kind="done_recving", request_id="r1", ok=True,
-                                       seq=1)], instance_id="i1")
-        self._sock.send_multipart([identity, *P.encode(reply, hdr.id, instance="i1")])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 def test_an_empty_step_waits_for_the_event_and_takes_it_in_that_step() -> None:
