@@ -380,8 +380,7 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
     the first range was read, and thawed ``freeze_s`` later or once the decode answered:
     the decode's request ends with the plain engine's tokens (loaded, or recomputed when
     the pull failed), both daemons let go of it, and the next progressive request loads
-    its prompt. (Whether the decode engine steps all through the freeze is not checked
-    here: see the progressive-pull note of 2026-11-29.)"""
+    its prompt; the decode engine steps on during the freeze."""
     pd, dd = daemons
     victim = pd if role == "prefill" else dd
     # a prompt of its own: the prefill engine's prefix cache would hand it all at once
@@ -408,6 +407,9 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
             os.killpg(victim.proc.pid, signal.SIGCONT)
             frozen.append(time.monotonic())
     assert frozen, "the decode finished before the first range was read"
+    # the decode engine steps on while its request waits (nothing in a step waits on kvd)
+    steps, slow = engines["decode"].steps_in([(frozen[0], frozen[1])])
+    assert steps > 0, "the decode engine did not step while the daemon was frozen"
     g = got_d["d0"]
     assert g["token_ids"] == want[0]["token_ids"]
     assert g["logprobs"] == pytest.approx(want[0]["logprobs"], abs=1e-4)
@@ -416,8 +418,8 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
     print(f"\n{role} daemon frozen {frozen[1] - frozen[0]:.1f} s after "
           f"{_ranges_read(dd) - reads0:.0f} range(s): the decode {how} the prompt, answered "
           f"{max(g['token_times']) - frozen[0]:.1f} s after the freeze; prefill "
-          f"{'done' if got_p else 'not done'}; the decode engine's steps in the freeze: "
-          f"{engines['decode'].steps_in([(frozen[0], frozen[1])])}")
+          f"{'done' if got_p else 'not done'}; the decode engine stepped {steps} times in "
+          f"the freeze, longest step {max(slow, default=0.0):.2f} s")
     short = random_prompts(1, 300, seed=102)
     want = engines["plain"].generate(short, max_tokens=MAX_TOKENS)
     _, got_d, _ = _at_once(engines, short)
