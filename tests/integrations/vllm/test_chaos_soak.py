@@ -7,6 +7,7 @@ it). Knobs (environment): ``KVD_SOAK_SECONDS`` (300: how long load runs and faul
 injected; the drain and the final checks come after), ``KVD_SOAK_SEED`` (the fault
 schedule; printed, so a run's schedule can be replayed), ``KVD_SOAK_REPORT`` (where the
 JSON report goes; default ``soak-report.json`` in the test's tmp dir),
+``KVD_SOAK_PROGRESSIVE`` (0.5: the share of P/D requests sent progressively, below),
 ``KVD_SOAK_TRACES=1`` (tracing on everywhere: each P/D request gets a trace context in
 its kv_transfer_params, both daemons and both engines export their spans to an OTLP
 receiver the test runs, and the report's ``traces`` counts the requests whose trace is
@@ -18,7 +19,13 @@ thread prefills the P/D prompts one at a time (max_tokens=1, do_remote_decode), 
 router does, and hands their kv_transfer_params over. Prompts come from a fixed pool
 whose tokens the decode engine computed alone (plain requests, before any fault):
 the oracle. Prefix caching is off on both engines, so every P/D request moves its KV
-through kvd (or recomputes it).
+through kvd (or recomputes it). A seeded share of the P/D requests is progressive, as
+``kvd router --progressive`` sends them: the decode engine admits the request first (its
+daemon's pull waits at the prefill's daemon), and only then does the prefill thread send
+it to the prefill engine, whose chunked prefill (``PREFILL_CHUNK`` tokens a step) seals
+each chunk's blocks as it goes, read by the decode's daemon while the next is computed.
+The prefill's outcome of a progressive request is only recorded (``prefill_error``): the
+decode's result is what is judged, like any other.
 
 Faults, one at a time, each 10-30 s after the previous one ended, the kind drawn from
 a seeded shuffled deck (every kind once per round of six): freeze (SIGSTOP the process
@@ -62,12 +69,14 @@ from engine_proc import EngineProc, EngineProcError
 from engine_support import BLOCK, StartEngine, kv_config, random_prompts
 from shm_reaper import SHM_DIR, reap_vllm_segments
 
+from kvd.integrations.connector_core.params import ProgressivePrefill
 from kvd.ops.tracecontext import new_traceparent
 from kvd.tools.localcluster import DaemonProcess
 
 SOAK_S = float(os.environ.get("KVD_SOAK_SECONDS", "300"))
 TRACES = os.environ.get("KVD_SOAK_TRACES", "") not in ("", "0")
 SEED = int(os.environ.get("KVD_SOAK_SEED", "0") or 0)
+PROGRESSIVE = float(os.environ.get("KVD_SOAK_PROGRESSIVE", "0.5") or 0)
 
 # Startup (three engines, one of them restarted at most every fault), the soak, the
 # last fault's restart, the drain and the settling: well within SOAK_S + 20 min.
@@ -76,6 +85,7 @@ pytestmark = [pytest.mark.vllm]
 PD_IN_FLIGHT = 3  # P/D requests in the decode engine at once, besides the plain one
 PD_MAX_TOKENS = 8
 PLAIN_MAX_TOKENS = 16
+PREFILL_CHUNK = 32  # the prefill engine's max_num_batched_tokens: a prompt in 4-6 steps
 GAP_S = (10.0, 30.0)  # between the end of one fault and the start of the next
 FREEZE_S = (1.0, 15.0)
 ENGINE_TIMEOUT_S = 30.0  # the daemons' default engine_timeout_s
@@ -114,6 +124,8 @@ class Request:
     tokens_ok: bool = False
     token_times: list[float] = field(default_factory=list)
     traceparent: str = ""  # KVD_SOAK_TRACES: the context its prefill was sent with
+    progressive: bool = False  # sent to the decode first, then to the prefill
+    prefill_error: str = ""  # a progressive request's prefill failed (the decode judges it)
 
 
 def schedule(seed: int, n: int) -> list[Fault]:
@@ -154,6 +166,7 @@ class Soak:
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.handoff: queue.Queue[tuple[Request, dict | None]] = queue.Queue(maxsize=2)
+        self.admitted: dict[str, threading.Event] = {}  # progressive: the decode submitted it
         self.pd_prompts = random_prompts(16, 100, seed=SEED * 1000 + 1, step=5)
         self.plain_prompts = random_prompts(4, 40, seed=SEED * 1000 + 2, step=6)
         self.want_pd: list[list[int]] = []
@@ -191,7 +204,8 @@ class Soak:
             f"soak-prefill-{self.prefill_engines}",
             kv_transfer_config=kv_config(self.prefill_id, self.daemons["prefill"],
                                          kv_load_failure_policy="recompute"),
-            block_size=BLOCK, enable_prefix_caching=False)
+            block_size=BLOCK, enable_prefix_caching=False,
+            llm_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": PREFILL_CHUNK})
 
     def start_all(self) -> None:
         self.shm_before = {p.name for p in SHM_DIR.iterdir()}
@@ -216,8 +230,32 @@ class Soak:
             self.failures.append(what)
         self.stop.set()
 
+    def hand_over(self, req: Request, params: dict[str, Any] | None) -> None:
+        """To the decode loop, which takes it even while draining."""
+        while not self.decode_done.is_set():
+            try:
+                self.handoff.put((req, params), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def progressive_first(self, req: Request) -> dict[str, Any]:
+        """Hand ``req`` to the decode as progressive and wait until the decode engine has
+        it (its pull is then on its way to the prefill's daemon); the prefill's params."""
+        tid = f"t-{self.tag}-{req.rid}"
+        params = ProgressivePrefill(self.prefill_id, tid,
+                                    self.daemons["prefill"].peer_address).to_params()
+        if req.traceparent:
+            params["traceparent"] = req.traceparent
+        admitted = self.admitted[req.rid] = threading.Event()
+        self.hand_over(req, params)
+        while not admitted.wait(0.5) and not self.decode_done.is_set():
+            pass
+        return {"do_remote_decode": True, "kvd_progressive": True, "kvd_transfer_id": tid}
+
     def prefill_loop(self) -> None:
         rng = random.Random(SEED * 1000 + 3)
+        which = random.Random(SEED * 1000 + 5)  # progressive or not; prompts stay seeded
         n = 0
         try:
             while not self.stop.is_set():
@@ -228,37 +266,41 @@ class Soak:
                 if engine is None:
                     break
                 idx = rng.randrange(len(self.pd_prompts))
-                req = Request(f"pd{n}", "pd", idx, time.monotonic())
+                req = Request(f"pd{n}", "pd", idx, time.monotonic(),
+                              progressive=which.random() < PROGRESSIVE)
                 params_in: dict[str, Any] = {"do_remote_decode": True}
                 if TRACES:  # as a router does: one trace per request
                     req.traceparent = new_traceparent(1.0)
-                    params_in["traceparent"] = req.traceparent
                 n += 1
                 with self.lock:
                     self.requests.append(req)
+                if req.progressive:
+                    params_in = self.progressive_first(req)
+                if TRACES:
+                    params_in["traceparent"] = req.traceparent
                 try:
                     [out] = engine.generate([self.pd_prompts[idx]], max_tokens=1,
                                             kv_transfer_params=[params_in],
                                             request_ids=[req.rid], timeout_s=120)
                 except EngineProcError as exc:
-                    req.done = time.monotonic()
-                    req.outcome = "error"
-                    req.error = str(exc).splitlines()[0]
+                    if req.progressive:  # the decode has it: it loads, or recomputes
+                        req.prefill_error = str(exc).splitlines()[0]
+                    else:
+                        req.done = time.monotonic()
+                        req.outcome = "error"
+                        req.error = str(exc).splitlines()[0]
                     with self.prefill_up:
                         if self.prefill is engine:  # not yet taken down by a fault
                             self.prefill = None
                     engine.close(timeout_s=5)
                     continue
                 req.prefilled = time.monotonic()
+                if req.progressive:
+                    continue
                 params = out["kv_transfer_params"]
                 if not (params and params.get("do_remote_prefill")):
                     params = None  # nothing published: the decode computes it all
-                while not self.decode_done.is_set():  # the decode takes it, even draining
-                    try:
-                        self.handoff.put((req, params), timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
+                self.hand_over(req, params)
         except Exception as exc:  # noqa: BLE001 - recorded, judged by the test
             self.fail(f"prefill thread: {exc!r}")
         finally:
@@ -303,6 +345,8 @@ class Soak:
                     self.decode.submit([s[1] for s in subs])
                     for req, _ in subs:
                         inflight[req.rid] = req
+                        if req.rid in self.admitted:
+                            self.admitted[req.rid].set()
                         if req.kind == "plain":
                             with self.lock:
                                 self.requests.append(req)
@@ -437,6 +481,11 @@ class Soak:
         outcomes: dict[str, int] = {}
         for r in pd:
             outcomes[r.outcome or "unfinished"] = outcomes.get(r.outcome or "unfinished", 0) + 1
+        progressive: dict[str, int] = {}
+        for r in pd:
+            if r.progressive:
+                key = r.outcome or "unfinished"
+                progressive[key] = progressive.get(key, 0) + 1
         by_kind = {k: sum(f.kind == k for f in self.faults) for k in KINDS}
         stalls = [stall(r, self.faults) for r in self.requests if r.done and r.outcome != "error"]
         gaps = [plain_gap(plain, f) for f in self.faults if f.kind != "pause_host"]
@@ -445,6 +494,8 @@ class Soak:
             "requests": len([r for r in self.requests if r.done]),
             "pd_requests": len(pd), "plain_requests": len(plain),
             "pd_outcomes": outcomes,
+            "progressive_share": PROGRESSIVE, "progressive_outcomes": progressive,
+            "progressive_prefill_errors": sum(1 for r in pd if r.prefill_error),
             "recomputed": outcomes.get("recomputed", 0) + outcomes.get("partly_recomputed", 0),
             "recomputed_by_fault": recomputed_by_fault(pd, self.faults),
             "errors": outcomes.get("error", 0),
@@ -476,8 +527,8 @@ def trace_counts(pd: list[Request], spans: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"loaded": 0, "loaded_complete": 0, "recomputed": 0,
                            "recomputed_says_where": 0, "incomplete": []}
     for r in pd:
-        if not r.traceparent or r.outcome not in ("loaded", "recomputed",
-                                                  "partly_recomputed"):
+        if not r.traceparent or r.progressive or r.outcome not in (
+                "loaded", "recomputed", "partly_recomputed"):
             continue
         trace = by_trace.get(r.traceparent[3:35], [])
         parent = r.traceparent[36:52]
@@ -687,6 +738,11 @@ def test_chaos_soak(start_engine: StartEngine, tmp_path: Path) -> None:
                       and f.start <= r.done and r.start <= f.end]
             assert killed and r.prefilled == 0, \
                 f"{r.rid} failed ({r.error}) but its engine was not being killed"
+        if r.prefill_error:  # progressive: its decode was judged above like any other
+            killed = [f for f in soak.faults if f.kind == "kill_prefill_engine"
+                      and f.start <= r.done and r.start <= f.end]
+            assert killed, f"{r.rid}'s prefill failed ({r.prefill_error}) but its engine " \
+                "was not being killed"
     assert report["longest_stall_s"] <= STALL_LIMIT_S, report["longest_stall_s"]
     assert report["longest_plain_token_gap_in_a_fault_s"] <= PLAIN_GAP_LIMIT_S, \
         [(f.kind, round(plain_gap([r for r in soak.requests if r.kind == "plain"], f), 2))

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_proc import EngineProc, EngineProcError
+from engine_proc import DEFAULT_KV_CACHE_BYTES, EngineProc, EngineProcError
 from engine_support import BLOCK, StartEngine, daemon_pair, kv_config, random_prompts
 from proc_probe import descendants
 
@@ -66,13 +66,21 @@ def engines(daemons: list[DaemonProcess], start_engine: StartEngine,
 
 
 def _run(engine: EngineProc, requests: list[dict[str, Any]], out: dict[str, Any],
-         timeout_s: float = 120.0, dead_ok: bool = False) -> None:
+         timeout_s: float = 120.0, dead_ok: bool = False,
+         during: Callable[[EngineProc], int] | None = None) -> None:
+    """Submit ``requests`` and poll ``engine`` until each returned; ``during(engine)``,
+    after each poll (in this thread, which alone talks to ``engine``): how many of them
+    it has aborted (they return no result)."""
     try:
         engine.submit(requests)
         deadline = time.monotonic() + timeout_s
-        while len(out) < len(requests) and time.monotonic() < deadline:
-            for r in engine.poll(step_s=0.2):
+        aborted = 0
+        step_s = 0.2 if during is None else 0.05
+        while len(out) + aborted < len(requests) and time.monotonic() < deadline:
+            for r in engine.poll(step_s=step_s):
                 out[r["request_id"]] = r
+            if during is not None:
+                aborted = during(engine)
     except EngineProcError:
         if not dead_ok:
             raise
@@ -82,11 +90,15 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
              prefill_params: list[dict[str, Any] | None] | None = None,
              decode_only: bool = False, prefill: EngineProc | None = None,
              during: Callable[[EngineProc], int] | None = None,
+             prefill_during: Callable[[EngineProc], int] | None = None,
+             prefill_first: list[dict[str, Any]] | None = None,
              timeout_s: float = 120.0) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """Each prompt to both engines at once; (prefill results, decode results, ids).
-    ``prefill``: another prefill engine on the same daemon (one the test kills).
-    ``during(decode)``, after each poll of the decode: how many decode requests it has
-    aborted (they return no result)."""
+    ``prefill``: another prefill engine on the same daemon (one the test kills or
+    preempts). ``during(decode)``, after each poll of the decode: how many decode
+    requests it has aborted (they return no result); ``prefill_during(prefill)`` the
+    same on the prefill's thread. ``prefill_first``: requests the prefill engine gets
+    ahead of the prompts, in the same submit (vLLM schedules them first)."""
     tids = [f"t-{uuid.uuid4().hex[:10]}" for _ in prompts]
     pre = [{"request_id": f"p{i}", "prompt": p, "max_tokens": 1,
             "kv_transfer_params": (prefill_params[i] if prefill_params else
@@ -113,8 +125,10 @@ def _at_once(e: dict[str, Any], prompts: list[list[int]],
         "gave up (EngineProc.poll must return while the decode waits for remote KV)")
     worker = None
     if not decode_only:
-        worker = threading.Thread(target=_run, args=(prefill or e["prefill"], pre, got_p),
-                                  kwargs={"dead_ok": prefill is not None})
+        worker = threading.Thread(target=_run, args=(prefill or e["prefill"],
+                                                     [*(prefill_first or []), *pre], got_p),
+                                  kwargs={"dead_ok": prefill is not None,
+                                          "during": prefill_during, "timeout_s": timeout_s})
         worker.start()
     aborted = 0
     deadline = time.monotonic() + timeout_s
@@ -265,3 +279,149 @@ def test_a_prefill_engine_killed_mid_prompt_the_decode_recomputes(
               f"after the kill, {_ranges_read(dd) - reads0:.0f} ranges read before")
     finally:
         victim.close()
+
+
+def _settled(pd: DaemonProcess, dd: DaemonProcess, engine_id: str,
+             timeout_s: float = HOLD_S + 15) -> None:
+    """Until the prefill daemon holds nothing of ``engine_id`` and the decode daemon has no
+    pull left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = _held(pd, engine_id)
+        with dd.client(ping_interval_s=0) as c:
+            pulls = c.status().pulls
+        if not held and not pulls:
+            return
+        assert time.monotonic() < deadline, (
+            f"after {timeout_s:.0f} s the prefill daemon holds {held}, the decode daemon "
+            f"pulls {pulls}")
+        time.sleep(0.2)
+
+
+def test_a_prefill_aborted_mid_prompt_fails_the_pull_and_the_decode_recomputes(
+        engines: dict[str, Any], daemons: list[DaemonProcess]) -> None:
+    """The prefill's client goes away after the decode's daemon read the first range: the
+    prefill's connector aborts its seals, the decode's pull fails, and the decode
+    (``kv_load_failure_policy="recompute"``) computes the prompt: the plain engine's
+    tokens, never a mix of the ranges read and garbage; the prefill daemon lets go."""
+    pd, dd = daemons
+    prompts = random_prompts(1, LONG, seed=91)
+    want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+    reads0 = _ranges_read(dd)
+    aborted: list[str] = []
+
+    def abort_after_the_first_range(prefill: EngineProc) -> int:
+        if not aborted and _ranges_read(dd) > reads0:
+            aborted.extend(prefill.abort(["p0"]))
+        return len(aborted)
+
+    got_p, got_d, _ = _at_once(engines, prompts, prefill_during=abort_after_the_first_range)
+    assert aborted == ["p0"] and got_p == {}, "the prefill finished before its abort"
+    g = got_d["d0"]
+    assert g["token_ids"] == want[0]["token_ids"]
+    assert g["logprobs"] == pytest.approx(want[0]["logprobs"], abs=1e-4)
+    assert g["prompt_tokens_computed"] > 1, g  # the decode computed the prompt itself
+    _settled(pd, dd, engines["prefill_id"])
+    print(f"\nprefill aborted after {_ranges_read(dd) - reads0:.0f} range(s) read; the "
+          f"decode computed {g['prompt_tokens_computed']} prompt tokens")
+
+
+def test_a_prefill_preempted_mid_prompt_is_read_again_never_mixed(
+        engines: dict[str, Any], daemons: list[DaemonProcess],
+        start_engine: StartEngine) -> None:
+    """A prefill engine with room for 67 blocks gets a plain 1024-token request and then
+    the progressive 2048-token one: once the plain one decodes, the progressive one runs
+    out of blocks while its chunks are being read and vLLM preempts it (its blocks
+    freed, its prompt computed again into others), more than once. Its connector
+    unseals; the decode's daemon throws away the ranges it read and reads the new
+    generation: the decode loads the prompt and its tokens are the plain engine's."""
+    pd, dd = daemons
+    pid = f"gpreempt-{uuid.uuid4().hex[:6]}"
+    blocks = 68  # the plain request's 34 blocks + about 33 of the progressive one's 64
+    block_bytes = DEFAULT_KV_CACHE_BYTES // engines["prefill"].info["num_gpu_blocks"]
+    small = start_engine("gpreempt", kv_transfer_config=kv_config(pid, pd), block_size=BLOCK,
+                         enable_prefix_caching=False, kv_cache_memory_bytes=blocks * block_bytes,
+                         max_model_len=(blocks - 2) * BLOCK,  # vLLM gets 67 of them
+                         llm_kwargs={"enable_chunked_prefill": True,
+                                     "max_num_batched_tokens": CHUNK,
+                                     # admit a prompt whose blocks are not all free (vLLM's
+                                     # default waits until they are, and never preempts)
+                                     "scheduler_reserve_full_isl": False})
+    try:
+        assert small.info["num_gpu_blocks"] <= blocks, small.info
+        prompts = random_prompts(1, LONG, seed=95)
+        first = [{"request_id": "q0", "prompt": random_prompts(1, 1024, seed=96)[0],
+                  "max_tokens": 64, "kv_transfer_params": None}]
+        want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+        reads0 = _ranges_read(dd)
+        got_p, got_d, _ = _at_once(dict(engines, prefill_id=pid), prompts, prefill=small,
+                                   prefill_first=first)
+        assert set(got_p) == {"q0", "p0"}, got_p.keys()
+        computed = got_p["p0"]["prompt_tokens_computed"]
+        assert computed > LONG, f"the prefill was not preempted: it computed {computed} tokens"
+        g = got_d["d0"]
+        assert g["token_ids"] == want[0]["token_ids"]
+        assert g["logprobs"] == pytest.approx(want[0]["logprobs"], abs=1e-4)
+        assert g["prompt_tokens_computed"] <= 1, g  # the last generation came from kvd
+        reads = _ranges_read(dd) - reads0
+        _settled(pd, dd, pid)
+        print(f"\nprefill preempted: it computed {computed} prompt tokens for {LONG}; the "
+              f"decode's daemon read {reads:.0f} ranges")
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize(("role", "freeze_s"), [("prefill", 4.0), ("prefill", HOLD_S + 5.0),
+                                                ("decode", HOLD_S + 5.0)])
+def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
+        engines: dict[str, Any], daemons: list[DaemonProcess], role: str,
+        freeze_s: float) -> None:
+    """The prefill's or the decode's daemon is frozen (SIGSTOP of its process group) after
+    the first range was read, and thawed ``freeze_s`` later or once the decode answered:
+    the decode's request ends with the plain engine's tokens (loaded, or recomputed when
+    the pull failed), both daemons let go of it, and the next progressive request loads
+    its prompt; the decode engine steps on during the freeze."""
+    pd, dd = daemons
+    victim = pd if role == "prefill" else dd
+    # a prompt of its own: the prefill engine's prefix cache would hand it all at once
+    prompts = random_prompts(1, LONG, seed=101 + int(freeze_s) + (role == "decode"))
+    want = engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+    reads0 = _ranges_read(dd)
+    frozen: list[float] = []  # when it was stopped, when thawed
+
+    def freeze_after_the_first_range(decode: EngineProc) -> int:
+        now = time.monotonic()
+        if not frozen and _ranges_read(dd) > reads0:
+            os.killpg(victim.proc.pid, signal.SIGSTOP)
+            frozen.append(now)
+        elif len(frozen) == 1 and now - frozen[0] >= freeze_s:
+            os.killpg(victim.proc.pid, signal.SIGCONT)
+            frozen.append(now)
+        return 0
+
+    try:
+        got_p, got_d, _ = _at_once(engines, prompts, during=freeze_after_the_first_range,
+                                   timeout_s=freeze_s + 120)
+    finally:
+        if len(frozen) == 1:
+            os.killpg(victim.proc.pid, signal.SIGCONT)
+            frozen.append(time.monotonic())
+    assert frozen, "the decode finished before the first range was read"
+    # the decode engine steps on while its request waits (nothing in a step waits on kvd)
+    steps, slow = engines["decode"].steps_in([(frozen[0], frozen[1])])
+    assert steps > 0, "the decode engine did not step while the daemon was frozen"
+    g = got_d["d0"]
+    assert g["token_ids"] == want[0]["token_ids"]
+    assert g["logprobs"] == pytest.approx(want[0]["logprobs"], abs=1e-4)
+    _settled(pd, dd, engines["prefill_id"])
+    how = "loaded" if g["prompt_tokens_computed"] <= 1 else "recomputed"
+    print(f"\n{role} daemon frozen {frozen[1] - frozen[0]:.1f} s after "
+          f"{_ranges_read(dd) - reads0:.0f} range(s): the decode {how} the prompt, answered "
+          f"{max(g['token_times']) - frozen[0]:.1f} s after the freeze; prefill "
+          f"{'done' if got_p else 'not done'}; the decode engine stepped {steps} times in "
+          f"the freeze, longest step {max(slow, default=0.0):.2f} s")
+    short = random_prompts(1, 300, seed=102)
+    want = engines["plain"].generate(short, max_tokens=MAX_TOKENS)
+    _, got_d, _ = _at_once(engines, short)
+    assert got_d["d0"]["token_ids"] == want[0]["token_ids"]
+    assert got_d["d0"]["prompt_tokens_computed"] <= 1
