@@ -106,8 +106,14 @@ class OpenHold:
             dropped = sorted(self.ranges)
             self.ranges.clear()
             self.generation, self.sealed_at = generation, []
-        elif (block_ids[:len(self.block_ids)] != self.block_ids
-              or num_tokens < self.num_tokens):
+        elif num_tokens < self.num_tokens or (
+                block_ids[:len(self.block_ids)] != self.block_ids
+                and not (complete and group_block_ids is not None
+                         and self.group_block_ids is None)):
+            # A hybrid model's complete seal is the first to name its groups (the Mamba
+            # state with them), in vLLM's group order: its flat list need not extend the
+            # progress seals before it, whose blocks no consumer reads (a hybrid
+            # consumer reads every group once complete, kvd.daemon.pull.progressive).
             raise ProtocolError(f"a seal of generation {generation} must extend the last one "
                                 "(a changed block needs a new generation)")
         self.block_ids, self.group_block_ids = list(block_ids), group_block_ids

@@ -169,6 +169,12 @@ def hybrid_spec(groups: Sequence[VllmCacheGroup], num_layers: int, tp_size: int,
 NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block): padding, never written
 
 
+def one_token_short(groups: Sequence[tuple[str, int]] | None) -> bool:
+    """Mamba and sliding-window models: the prefill computes the prompt one token short
+    (``KvdScheduler.on_new_request``), and the decode loads that many."""
+    return groups is not None and any(kind in ("mamba", "sliding") for kind, _ in groups)
+
+
 def publish_groups(kinds: Sequence[str], block_ids: Sequence[Sequence[int]],
                    num_tokens: int, block_sizes: Sequence[int]) -> list[list[int]]:
     """The prefill's lists to publish, one per group (vLLM's ``request_finished_all_groups``).

@@ -24,7 +24,11 @@ from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
 from kvd.errors import KvdError, NotFoundError
-from kvd.integrations.connector_core.hybrid import publish_groups, pull_groups
+from kvd.integrations.connector_core.hybrid import (
+    one_token_short,
+    publish_groups,
+    pull_groups,
+)
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements
 from kvd.integrations.connector_core.params import (
     ParamsError,
@@ -121,7 +125,7 @@ class KvdScheduler:
         self.sealing = Sealer(settings.engine_id, block_size_tokens, self.lease_s,
                               settings.consumers, lambda: self.peer_address is not None,
                               self._send_seal, async_scheduling=async_scheduling,
-                              hybrid=self.groups is not None)
+                              groups=self.groups)
         self._progressive_pulls: OrderedDict[str, None] = OrderedDict()
         self.pulls_out = PullsOut()  # an empty step waiting only for progressive pulls?
 
@@ -168,9 +172,8 @@ class KvdScheduler:
         decode computes first.
         """
         params = request.kv_transfer_params
-        if (self.groups is None
-                or not any(kind in ("mamba", "sliding") for kind, _ in self.groups)
-                or not wants_remote_decode(params) or params.get("_kvd_truncated")
+        if (not one_token_short(self.groups) or not wants_remote_decode(params)
+                or params.get("_kvd_truncated")
                 or request.num_prompt_tokens <= 1 or request.prompt_token_ids is None):
             return
         del request.prompt_token_ids[-1:]
@@ -178,6 +181,12 @@ class KvdScheduler:
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
         params["_kvd_truncated"] = True
+
+    def _progressive_tokens(self, request: Any) -> int:
+        """The prompt tokens a progressive pull loads: what the prefill engine (the same
+        model) computes, one token short for Mamba and sliding-window models."""
+        n = request.num_prompt_tokens
+        return n - 1 if one_token_short(self.groups) and n > 1 else n
 
     # ------------------------------------------------------------ decode side
 
@@ -193,11 +202,7 @@ class KvdScheduler:
                 step_log.warning("request %s: ignoring kv_transfer_params (%s); computing the "
                                  "prompt locally", request.request_id, exc)
                 return 0, False
-            if self.groups is not None:
-                step_log.warning("request %s: progressive pulls of hybrid models are not "
-                                 "supported; computing the prompt locally", request.request_id)
-                return 0, False
-            count = request.num_prompt_tokens - num_computed_tokens
+            count = self._progressive_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         try:
             remote = parse_remote_prefill(params)
@@ -250,12 +255,8 @@ class KvdScheduler:
             return
         hit_tokens = num_tokens - num_external_tokens
         if self.groups is not None:
-            kinds, sizes = zip(*self.groups, strict=True)
-            groups = pull_groups(kinds, blocks.get_unhashed_block_ids_all_groups(),
-                                 num_tokens, hit_tokens, sizes)
-            self._pending[request.request_id] = _Pull(
-                remote, [b for g in groups for b in g], num_tokens, quiet=False,
-                local_groups=groups)
+            self._pending[request.request_id] = self._group_pull(remote, blocks, num_tokens,
+                                                                 hit_tokens)
             return
         new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
         local = blocks_to_pull(num_tokens, hit_tokens, self.block_size_tokens, new_ids)
@@ -269,15 +270,29 @@ class KvdScheduler:
             remote = parse_progressive_prefill(request.kv_transfer_params)
         except ParamsError:
             return  # warned in num_new_matched_tokens
-        num_tokens = request.num_prompt_tokens
+        num_tokens = self._progressive_tokens(request)
         TRACE.point("decode_scheduled", request.request_id)
-        if num_external_tokens <= 0 or self.groups is not None:
+        if num_external_tokens <= 0:
             self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
+            return
+        if self.groups is not None:  # every group read once the prefill is complete
+            self._pending[request.request_id] = self._group_pull(
+                remote, blocks, num_tokens, num_tokens - num_external_tokens)
             return
         new_ids = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
         local = blocks_to_pull(num_tokens, num_tokens - num_external_tokens,
                                self.block_size_tokens, new_ids)
         self._pending[request.request_id] = _Pull(remote, local, num_tokens, quiet=False)
+
+    def _group_pull(self, remote: RemotePrefill | ProgressivePrefill, blocks: Any,
+                    num_tokens: int, hit_tokens: int) -> _Pull:
+        """A hybrid model's pull: the decode's blocks of each group (pull_groups)."""
+        assert self.groups is not None
+        kinds, sizes = zip(*self.groups, strict=True)
+        groups = pull_groups(kinds, blocks.get_unhashed_block_ids_all_groups(), num_tokens,
+                             hit_tokens, sizes)
+        return _Pull(remote, [b for g in groups for b in g], num_tokens, quiet=False,
+                     local_groups=groups)
 
     # ------------------------------------------------------------ prefill side
 
@@ -295,7 +310,7 @@ class KvdScheduler:
         self.pulls_out.ended((request.request_id,))
         self._waiting.pop(request.request_id, None)  # aborted while its KV was coming
         if request.request_id in self.sealing:
-            transfer_id = self.sealing.finish(request, block_ids)
+            transfer_id = self.sealing.finish(request, block_ids, group_block_ids)
             if transfer_id is None:
                 return False, None
             self._meta.sent[request.request_id] = self.lease_s + SEND_GRACE_S
@@ -483,7 +498,8 @@ class KvdScheduler:
         try:
             msg = Messages.progressive_pull(self.settings.engine_id, request_id,
                                             remote.engine_id, remote.address,
-                                            pull.local_block_ids, pull.num_tokens,
+                                            (pull.local_block_ids if pull.local_groups is None
+                                             else pull.local_groups), pull.num_tokens,
                                             remote_request_id=remote.request_id)
         except (KvdError, ValueError) as exc:
             step_log.warning("request %s: cannot build the pull (%s)", request_id, exc)

@@ -9,6 +9,12 @@ previous step is sealed instead. A preemption frees the request's blocks: what w
 sealed is void (a new generation, sealed from nothing). The request's end seals it
 complete, or aborts the seal.
 
+Hybrid models (vLLM's KV-cache groups): each chunk's seal names the blocks of the first
+full-attention group (none without one), so that the decode's daemon sees the prefill
+progress; the complete seal names every group, the Mamba state's one slot with them
+(``publish_groups``, as a sequential publish does): a Mamba state is final only once
+the request ends, and the decode's daemon reads every group then, in one pull.
+
 Runs inside the engine's scheduler step (``KvdScheduler.build_meta``): nothing here waits
 on the daemon. The Seals go out through ``send`` without their replies; a refusal is
 logged when ``KvdScheduler`` takes the replies.
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.client import Messages, engine_hold_id
+from kvd.integrations.connector_core.hybrid import publish_groups
 from kvd.integrations.connector_core.params import ParamsError, progressive_transfer_id
 from kvd.integrations.connector_core.steplog import step_log
 from kvd.ops.trace import TRACE
@@ -47,13 +54,15 @@ class Sealer:
 
     ``has_peer()``: the workers told the scheduler its daemon's peer address (nothing is
     sealed before). ``send(msg, request_id)``: hand a Seal to the daemon without waiting;
-    False when the daemon takes no messages.
+    False when the daemon takes no messages. ``groups``: a hybrid model's (kvd layer
+    kind, block size in tokens) of each KV-cache group, in vLLM's order; None for one
+    attention group.
     """
 
     def __init__(self, engine_id: str, block_size_tokens: int, lease_s: float,
                  consumers: int, has_peer: Callable[[], bool],
                  send: Callable[[P.Seal, str], bool], async_scheduling: bool = False,
-                 hybrid: bool = False) -> None:
+                 groups: list[tuple[str, int]] | None = None) -> None:
         self.engine_id = engine_id
         self.block_size_tokens = block_size_tokens
         self.lease_s = lease_s
@@ -61,7 +70,15 @@ class Sealer:
         self._has_peer = has_peer
         self._send = send
         self._lag = 1 if async_scheduling else 0
-        self._hybrid = hybrid  # the decode side computes it (KvdScheduler.num_new_matched)
+        self._groups = groups
+        # the group whose blocks the chunks' seals name, and its block size (None: only
+        # the complete seal is sent)
+        self._group: int | None = 0
+        if groups is not None:
+            attention = [i for i, (kind, _) in enumerate(groups) if kind == "attention"]
+            self._group = attention[0] if attention else None
+            if attention:
+                self.block_size_tokens = groups[attention[0]][1]
         self._sealing: dict[str, Sealing] = {}
 
     def __bool__(self) -> bool:
@@ -81,7 +98,7 @@ class Sealer:
             step_log.warning("request %s: bad kvd_transfer_id (%s); publishing once finished",
                              request.request_id, exc)
             return
-        if tid is None or request.request_id in self._sealing or self._hybrid:
+        if tid is None or request.request_id in self._sealing:
             return
         self._sealing[request.request_id] = Sealing(tid)
 
@@ -96,7 +113,7 @@ class Sealer:
         for new in getattr(output, "scheduled_new_reqs", ()):
             s = self._sealing.get(new.req_id)
             if s is not None:
-                s.blocks = list(new.block_ids[0]) if new.block_ids else []
+                s.blocks = self._blocks(new.block_ids)
                 s.computed.append(new.num_computed_tokens)
         cached = getattr(output, "scheduled_cached_reqs", None)
         if cached is not None:
@@ -109,31 +126,46 @@ class Sealer:
                 if rid in resumed:
                     if s.sealed or s.computed and rid not in preempted:
                         self._unseal(rid, s)
-                    s.blocks = list(ids[0]) if ids else []
+                    s.blocks = self._blocks(ids)
                 elif ids:
-                    s.blocks.extend(ids[0])
+                    s.blocks.extend(self._blocks(ids))
                 s.computed.append(cached.num_computed_tokens[i])
         bs = self.block_size_tokens
         for rid, s in self._sealing.items():
-            if len(s.computed) <= self._lag:
+            if len(s.computed) <= self._lag or self._group is None:
                 continue
             final = s.computed[-1 - self._lag] // bs * bs
             del s.computed[:-1 - self._lag]
             if final > s.sealed and final // bs <= len(s.blocks):
                 self._seal(rid, s, s.blocks[:final // bs], final, complete=False)
 
-    def finish(self, request: Any, block_ids: list[int]) -> str | None:
+    def _blocks(self, block_ids: Any) -> list[int]:
+        """The sealed group's blocks of vLLM's per-group block lists."""
+        if not block_ids or self._group is None:
+            return []
+        return list(block_ids[self._group])
+
+    def finish(self, request: Any, block_ids: list[int],
+               group_block_ids: tuple[list[int], ...] | None = None) -> str | None:
         """The request ended (vLLM's ``request_finished``): seal it complete under a hold
         id of the engine's; its transfer id when sealed (the blocks wait for the
-        consumer's done_sending), else None (aborted, or the seal was not sent)."""
+        consumer's done_sending), else None (aborted, or the seal was not sent).
+        A hybrid model's ``group_block_ids``: one list per group (vLLM's
+        ``request_finished_all_groups``)."""
         s = self._sealing.pop(request.request_id)
-        if request.status.name not in FINISHED_OK:
+        if request.status.name not in FINISHED_OK or (self._groups is not None
+                                                      and group_block_ids is None):
             if self._has_peer():
                 self._send(Messages.seal(self.engine_id, s.transfer_id, [], 0, abort=True),
                            request.request_id)
             return None
         num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
+        blocks: Any
+        if self._groups is not None and group_block_ids is not None:
+            kinds, sizes = zip(*self._groups, strict=True)
+            blocks = publish_groups(kinds, group_block_ids, num_tokens, sizes)
+        else:
+            blocks = list(block_ids[:-(-num_tokens // self.block_size_tokens)])
         if not self._seal(request.request_id, s, blocks, num_tokens, complete=True,
                           hold_id=engine_hold_id()):
             return None
@@ -146,7 +178,7 @@ class Sealer:
         s.blocks = []
         self._seal(rid, s, [], 0, complete=False)
 
-    def _seal(self, rid: str, s: Sealing, blocks: list[int], num_tokens: int,
+    def _seal(self, rid: str, s: Sealing, blocks: Any, num_tokens: int,
               complete: bool, hold_id: int = 0) -> bool:
         if not self._has_peer():
             return False

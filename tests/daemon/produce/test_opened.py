@@ -43,6 +43,20 @@ def test_a_seal_must_extend_and_a_new_generation_drops_the_ranges() -> None:
         h.seal([], None, 0, 2, False, 4.0)  # complete: never unsealed
 
 
+def test_a_hybrid_complete_seal_names_its_groups_in_their_own_order() -> None:
+    """Progress seals of a hybrid model name its attention blocks; the complete one
+    names every group (the Mamba state's first), which need not extend them."""
+    h = hold()
+    h.seal([3, 4], None, 32, 0, False, 1.0)
+    with pytest.raises(ProtocolError):
+        h.seal([9, 3, 4, 5], None, 40, 0, True, 2.0)  # no groups: must extend
+    with pytest.raises(ProtocolError):
+        h.seal([9, 3, 4], [[9], [3, 4]], 16, 0, True, 2.0)  # fewer tokens than sealed
+    h.seal([9, 3, 4, 5], [[9], [3, 4, 5]], 40, 0, True, 2.0)
+    assert h.state is OpenState.COMPLETE and h.group_block_ids == [[9], [3, 4, 5]]
+    assert h.block_ids == [9, 3, 4, 5]
+
+
 def test_abandon_by_every_consumer_and_end_are_final() -> None:
     h = hold(consumers=2)
     h.seal([1], None, 16, 0, False, 1.0)

@@ -111,3 +111,44 @@ def test_the_decode_pulls_when_it_admits_the_request_and_cancels_on_abort() -> N
     req.status.name = "FINISHED_ABORTED"
     sched.request_finished(req, [9, 8, 7, 6])
     assert isinstance(client.sent[-1], P.CancelPull)
+
+
+HYBRID = [("mamba", 16), ("attention", 16)]  # vLLM's group order for the tiny Nemotron-H
+
+
+def test_a_hybrid_prefill_seals_attention_per_chunk_and_the_mamba_state_complete() -> None:
+    """The chunks' seals name the attention group's blocks (the Mamba slot, group 0,
+    is not final); the complete seal names every group, the Mamba state's slot first."""
+    sched, client = scheduler(groups=HYBRID)
+    req = prefill_request()
+    sched.after_alloc(req, None, 0)
+    sched.build_meta(output=SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="p1", block_ids=([70], [1, 2, 3, 4]),
+                                            num_computed_tokens=0)],
+        scheduled_cached_reqs=None, preempted_req_ids=None))
+    sched.build_meta(output=output(cached=[("p1", None, 40)]))
+    assert seals(client) == [(0, [1, 2], 32, False, False)]
+    req.status.name = "FINISHED_LENGTH_CAPPED"
+    delay, params = sched.request_finished_all_groups(req, ([0, 70], [1, 2, 3, 4]))
+    assert delay and params == {"kvd_progressive": True, "kvd_transfer_id": "tid-1"}
+    [seal] = [m for m in client.sent if isinstance(m, P.Seal)]
+    assert seal.complete and seal.num_tokens == 60
+    assert seal.group_block_ids == [[70], [1, 2, 3, 4]] and seal.block_ids == [70, 1, 2, 3, 4]
+
+
+def test_a_hybrid_decode_pulls_every_group_one_prompt_token_short() -> None:
+    """The prefill of a Mamba model computes N-1 prompt tokens; the decode's progressive
+    pull loads that many, into its blocks of each group (the Mamba state's slot too)."""
+    sched, client = scheduler(groups=HYBRID)
+    params = ProgressivePrefill("pre", "tid-1", "tcp://10.0.0.1:7101").to_params()
+    req = SimpleNamespace(request_id="d1", kv_transfer_params=params, num_prompt_tokens=65,
+                          status=SimpleNamespace(name="RUNNING"))
+    assert sched.num_new_matched_tokens(req, 0) == (64, True)
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ([80], [9, 8, 7, 6, 5]))
+    sched.after_alloc(req, blocks, 64)
+    meta = sched.build_meta()
+    [pull] = client.sent
+    assert pull.progressive and pull.num_tokens == 64 and pull.remote_block_ids == []
+    assert pull.local_group_block_ids == [[80], [9, 8, 7, 6]]
+    assert pull.local_block_ids == [80, 9, 8, 7, 6]
+    assert meta.recv == {"d1": [80, 9, 8, 7, 6]}

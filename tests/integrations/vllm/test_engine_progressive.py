@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -425,3 +426,54 @@ def test_a_daemon_frozen_mid_prompt_the_decode_loads_or_recomputes(
     _, got_d, _ = _at_once(engines, short)
     assert got_d["d0"]["token_ids"] == want[0]["token_ids"]
     assert got_d["d0"]["prompt_tokens_computed"] <= 1
+
+
+@pytest.fixture(scope="module")
+def hybrid_engines(daemons: list[DaemonProcess], start_engine: StartEngine,
+                   tiny_hybrid_dir: Path) -> Iterator[dict[str, Any]]:
+    """The tiny Nemotron-H (Mamba + attention): a chunked prefill, a decode and a plain
+    engine (prefix caching off: vLLM's CPU Mamba2 needs it, test_engine_hybrid.py)."""
+    pd, dd = daemons
+    tag = uuid.uuid4().hex[:6]
+    pid = f"hprefill-{tag}"
+    started: list[EngineProc] = []
+    try:
+        for name, cfg, kw in (
+                ("hplain", None, {}),
+                ("hprefill", kv_config(pid, pd), {"enable_chunked_prefill": True,
+                                                  "max_num_batched_tokens": CHUNK}),
+                ("hdecode", kv_config(f"hdecode-{tag}", dd), {})):
+            started.append(start_engine(name, model_dir=tiny_hybrid_dir, kv_transfer_config=cfg,
+                                        block_size=BLOCK, enable_prefix_caching=False,
+                                        llm_kwargs=kw))
+        plain, prefill, decode = started
+        yield {"prefill": prefill, "decode": decode, "plain": plain, "prefill_id": pid,
+               "prefill_address": pd.peer_address}
+    finally:
+        for e in reversed(started):
+            e.close()
+
+
+def test_a_hybrid_model_progressively_equals_a_plain_engine(
+        hybrid_engines: dict[str, Any], daemons: list[DaemonProcess]) -> None:
+    """Mamba + attention: the prefill seals the attention blocks per chunk and every
+    group (the Mamba state after N-1 tokens with them) once complete; the decode's
+    daemon reads them in one pull, and the decode computes only the last prompt token."""
+    pd, dd = daemons
+    prompts = random_prompts(2, 600, seed=81)
+    want = hybrid_engines["plain"].generate(prompts, max_tokens=MAX_TOKENS)
+    reads0 = _ranges_read(dd)
+    got_p, got_d, _ = _at_once(hybrid_engines, prompts)
+    assert len(got_p) == 2 and len(got_d) == 2
+    for i, (p, w) in enumerate(zip(prompts, want, strict=True)):
+        g = got_d[f"d{i}"]
+        assert g["token_ids"] == w["token_ids"], (
+            f"hybrid progressive decode diverged from plain; decode daemon's log:\n"
+            f"{dd.log_path.read_text(errors='replace')[-3000:]}")
+        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
+        assert g["prompt_tokens_computed"] == 1, g  # N-1 tokens and the state from kvd
+        assert g["first_start"] == len(p) - 1, g
+    reads = _ranges_read(dd) - reads0
+    print(f"hybrid progressive: {reads:g} pulls ok at the decode's daemon for 2 requests")
+    assert reads >= 2
+    _settled(pd, dd, hybrid_engines["prefill_id"])
