@@ -302,15 +302,16 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_default
 class Seal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Producer engine: these blocks of a request are final (a progressive publish).
 
-    Each Seal of one ``generation`` repeats and extends the previous one: ``block_ids``
-    are every final block of the request so far, in prompt order, holding
-    ``num_tokens`` final tokens (whole blocks, except with ``complete``). ``complete``
-    (the last Seal): the prompt is whole; for a hybrid model it is the first Seal that
-    names the Mamba state (``group_block_ids``). A higher ``generation`` unseals every
-    earlier one (the engine preempted the request: its blocks were freed or moved);
-    its block lists start again. ``abort``: the request is gone; consumers fail.
-    The first Seal opens the hold (``lease_s``, ``consumers``, ``hold_id`` as in
-    Publish); the request ends with one done_sending, as a published one does.
+    Each Seal of one ``generation`` repeats and extends the previous one: ``block_ids`` are
+    every final block of the request so far, in prompt order, holding ``num_tokens`` final
+    tokens (whole blocks, except with ``complete``). ``complete`` (the last Seal): the
+    prompt is whole; for a hybrid model it is the first Seal that names the Mamba state
+    (``group_block_ids``), and its lists need not extend the earlier ones (a hybrid consumer
+    reads every group once complete). A higher ``generation`` unseals every earlier one (the
+    engine preempted the request: its blocks were freed or moved); its block lists start
+    again. ``abort``: the request is gone; consumers fail. The first Seal opens the hold
+    (``lease_s``, ``consumers``, ``hold_id`` as in Publish); the request ends with one
+    done_sending, as a published one does.
     """
 
     engine_id: Id
