@@ -24,11 +24,7 @@ from typing import Any
 
 from kvd.client import Messages, NoWaitClient, engine_hold_id
 from kvd.errors import KvdError, NotFoundError
-from kvd.integrations.connector_core.hybrid import (
-    one_token_short,
-    publish_groups,
-    pull_groups,
-)
+from kvd.integrations.connector_core.hybrid import one_token_short, publish_groups, pull_groups
 from kvd.integrations.connector_core.messages import Handshake, StepAnnouncements
 from kvd.integrations.connector_core.params import (
     ParamsError,
