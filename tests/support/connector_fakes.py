@@ -28,6 +28,9 @@ class FakeClient:
     def forget_older(self, now: float, age_s: float) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class FakeDaemon:
     """A ROUTER that answers each Poll after ``delay_s`` with one event (a daemon whose

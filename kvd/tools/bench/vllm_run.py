@@ -460,12 +460,7 @@ class VllmBench:
         if self.hogs is not None:
             self.hogs.stop()
         for run in self.systems.values():
-            for proc in reversed(run.procs):
-                with contextlib.suppress(Exception):
-                    proc.stop()
-            for d in run.daemons:
-                with contextlib.suppress(Exception):
-                    d.stop()
+            _stop_system(run)
 
     # -------------------------------------------------------------- requests
 
@@ -636,13 +631,7 @@ class VllmBench:
         self.failed_systems[name] = why
         if self.turns is not None:
             self.turns.drop(name)
-        run = self.systems[name]
-        for proc in reversed(run.procs):
-            with contextlib.suppress(Exception):
-                proc.stop()
-        for d in run.daemons:
-            with contextlib.suppress(Exception):
-                d.stop()
+        _stop_system(self.systems[name])
 
     def _live(self, order: list[str]) -> list[str]:
         return [n for n in order if n not in self.failed_systems]
@@ -753,6 +742,16 @@ def _counters(name: str, before: dict[str, float], after: dict[str, float],
         nixl = delta("vllm:nixl_bytes_transferred_sum")
         c.bytes_moved = nixl if nixl else None
     return c
+
+
+def _stop_system(run: Running) -> None:
+    """Stop a system's processes, the last started first, then its daemons, whatever fails."""
+    for proc in reversed(run.procs):
+        with contextlib.suppress(Exception):
+            proc.stop()
+    for d in run.daemons:
+        with contextlib.suppress(Exception):
+            d.stop()
 
 
 def _rotated(names: list[str], rnd: int) -> list[str]:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support.connector_fakes import FakeClient
 
 from kvd.integrations.connector_core.params import RemotePrefill, parse_remote_prefill
 from kvd.integrations.connector_core.scheduler import KvdScheduler
@@ -18,30 +19,12 @@ ROUTER_TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 VLLM_TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-class Sent:
-    def __init__(self) -> None:
-        self.msgs: list[Any] = []
-
-    def send(self, msg: Any, _tag: Any, _now: float) -> bool:
-        self.msgs.append(msg)
-        return True
-
-    def replies(self) -> list[Any]:
-        return []
-
-    def forget_older(self, *_: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _scheduler() -> tuple[KvdScheduler, Sent]:
+def _scheduler() -> tuple[KvdScheduler, FakeClient]:
     settings = ConnectorSettings.from_vllm(SimpleNamespace(
         engine_id="e", kv_connector_extra_config={"kvd_address": "tcp://127.0.0.1:1"}))
     sched = KvdScheduler(settings, 16)
     sched.peer_address, sched.daemon_instance = "tcp://p:7101", "inst"
-    sent = Sent()
+    sent = FakeClient()
     sched._client = sent  # type: ignore[assignment]
     return sched, sent
 
@@ -57,7 +40,7 @@ def test_publish_and_params_carry_the_routers_trace_context() -> None:
     ok, params = sched.request_finished(
         _prefill({"do_remote_decode": True, "traceparent": ROUTER_TP}), [4, 5])
     assert ok and params is not None
-    assert sent.msgs[0].traceparent == ROUTER_TP
+    assert sent.sent[0].traceparent == ROUTER_TP
     params = json.loads(json.dumps(params))  # as a router copies them
     assert params["traceparent"] == ROUTER_TP
     assert parse_remote_prefill(params).traceparent == ROUTER_TP
@@ -69,7 +52,7 @@ def test_vllms_own_trace_header_wins_and_a_bad_one_is_ignored() -> None:
                                     {"traceparent": VLLM_TP}), [4])
     sched.request_finished(_prefill({"do_remote_decode": True, "traceparent": "garbage"}),
                            [4])
-    assert [m.traceparent for m in sent.msgs] == [VLLM_TP, ""]
+    assert [m.traceparent for m in sent.sent] == [VLLM_TP, ""]
 
 
 def test_the_pull_carries_the_decode_requests_trace_context() -> None:
@@ -84,7 +67,7 @@ def test_the_pull_carries_the_decode_requests_trace_context() -> None:
                               num_prompt_tokens=20, trace_headers=headers)
         sched.after_alloc(req, blocks, 20)
         sched.build_meta()
-        assert sent.msgs[-1].request_id == rid and sent.msgs[-1].traceparent == want
+        assert sent.sent[-1].request_id == rid and sent.sent[-1].traceparent == want
 
 
 def test_with_tracing_on_the_wait_for_the_kv_and_the_first_step_are_spans(monkeypatch) -> None:
