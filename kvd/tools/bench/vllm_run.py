@@ -133,11 +133,6 @@ class Proc:
         except OSError:
             return ""
 
-    def sessions(self) -> list[int]:
-        """The session ids of every process this run started (stopped or not)."""
-        return [p.proc.pid for r in self.systems.values() for p in r.procs] + [
-            d.proc.pid for r in self.systems.values() for d in r.daemons]
-
     def stop(self) -> None:
         """Stop its whole session (a vLLM server's engine core and workers too)."""
         stop_session(self.proc)
