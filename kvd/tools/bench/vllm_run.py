@@ -50,13 +50,18 @@ from kvd.tools.bench.vllm_stats import (
     TARGET_FIRST_X_WARM,
     Batch,
     Counters,
+    Routed,
     Single,
     Summary,
     add_ratios,
+    add_trace_measures,
     batch_landing,
     breakdown,
+    co_scheduled,
     first_transfers,
     median_breakdown,
+    paired_tails,
+    prefill_done_s,
     summarize,
     targets,
 )
@@ -330,6 +335,8 @@ class VllmBench:
         self.failed_batches: dict[str, int] = {}  # system -> batches with no stream at all
         # (system, client time stamps) of each single hand-over, for the breakdown
         self.timelines: list[tuple[str, dict[str, float]]] = []
+        # (system, round, sent, first token) of each request through a router
+        self.routed: list[tuple[str, int, float, float]] = []
         self.failed_systems: dict[str, str] = {}  # system -> why it was dropped
         self.turns: Turns | None = None  # set by run(): only the measured system runs
         self.hogs: Hogs | None = None
@@ -526,6 +533,8 @@ class VllmBench:
             None if routed is None else routed.ttft_s,
             sum(self._equal(seed, s.text) for s in (handed, routed) if s is not None), 2,
             failed=(handed is None) + (routed is None)))
+        if routed is not None:
+            self.routed.append((name, rnd, routed.sent_s, routed.token_s[0]))
         if handed is not None:
             self.timelines.append((name, {
                 "prefill_sent": prefill_sent, "prefill_answered": prefill_answered,
@@ -666,7 +675,8 @@ class VllmBench:
                     f"{self.failed_batches[name]} batch(es) of {self.cfg.batch} in which "
                     "every request failed (not in the batch figures nor in tokens equal)")
         add_ratios(summaries)
-        extra = self.breakdowns() if self.cfg.breakdown else {}
+        extra = self.breakdowns(plain_ttft) if self.cfg.breakdown else {}
+        add_trace_measures(summaries, extra.pop("co_scheduled", {}), extra.pop("paired", {}))
         goals = targets(summaries)
         if extra.get("first_transfers"):
             goals["first_transfer_le_2x_warm"] = {
@@ -682,10 +692,11 @@ class VllmBench:
                 "legend": {n: SYSTEMS[n] for n in names}}
 
 
-    def breakdowns(self) -> dict[str, Any]:
-        """Per kvd system: the median stage times of its warm single hand-overs, and
-        each batch's landing (when each request's pull was sent, its event taken,
-        reported, and its first token came)."""
+    def breakdowns(self, plain_ttft: dict[int, float]) -> dict[str, Any]:
+        """Per kvd system: the median stage times of its warm single hand-overs, each
+        batch's landing (when each request's pull was sent, its event taken, reported,
+        and its first token came) and its co-scheduled spread, and the paired tail of
+        its requests through the router (vllm_stats' docstring has both rules)."""
         trace_dir = self.work / "trace"
         points = read_traces(str(trace_dir)) if trace_dir.is_dir() else []
         per_system: dict[str, list[dict[str, float]]] = {}
@@ -704,10 +715,13 @@ class VllmBench:
             per_system.setdefault(name, []).append(breakdown(found, copy_s))
         medians = {n: median_breakdown(rows[1:] or rows) for n, rows in per_system.items()}
         landing = []
+        co: dict[str, list[Any]] = {}
         for b in self.batches:
             if not b.system.startswith("kvd"):
                 continue
             window = [p for p in points if b.sent_s <= p[0] / 1e9 <= max(b.end_s)]
+            c = co_scheduled(window, b.step_s)
+            co.setdefault(b.system, []).append(c)
             by_point: dict[str, list[float]] = {}
             for ns, point, _rid, _value in window:
                 if point in LANDING_POINTS:
@@ -715,9 +729,17 @@ class VllmBench:
             by_point["first_token"] = list(b.first_token_s)
             landing.append({"system": b.system, "round": b.round,
                             "step_ms": round(b.step_s * 1000, 1),
+                            "co_scheduled": asdict(c),
                             **batch_landing(b.sent_s, by_point)})
+        routed = [Routed(name, rnd, sent_s, first_s, prefill_done_s(
+            [p for p in points if sent_s <= p[0] / 1e9 <= first_s]))
+            for name, rnd, sent_s, first_s in self.routed if name.startswith("kvd")]
+        paired = {name: paired_tails([r for r in routed if r.system == name], plain_ttft)
+                  for name in dict.fromkeys(r.system for r in routed)}
         return {"breakdown": medians, "breakdown_samples": per_system,
-                "first_transfers": first_transfers(per_system), "batch_landing": landing}
+                "first_transfers": first_transfers(per_system), "batch_landing": landing,
+                "co_scheduled": co, "paired": paired,
+                "routed_samples": [asdict(r) for r in routed]}
 
 
 def _counters(name: str, before: dict[str, float], after: dict[str, float],

@@ -149,7 +149,9 @@ def test_ratios_and_targets_are_against_the_better_nixl_setting():
     t = targets(summaries)
     assert t["handover_le_0.8x_nixl"] is True
     assert t["batch_le_0.8x_nixl"] is None  # no NixlConnector batch in this run
-    assert t["batch_within_one_step"] == {"kvd-1d": True, "kvd-2d": False}
+    assert t["batch_within_one_step"] == {
+        "client_side": {"kvd-1d": True, "kvd-2d": False},
+        "co_scheduled": {"kvd-1d": None, "kvd-2d": None}}  # no traces in these
     assert t["one_daemon_not_slower_than_two"] is True
     assert t["idle_le_0.05_core"] is True
 
