@@ -28,9 +28,9 @@ judge what the connector controls apart from what vLLM's server does before it:
   against kvd, never for it. docs/notes/handover-runs/ (51 batches, sorted times, no
   ids): one step's points lie within 1.8 ms, steps 7-570 ms apart, decode steps 5-190
   ms; half a step merged two steps in two batches (steps of 84 and 187 ms). Taking the
-  k-th scheduled as the k-th reported there: 0-0.02 steps in 47 batches, 1.45 in a
-  merged one, 18 in one (2026-11-29-burst-ab kvd-1d round 0), against client-side
-  0-112.
+  k-th scheduled as the k-th reported there: 0-0.02 steps in 48 batches, 1.45 in a
+  merged one, 18 in one (2026-11-29-burst-ab kvd-1d round 0), None in one (no step
+  measured), against client-side 0-112.
 * paired tail (``Routed``, ``paired_tails``): a request through ``kvd router``: its
   first token minus the time its prefill engine finished computing its prompt (the
   prefill's ``publish_sent``, or for a progressive pull its last ``seal_sent``, the
