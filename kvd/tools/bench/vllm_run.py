@@ -50,22 +50,24 @@ from kvd.tools.bench.vllm_stats import (
     TARGET_FIRST_X_WARM,
     Batch,
     Counters,
-    Routed,
     Single,
     Summary,
     add_ratios,
-    add_trace_measures,
     batch_landing,
     breakdown,
-    co_scheduled,
     first_transfers,
     median_breakdown,
-    paired_tails,
-    prefill_done_s,
     summarize,
     targets,
 )
 from kvd.tools.bench.vllm_systems import SYSTEMS, SystemSpec, engine_args, system_spec
+from kvd.tools.bench.vllm_traces import (
+    Routed,
+    add_trace_measures,
+    co_scheduled,
+    paired_tails,
+    prefill_done_s,
+)
 from kvd.tools.bench.vllm_turns import Group, Hogs, Turns, cpu_s, session_pids
 from kvd.tools.localcluster import DaemonProcess, free_port
 

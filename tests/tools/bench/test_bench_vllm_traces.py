@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.tools.bench.vllm_stats import (
+from kvd.tools.bench.vllm_stats import Counters, Single, render, summarize, targets
+from kvd.tools.bench.vllm_traces import (
     CoScheduled,
-    Counters,
     Paired,
     Routed,
-    Single,
     add_trace_measures,
     co_scheduled,
     paired_tails,
     prefill_done_s,
-    render,
     step_groups,
-    summarize,
-    targets,
 )
 
 STEP_S = 0.010

@@ -1,0 +1,153 @@
+"""``kvd bench vllm``'s measures from the connector's trace points. Pure: no processes,
+no clock.
+
+Two measures read the connector's trace points (``--breakdown``; kvd.ops.trace), to
+judge what the connector controls apart from what vLLM's server does before it:
+
+* co-scheduled spread (``co_scheduled``): the client-side spread of a batch (first to
+  last first token) starts before the connector has anything to do: vLLM's API server
+  hands the N requests to the decode's scheduler over 9-380 ms, and no connector lands
+  KV before vLLM scheduled its request. So the batch's requests are grouped by the
+  decode step that scheduled them (``decode_scheduled`` sorted: a request joins the
+  current group while within half the batch's decode step ``step_s`` of the group's
+  first one), and in each group of two or more: the spread of ``recv_reported`` (the
+  connector handed the KV to vLLM) in steps; the batch's value is the largest over its
+  groups. Points match by request id (the decode's, one in its scheduler and worker); a
+  request with no ``recv_reported`` is left out (``unreported``); no group of two
+  reported requests: None. Too wide a window only merges steps, so the value errs
+  against kvd, never for it. docs/notes/handover-runs/ (51 batches, sorted times, no
+  ids): one step's points lie within 1.8 ms, steps 7-570 ms apart, decode steps 5-190
+  ms; half a step merged two steps in two batches (steps of 84 and 187 ms). Taking the
+  k-th scheduled as the k-th reported there: 0-0.02 steps in 48 batches, 1.45 in a
+  merged one, 18 in one (2026-11-29-burst-ab kvd-1d round 0), None in one (no step
+  measured), against client-side 0-112.
+* paired tail (``Routed``, ``paired_tails``): a request through ``kvd router``: its
+  first token minus the time its prefill engine finished computing its prompt (the
+  prefill's ``publish_sent``, or for a progressive pull its last ``seal_sent``, the
+  complete seal: both are sent from vLLM's ``request_finished``, right after the
+  request's last step). The plain engine's TTFT in the same round, which the issue's
+  tail (``ttft_minus_plain_p50_ms``) subtracts, varies by hundreds of ms between rounds
+  on a busy CPU host; the paired tail subtracts the request's own prefill instead. Its
+  companion ``prefill_vs_plain``: the prefill's compute (router send to that point) over
+  the plain engine's TTFT of the round, the median: whether progressive sealing slows
+  the prefill, which the paired tail alone would hide. The plain TTFT includes its first
+  token's way out (a step's output, detokenising, HTTP: a few ms) that the prefill's
+  point does not, so an unslowed prefill comes out slightly under 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvd.tools.bench.vllm_stats import Summary, _ms
+
+TracePoint = tuple[int, str, str, float | None]  # (ns, point, request id, value)
+
+
+def first_at(points: Sequence[TracePoint], name: str) -> dict[str, float]:
+    """Each request id's first time (seconds) at point ``name``."""
+    out: dict[str, float] = {}
+    for ns, point, rid, _value in points:
+        if point == name and rid not in out:
+            out[rid] = ns / 1e9
+    return out
+
+
+def step_groups(scheduled_s: dict[str, float], step_s: float) -> list[list[str]]:
+    """Request ids grouped by the decode step that scheduled them: in time order, a
+    request joins the current group while within half a step of its first request."""
+    groups: list[list[str]] = []
+    start_s = 0.0
+    for rid, t in sorted(scheduled_s.items(), key=lambda kv: kv[1]):
+        if groups and t - start_s < step_s / 2:
+            groups[-1].append(rid)
+        else:
+            groups.append([rid])
+            start_s = t
+    return groups
+
+
+@dataclass(frozen=True)
+class CoScheduled:
+    """A batch's co-scheduled spread (the module's docstring has the rule)."""
+
+    group_sizes: tuple[int, ...]  # requests per decode step, in time order
+    spread_steps: float | None  # largest recv_reported spread of a group, in steps
+    unreported: int  # scheduled requests with no recv_reported (left out)
+
+
+def co_scheduled(points: Sequence[TracePoint], step_s: float) -> CoScheduled:
+    """The co-scheduled spread of one batch from its trace points (the batch's window)."""
+    scheduled = first_at(points, "decode_scheduled")
+    reported = first_at(points, "recv_reported")
+    if step_s <= 0:
+        return CoScheduled((len(scheduled),) if scheduled else (), None,
+                           sum(r not in reported for r in scheduled))
+    groups = step_groups(scheduled, step_s)
+    spreads = []
+    for g in groups:
+        times = [reported[r] for r in g if r in reported]
+        if len(times) >= 2:
+            spreads.append((max(times) - min(times)) / step_s)
+    return CoScheduled(tuple(len(g) for g in groups),
+                       round(max(spreads), 2) if spreads else None,
+                       sum(r not in reported for r in scheduled))
+
+
+PREFILL_DONE_POINTS = ("publish_sent", "seal_sent")
+
+
+def prefill_done_s(points: Sequence[TracePoint]) -> float | None:
+    """When the prefill engine finished a routed request's prompt, from the points
+    between the router send and the first token: the last ``publish_sent`` or
+    ``seal_sent`` (a progressive pull's complete seal), all of one request id; None
+    when there is none or more than one request's (not this request's alone)."""
+    done = [(ns, rid) for ns, point, rid, _value in points if point in PREFILL_DONE_POINTS]
+    if not done or len({rid for _ns, rid in done}) > 1:
+        return None
+    return max(ns for ns, _rid in done) / 1e9
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A request through ``kvd router`` (seconds on the runner's clock)."""
+
+    system: str
+    round: int
+    sent_s: float  # the client sent it to the router
+    first_token_s: float
+    prefill_done_s: float | None  # prefill_done_s(); None: no trace
+
+
+@dataclass(frozen=True)
+class Paired:
+    tail_after_prefill_p50_ms: float | None
+    prefill_vs_plain_p50: float | None
+    samples: int  # warm routed requests with their prefill's point
+
+
+def paired_tails(routed: Sequence[Routed], plain_ttft_by_round: dict[int, float],
+                 warmup_rounds: int = 1) -> Paired:
+    """One system's paired tail and prefill_vs_plain, medians of its warm rounds."""
+    warm = [r for r in routed if r.round >= warmup_rounds and r.prefill_done_s is not None]
+    tails = [r.first_token_s - r.prefill_done_s for r in warm]  # type: ignore[operator]
+    ratios = [(r.prefill_done_s - r.sent_s) / plain_ttft_by_round[r.round]  # type: ignore[operator]
+              for r in warm if plain_ttft_by_round.get(r.round)]
+    return Paired(_ms(statistics.median(tails)) if tails else None,
+                  round(statistics.median(ratios), 2) if ratios else None, len(warm))
+
+
+def add_trace_measures(summaries: dict[str, Summary],
+                       co: dict[str, list[CoScheduled]],
+                       paired: dict[str, Paired]) -> None:
+    """The trace measures into each system's summary: its batches' largest co-scheduled
+    spread, its paired tail and prefill_vs_plain."""
+    for name, s in summaries.items():
+        spreads = [c.spread_steps for c in co.get(name, []) if c.spread_steps is not None]
+        if spreads:
+            s.batch_coscheduled_spread_steps_max = max(spreads)
+        if name in paired:
+            s.tail_after_prefill_p50_ms = paired[name].tail_after_prefill_p50_ms
+            s.prefill_vs_plain_p50 = paired[name].prefill_vs_plain_p50
