@@ -22,7 +22,7 @@ it, request by request. ``prefill/plain`` (the prefill's compute over the standa
 TTFT of the same round, median) shows whether progressive sealing slowed the prefill,
 which the paired tail alone would hide (an unslowed prefill: slightly under 1, the
 standalone TTFT includes its first token's way to the client). The rules:
-``kvd/tools/bench/vllm_stats.py``'s docstring.
+``kvd/tools/bench/vllm_traces.py``'s docstring.
 """
 
 from __future__ import annotations
