@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="the first is the warm-up")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens")
+    ap.add_argument("--model-shape", default="tiny", help="kvd bench vllm --model-shape: "
+                    "tiny, or kv-heavy (16 times the KV a token)")
     ap.add_argument("--out", default="")
     ap.add_argument("--log-dir", default="", help="each run's JSON and log (default: a "
                     "temporary directory, kept)")

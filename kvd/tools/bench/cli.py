@@ -273,6 +273,11 @@ def vllm_bench(
         True, "--pause-others/--no-pause-others", help="Between its turns pause each "
         "system's processes (SIGSTOP; SIGCONT for its turn), so that a turn runs with only "
         "the measured system on the CPUs (NixlConnector as shipped spins when idle)."),
+    model_shape: str = typer.Option(
+        "tiny", "--model-shape", help="The tiny Llama's shape: tiny (4 KiB of KV a token) or "
+        "kv-heavy (64 KiB a token: on a CPU the transfer is then a larger part of the "
+        "time to first token). Each engine's KV cache holds two of the longest requests, "
+        "or a batch."),
     breakdown: bool = typer.Option(False, "--breakdown", help="kvd systems: where one "
                                    "hand-over's time goes, and when each request of a batch "
                                    "landed (connector traces, KVD_TRACE_DIR)."),
@@ -296,11 +301,18 @@ def vllm_bench(
         _fail(str(exc))
     from kvd.tools.bench.vllm_run import BenchConfig, plot, run_bench
     from kvd.tools.bench.vllm_stats import render
+    from kvd.tools.tiny_model.llama import SHAPES, kv_bytes_per_token
 
+    if model_shape not in SHAPES:
+        _fail(f"--model-shape must be one of {', '.join(SHAPES)}, got {model_shape!r}")
+    max_model_len = max(2048, prompt_tokens + max_tokens + 64)
+    kv_cache_bytes = max(128 << 20, kv_bytes_per_token(model_shape) * max(
+        2 * max_model_len, batch * (prompt_tokens + max_tokens + 64)))
     cfg = BenchConfig(systems=names, rounds=rounds, batch=batch, batch_rounds=batch_rounds,
                       prompt_tokens=prompt_tokens, max_tokens=max_tokens, idle_s=idle_s,
-                      max_model_len=max(2048, prompt_tokens + max_tokens + 64),
-                      breakdown=breakdown, decode_timeout_s=decode_timeout_s,
+                      max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                      model_shape=model_shape, breakdown=breakdown,
+                      decode_timeout_s=decode_timeout_s,
                       router_warm_up=router_warm_up,
                       max_num_batched_tokens=max_num_batched_tokens, hogs=hog,
                       pause_others=pause_others)

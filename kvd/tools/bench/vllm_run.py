@@ -109,6 +109,7 @@ class BenchConfig:
     pause_others: bool = True  # between its turns a system is paused (SIGSTOP): a quiet host
     settle_s: float = 1.0  # after a system is continued, before its turn
     hogs: int = 0  # busy loops beside the engines for the whole run (a busy host)
+    model_shape: str = "tiny"  # kvd.tools.tiny_model.llama.SHAPES
 
 
 # ------------------------------------------------------------------ processes
@@ -835,7 +836,8 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
     # A model with as many positions as the longest request (--prompt-tokens 8192):
     # past them vLLM's rotary cache was read out of range (a plain engine streamed no
     # token for an 8K prompt under VLLM_ALLOW_LONG_MAX_MODEL_LEN).
-    model = build_tiny_llama(work / "model", max_positions=max(4096, cfg.max_model_len))
+    model = build_tiny_llama(work / "model", max_positions=max(4096, cfg.max_model_len),
+                             shape=cfg.model_shape)
     bench = VllmBench(cfg, work, model, log)
     load_before = host_load()
     failed = True

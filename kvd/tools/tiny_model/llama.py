@@ -11,7 +11,15 @@ continuations (``test_tiny_model.py`` guards that property).
 
 Shape: 4 layers, hidden 256, 4 query heads, 2 KV heads, head_dim 64 (CPU
 attention refuses head_dim 16), vocab 512, float32 (the CPU build here has no
-AVX-512, so float32 is the safe dtype). Weights are about 10 MB.
+AVX-512, so float32 is the safe dtype). Weights are about 10 MB; its KV is 4 KiB a token.
+
+Other shapes (``SHAPES``, ``build_tiny_llama(shape=...)``) are for benchmarks:
+``kv-heavy`` keeps the small hidden size but has 8 layers of 16 KV heads (multi-head
+attention), 64 KiB of KV a token: on a CPU the transfer of a long prompt's KV is then
+a larger part of its time to first token (attention alone costs at least as many FLOPs
+per KV byte as the prompt has tokens over four, whatever the shape, so no shape makes it
+large on a CPU; this one makes it 16 times the default's per token for 8 times the
+attention work).
 
 Only ``numpy``, ``safetensors`` and ``tokenizers`` are needed (vLLM brings both;
 ``kvd[tiny-model]`` otherwise).
@@ -88,31 +96,46 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 MAX_POSITIONS = CONFIG["max_position_embeddings"]
 
+# Benchmark shapes: what they change in CONFIG ("tiny" is CONFIG itself).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "kv-heavy": {"num_hidden_layers": 8, "num_attention_heads": 16,
+                 "num_key_value_heads": 16},
+}
 
-def _config(max_positions: int) -> dict[str, Any]:
-    return {**CONFIG, "max_position_embeddings": max_positions}
+
+def _config(max_positions: int, shape: str = "tiny") -> dict[str, Any]:
+    if shape not in SHAPES:
+        raise ValueError(f"unknown tiny-model shape {shape!r}: one of {sorted(SHAPES)}")
+    return {**CONFIG, **SHAPES[shape], "max_position_embeddings": max_positions}
 
 
-def _spec(max_positions: int = MAX_POSITIONS) -> dict[str, Any]:
-    """Everything that determines the files; its hash names the content."""
+def kv_bytes_per_token(shape: str = "tiny") -> int:
+    """K and V of every layer, float32."""
+    c = _config(MAX_POSITIONS, shape)
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 4
+
+
+def _spec(max_positions: int = MAX_POSITIONS, shape: str = "tiny") -> dict[str, Any]:
+    """Everything that determines the files; its hash names the content (the default
+    shape's is what it was before shapes existed)."""
     return {
         "builder_version": BUILDER_VERSION,
-        "config": _config(max_positions),
+        "config": _config(max_positions, shape),
         "scales": SCALES,
         "seed": SEED,
     }
 
 
-def spec_hash(max_positions: int = MAX_POSITIONS) -> str:
+def spec_hash(max_positions: int = MAX_POSITIONS, shape: str = "tiny") -> str:
     """Content hash of the model this module builds (stable across runs and machines)."""
-    blob = json.dumps(_spec(max_positions), sort_keys=True).encode()
+    blob = json.dumps(_spec(max_positions, shape), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
-def _weights() -> dict[str, np.ndarray]:
+def _weights(c: dict[str, Any] = CONFIG) -> dict[str, np.ndarray]:
     """Llama weights under vLLM/HF names, float32, from one numpy RNG in a fixed order."""
     rng = np.random.Generator(np.random.PCG64(SEED))
-    c = CONFIG
     hidden = c["hidden_size"]
     inter = c["intermediate_size"]
     n_q = c["num_attention_heads"] * c["head_dim"]
@@ -179,14 +202,14 @@ def write_tokenizer(out: Path, max_positions: int = CONFIG["max_position_embeddi
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def _write_all(out: Path, max_positions: int = MAX_POSITIONS) -> None:
+def _write_all(out: Path, max_positions: int = MAX_POSITIONS, shape: str = "tiny") -> None:
     from safetensors.numpy import save_file
 
-    (out / "config.json").write_text(json.dumps(_config(max_positions), indent=2,
-                                                sort_keys=True) + "\n")
+    config = _config(max_positions, shape)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation_config = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
-    save_file(_weights(), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out, max_positions)
 
 
@@ -241,14 +264,16 @@ def build_model_dir(directory: str | os.PathLike[str], digest: str,
 
 
 def build_tiny_llama(directory: str | os.PathLike[str],
-                     max_positions: int = MAX_POSITIONS) -> Path:
+                     max_positions: int = MAX_POSITIONS, shape: str = "tiny") -> Path:
     """The tiny Llama in ``directory`` (see build_model_dir). ``max_positions``: its
     max_position_embeddings (and the tokenizer's model_max_length), for prompts past
     4096 tokens. Positions are rotary, so the weights, and every output within 4096
     positions, are the same whatever it is; vLLM sizes its rotary cache by it, and a
-    prompt past it (allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN) read past the cache."""
-    return build_model_dir(directory, spec_hash(max_positions),
-                           functools.partial(_write_all, max_positions=max_positions))
+    prompt past it (allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN) read past the cache.
+    ``shape``: one of SHAPES (the module's docstring)."""
+    return build_model_dir(directory, spec_hash(max_positions, shape),
+                           functools.partial(_write_all, max_positions=max_positions,
+                                             shape=shape))
 
 
 def prompt_ids(seed: int, length: int) -> list[int]:

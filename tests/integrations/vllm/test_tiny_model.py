@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 from engine_proc import EngineProc
 
-from kvd.tools.tiny_model.llama import STAMP_FILE, build_tiny_llama, prompt_ids, spec_hash
+from kvd.tools.tiny_model.llama import (
+    STAMP_FILE,
+    build_tiny_llama,
+    kv_bytes_per_token,
+    prompt_ids,
+    spec_hash,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -77,6 +83,28 @@ def test_more_positions_change_only_the_position_limits(tmp_path: Path) -> None:
     assert (longer / "model.safetensors").read_bytes() == \
         (default / "model.safetensors").read_bytes()
     assert spec_hash(8260) in (longer / STAMP_FILE).read_text() and spec_hash(8260) != spec_hash()
+
+
+def test_the_kv_heavy_shape_has_sixteen_times_the_kv_of_a_token(tmp_path: Path) -> None:
+    """kvd bench vllm --model-shape kv-heavy: 8 layers of 16 KV heads, the default's
+    hidden size and vocabulary; the default model and its hash stay what they were
+    (every earlier run and note names it)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    heavy = build_tiny_llama(tmp_path / "h", shape="kv-heavy")
+    config = json.loads((heavy / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"],
+            config["num_attention_heads"], config["hidden_size"]) == (8, 16, 16, 256)
+    weights = load_file(str(heavy / "model.safetensors"))
+    assert weights["model.layers.7.self_attn.k_proj.weight"].shape == (16 * 64, 256)
+    assert kv_bytes_per_token("kv-heavy") == 16 * kv_bytes_per_token() == 64 << 10
+    assert spec_hash(shape="kv-heavy") in (heavy / STAMP_FILE).read_text()
+    assert spec_hash(shape="tiny") == spec_hash() == (
+        "ea85fa6f3143016fa60d524601d17769e308bb98669e51a838dbc93317cf05ac")
+    with pytest.raises(ValueError, match="unknown tiny-model shape"):
+        build_tiny_llama(tmp_path / "x", shape="huge")
 
 
 def test_output_depends_on_the_first_prompt_tokens(

@@ -244,3 +244,33 @@ def test_a_pairs_router_starts_and_answers(tmp_path):
         assert "not up" in bench._not_up("router of kvd-1d not up", [proc])
     finally:
         proc.stop()
+
+
+def test_a_kv_heavy_model_gets_a_kv_cache_for_two_of_its_longest_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model-shape kv-heavy (64 KiB of KV a token) sizes each engine's KV cache for it;
+    the default shape keeps the 128 MiB every earlier run had."""
+    from typer.testing import CliRunner
+
+    import kvd.tools.bench.vllm_run as vllm_run
+    from kvd.errors import KvdError
+    from kvd.tools.bench.cli import bench_app
+
+    seen = []
+
+    def capture(cfg, work_dir=None, log=None):
+        seen.append(cfg)
+        raise KvdError("captured")
+
+    monkeypatch.setattr(vllm_run, "run_bench", capture)
+    args = ["vllm", "--systems", "kvd-1d", "--prompt-tokens", "4096", "--max-tokens", "4",
+            "--batch", "1"]
+    assert CliRunner().invoke(bench_app, [*args, "--model-shape", "kv-heavy"]).exit_code != 0
+    assert CliRunner().invoke(bench_app, args).exit_code != 0
+    heavy, tiny = seen
+    assert heavy.model_shape == "kv-heavy" and heavy.max_model_len == 4096 + 4 + 64
+    assert heavy.kv_cache_bytes == 2 * heavy.max_model_len * (64 << 10)
+    assert tiny.model_shape == "tiny" and tiny.kv_cache_bytes == 128 << 20
+    bad = CliRunner().invoke(bench_app, [*args, "--model-shape", "huge"])
+    assert bad.exit_code != 0 and "--model-shape must be one of" in bad.output
+    assert len(seen) == 2
