@@ -41,7 +41,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvd.tools.bench.vllm_stats import Summary, _ms
+from kvd.tools.bench.vllm_stats import Summary
+
+
+def _ms(s: float) -> float:
+    return round(s * 1000, 1)
+
 
 TracePoint = tuple[int, str, str, float | None]  # (ns, point, request id, value)
 
