@@ -10,6 +10,7 @@ version; bump it, and add a row there, for anything an older peer would reject.
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -689,11 +690,24 @@ encode_notice = _codec.encode_notice
 decode_notice = _codec.decode_notice
 
 
+def _clean_descriptions(node: Any) -> Any:
+    """Every ``description`` as ``inspect.cleandoc`` gives it: msgspec 0.23 puts the
+    docstrings in raw (their indentation kept), earlier versions cleaned them, and the
+    schema must not depend on which one is installed."""
+    if isinstance(node, dict):
+        return {k: (inspect.cleandoc(v) if k == "description" and isinstance(v, str)
+                    else _clean_descriptions(v)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_clean_descriptions(v) for v in node]
+    return node
+
+
 def schema() -> dict[str, Any]:
     """JSON Schema of every message, the language-neutral form kept in proto/."""
     _, components = msgspec.json.schema_components(
         (Header, ReadNotice, *ALL_MESSAGES), ref_template="#/$defs/{name}"
     )
+    components = _clean_descriptions(components)
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "kvd wire protocol",
