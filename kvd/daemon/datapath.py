@@ -218,6 +218,15 @@ class DataPath:
         self._track(posts, results)
         return results
 
+    async def prepare_reads(self, posts: list[ReadPost]) -> int:
+        """Prepare the lists these READs would go through, posting nothing: a sample of a
+        pair's pulls, ahead of its first (kvd.daemon.pull.consumer.warm_pair). How many
+        would go through prepared lists. Raises TransferError like a post does."""
+        def run() -> int:
+            return sum(self._poster.prepare(post) for post in posts)
+
+        return await self.call(run)
+
     def _track(self, posts: list[ReadPost], results: list[PostResult]) -> None:
         for post, res in zip(posts, results, strict=True):
             if res.error is None:

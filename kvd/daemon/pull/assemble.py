@@ -28,6 +28,11 @@ from kvd.planner.assembly import (
 from kvd.pool.geometry import geometry, parallelism, rank_layout
 
 MAX_PREPARED = 256  # (engine, peer engine) pairs kept ready; cleared past it
+# A sample pull's blocks, on both sides: non-adjacent (no two merge into one descriptor)
+# with gaps of 2 and 3, so the gcd of their offsets is that of any pull's (the block
+# stride's and the layers' offsets'): its descriptors need the chunk every pull does
+# (kvd.transport.remote.prepped.common_chunk).
+SAMPLE_BLOCK_IDS = (1, 3, 6)
 
 
 class PullAssembler:
@@ -66,6 +71,19 @@ class PullAssembler:
         """Plan and prepare the pair's assembly now, ahead of its first pull."""
         if engine.model.hybrid is None and remote.compat == engine.compat:
             self._prepared(engine, remote)
+
+    def sample(self, engine: Engine, remote: RemoteEngine) -> dict[str, ProducerReads] | None:
+        """The reads of a pull of `SAMPLE_BLOCK_IDS` on both sides, for what the pair's
+        pulls would prepare on their first post (NIXL lists of their chunk); None where
+        a sample does not stand for them (hybrid models, block sizes that differ, pools
+        too small)."""
+        n = max(SAMPLE_BLOCK_IDS) + 1
+        if (engine.model.hybrid is not None or remote.compat != engine.compat
+                or engine.layout.block_size_tokens != remote.desc.layout.block_size_tokens
+                or engine.layout.num_blocks < n
+                or any(rr.desc.num_blocks < n for rr in remote.ranks.values())):
+            return None
+        return self._prepared(engine, remote).assemble(SAMPLE_BLOCK_IDS, SAMPLE_BLOCK_IDS)
 
     def _prepared(self, engine: Engine, remote: RemoteEngine) -> PreparedPull:
         """The assembly's inputs, bound once per (engine, peer engine) and reused while

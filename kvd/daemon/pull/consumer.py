@@ -62,6 +62,7 @@ from kvd.errors import (
     BusyError,
     KvdError,
     TooLargeError,
+    TransferError,
 )
 from kvd.transport.base import Copier, Mover
 from kvd.transport.samehost.discovery import host_facts, local_host_names, names_this_daemon
@@ -159,8 +160,9 @@ class Consumer:
     async def warm_pair(self, engine_id: str, producer_id: str, address: str) -> bool:
         """A `WarmUp`'s producer (kvd.daemon.pull.warmup): what the pair's first pull
         would do first, done now (the handshake, the mover's choice with its host
-        mappings, the prepared assembly). False: not possible yet (an engine not
-        registered, or not every rank); KvdError: refused (unreachable...), retried."""
+        mappings, the prepared assembly; over NIXL, the lists of its READs' chunk).
+        False: not possible yet (an engine not registered, or not every rank);
+        KvdError: refused (unreachable...), retried."""
         registry, own = self.svc.registry, self.svc.cfg.peer_advertise
         engine = registry.engines.get(engine_id)
         if engine is None or engine.missing_ranks(own) or not engine.live_ranks():
@@ -173,10 +175,18 @@ class Consumer:
             await self.warm_local(engine_id)
             return True
         remote = await route.peers.remote_engine(engine, producer_id, address)
-        if self.pick(remote) is None:  # its mappings were retired meanwhile
+        picked = self.pick(remote)
+        if picked is None:  # its mappings were retired meanwhile
             route.peers.forget(engine_id, producer_id)
             return False
         self.assembler.prepare(engine, remote)
+        sample = self.assembler.sample(engine, remote)
+        if picked[0] is self._nixl and sample is not None:
+            try:  # NIXL READs: the lists of the pair's chunk too
+                await self._nixl.prepare(engine, remote, sample)
+            except TransferError as exc:  # the first post prepares them, as it would
+                log.info("NIXL lists of %s <- %s not prepared ahead: %s", engine_id,
+                         producer_id, exc)
         return True
 
     def route_for(self, msg: P.Pull) -> Route:

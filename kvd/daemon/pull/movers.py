@@ -33,10 +33,11 @@ FRESH_POST_MAX_DESCRIPTORS = 8
 
 
 def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
-                groups: dict[str, ProducerReads]
+                groups: dict[str, ProducerReads], name_pools: bool = False
                 ) -> tuple[list[ReadPost], list[Notice], int, int]:
     """The pull's transfers (one per producer daemon with descriptors), its notices (one per
-    producer daemon), its bytes and its descriptors."""
+    producer daemon), its bytes and its descriptors. ``name_pools``: always name them
+    (a sample of the pair's pulls, whose lists are prepared ahead)."""
     posts, notices = [], []
     nbytes = descriptors = 0
     local_pools: tuple[PoolSpan, ...] | None = None
@@ -51,7 +52,7 @@ def build_posts(msg: P.Pull, engine: Engine, remote: RemoteEngine,
         # descriptors: the lookup then costs more than NIXL's validation.
         # The host path names them always: the copier checks every descriptor against the
         # mapped pools (a wrong address would crash the daemon, not fail the pull).
-        prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS or bool(bases)
+        prepped = g.descriptors > FRESH_POST_MAX_DESCRIPTORS or bool(bases) or name_pools
         if prepped and local_pools is None:
             local_pools = tuple(PoolSpan(r.pool.addr, r.pool.nbytes, r.device_id)
                                 for r in engine.live_ranks())
@@ -110,6 +111,18 @@ class NixlMover:
 
     async def post(self, posts: list[ReadPost]) -> list[PostResult]:
         return await self.datapath.post_reads(_arrays(posts))
+
+    async def prepare(self, engine: Engine, remote: RemoteEngine,
+                      sample: dict[str, ProducerReads]) -> int:
+        """Ahead of a pair's first pull: the NIXL lists of the chunk its READs will use
+        (kvd.transport.remote.prepped), prepared from a sample pull's reads
+        (`PullAssembler.sample`), so that its first post only picks indices. How many
+        READs of the sample would go through them."""
+        msg = P.Pull(engine_id=engine.engine_id, request_id="warm-up",
+                     remote_engine_id=remote.desc.engine_id, remote_address="",
+                     remote_block_ids=[], local_block_ids=[])
+        posts = build_posts(msg, engine, remote, sample, name_pools=True)[0]
+        return await self.datapath.prepare_reads(_arrays(posts))
 
     async def poll(self, handles: list[int]) -> dict[int, XferStatus]:
         return await self.datapath.poll_many(handles)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -134,6 +135,19 @@ class _Lists:
     remote_grid: PoolGrid
 
 
+# (pool index, byte offset in it, end offset) per descriptor: `PoolGrid.locate`
+_Located = tuple[np.ndarray | int, np.ndarray, np.ndarray]
+
+
+class _Found(NamedTuple):
+    """A post's lists, with its descriptors located in both sides' pools."""
+
+    lists: _Lists
+    local: _Located
+    remote: _Located
+    nbytes: np.ndarray
+
+
 # (peer, chunk, remote memory, local memory, local pools, remote pools)
 _Key = tuple[str, int, str, str, tuple[PoolSpan, ...], tuple[PoolSpan, ...]]
 
@@ -209,7 +223,18 @@ class PreppedPoster:
         self.prepped_posts += 1
         return self.transport.post_prepped_read(prepped)
 
-    def _prepped(self, post: ReadPost) -> PreppedRead | None:
+    def prepare(self, post: ReadPost) -> bool:
+        """Prepare the lists ``post`` would go through, without posting it: ahead of a
+        pair's first READ (a sample of its pulls, kvd.daemon.pull.consumer.warm_pair), so
+        that one only picks indices. False: it would not go through prepared lists.
+
+        Raises TransferError like the transport does.
+        """
+        return self._lists_of(post) is not None
+
+    def _lists_of(self, post: ReadPost) -> _Found | None:
+        """The lists a post goes through, prepared now if they are not, with its
+        descriptors located in their pools; None: it goes through ``post_read``."""
         if not post.local_pools or not post.remote_pools or len(post.nbytes) == 0:
             return None
         local_pools = tuple(sorted(post.local_pools, key=lambda p: p.base))
@@ -231,6 +256,13 @@ class PreppedPoster:
         if not (lists.local_grid.fits(local[0], local[2])
                 and lists.remote_grid.fits(remote[0], remote[2])):
             return None
+        return _Found(lists, local, remote, nbytes)
+
+    def _prepped(self, post: ReadPost) -> PreppedRead | None:
+        found = self._lists_of(post)
+        if found is None:
+            return None
+        lists, local, remote, nbytes = found
         li = lists.local_grid.indices_at(local[0], local[1], nbytes)
         ri = lists.remote_grid.indices_at(remote[0], remote[1], nbytes)
         return PreppedRead(post.peer, lists.local, lists.remote, li, ri, post.notif)

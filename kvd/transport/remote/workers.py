@@ -213,6 +213,13 @@ class WorkerSet:
         posting = [w for w in self.posting if not unusable or w not in unusable]
         return posting or [0]
 
+    def prepare(self, post: ReadPost) -> bool:
+        """`PreppedPoster.prepare` on worker 0 and every posting worker that reaches the
+        peer: those a READ like ``post`` goes to (a part cut inside a descriptor may
+        still need a finer chunk of its own)."""
+        workers = sorted({0, *self._posting_for(post.peer)})
+        return all([self.posters[w].prepare(post) for w in workers])
+
     def post_read(self, post: ReadPost) -> tuple[int, bool]:
         parts = self.parts_for(post)
         posting = self._posting_for(post.peer)
@@ -395,6 +402,9 @@ class SplitPoster:
 
     def forget_peer(self, peer: str) -> None:
         self.workers.forget_peer(peer)
+
+    def prepare(self, post: ReadPost) -> bool:
+        return self.workers.prepare(post)
 
     def close(self) -> None:
         for poster in self.workers.posters:

@@ -79,6 +79,25 @@ def test_posts_through_prepared_lists_byte_exact_and_merged(setup) -> None:
     assert a.counts().prepared_lists == 2 and poster.lists() == 1
 
 
+def test_prepare_makes_the_lists_a_later_post_of_the_same_chunk_uses(setup) -> None:
+    """A warm-up's sample READ (kvd.daemon.pull.consumer.warm_pair): its lists prepared,
+    nothing posted; a later READ of other blocks at the same chunk only picks indices."""
+    a, b, peer, poster, srcs, dsts, _ = setup
+    sample = _post(peer, dsts, srcs, 0, 0, [(8 * KiB, 8 * KiB, 8 * KiB),
+                                           (24 * KiB, 48 * KiB, 8 * KiB)])
+    assert poster.prepare(sample)
+    assert a.counts().prepared_lists == 2 and a.counts().transfers == 0
+    assert not dsts[0].any() and b.notifications() == []  # nothing read
+    assert poster.prepped_posts == poster.fresh_posts == 0
+    xfer, done = poster.post(_post(peer, dsts, srcs, 1, 1, [(16 * KiB, 0, 8 * KiB),
+                                                          (40 * KiB, 24 * KiB, 16 * KiB)]))
+    assert done and poster.prepped_posts == 1
+    assert a.counts().prepared_lists == 2  # the sample's: none of its own
+    assert np.array_equal(dsts[1][40 * KiB:56 * KiB], srcs[1][24 * KiB:40 * KiB])
+    assert not poster.prepare(_post(peer, dsts, srcs, 0, 0, [(0, 0, 4 * KiB)], pools=False))
+    assert a.counts().prepared_lists == 2
+
+
 def test_falls_back_without_pools_outside_them_or_too_fine(setup) -> None:
     a, _, peer, poster, srcs, dsts, _ = setup
     poster.post(_post(peer, dsts, srcs, 0, 0, [(0, 0, 4 * KiB)], pools=False))
