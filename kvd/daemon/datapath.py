@@ -23,6 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
+
 from kvd.daemon.clock import Clock, MonotonicClock
 from kvd.errors import TransferError
 from kvd.transport.base import (
@@ -50,6 +52,10 @@ PEER_DRAIN_LOG_S = 10.0
 # stalls for at most ~0.3 ms, less than a hop to the NIXL thread costs on a busy host.
 INLINE_POST_MAX_BYTES = 4 << 20
 INLINE_POST_MAX_DESCRIPTORS = 1024
+# `warm_read`: one page read from a peer ahead of its first pull; given up (the pull pays
+# as before) past WARM_READ_TIMEOUT_S.
+WARM_READ_NBYTES = 4096
+WARM_READ_TIMEOUT_S = 5.0
 
 
 def new_nixl_executor() -> ThreadPoolExecutor:
@@ -76,6 +82,10 @@ class DataPath:
         # validated once, adjacent blocks merged by NIXL; a large READ is
         # split over the transport's posting workers when it has several.
         self._poster = poster_for(transport)
+        # `warm_read`'s landing page: registered only while one runs, kept allocated (a
+        # READ given up on may still land in it)
+        self._scratch = np.zeros(WARM_READ_NBYTES, dtype=np.uint8)
+        self._warming = asyncio.Lock()
 
     @property
     def agent_name(self) -> str:
@@ -226,6 +236,38 @@ class DataPath:
             return sum(self._poster.prepare(post) for post in posts)
 
         return await self.call(run)
+
+    async def warm_read(self, peer: str, remote_addr: int, nbytes: int) -> bool:
+        """Read up to a page of a peer's DRAM at ``remote_addr`` into a scratch page, ahead of
+        the peer's first pull: the first READ to a peer pays one-time costs inside the
+        transport (UCX: ~0.5-1 ms more than the same READ later, on a 2-core host;
+        benchmarks/first_transfer.py) and is posted on the NIXL thread (a first READ may
+        wait on the connection); after this one, the first pull's READs post inline like
+        every later one. Registered for the READ only (the shutdown balance stays 0).
+        False: it failed or did not end in WARM_READ_TIMEOUT_S (the first pull then pays
+        as before)."""
+        async with self._warming:
+            addr = int(self._scratch.ctypes.data)
+            reg = await self.register(addr, self._scratch.nbytes, "DRAM", 0)
+            try:
+                post = ReadPost(peer=peer, local_addrs=np.array([addr], dtype=np.int64),
+                                remote_addrs=np.array([remote_addr], dtype=np.int64),
+                                nbytes=np.array([min(nbytes, self._scratch.nbytes)],
+                                                dtype=np.int64), mem_type="DRAM",
+                                notif=b"")
+                [res] = await self.post_reads([post])
+                deadline_s = self.clock.now() + WARM_READ_TIMEOUT_S
+                while res.xfer_id is not None:  # else ended at once (released: done)
+                    status = (await self.poll_many([res.xfer_id]))[res.xfer_id]
+                    if status.state is not XferState.PENDING or self.clock.now() > deadline_s:
+                        await self.release([res.xfer_id])
+                        return status.state is XferState.DONE
+                    await self.clock.sleep(PEER_DRAIN_POLL_S)
+                if res.error is not None:
+                    log.info("warm-up READ from %s failed: %s", peer, res.error)
+                return res.done
+            finally:
+                await self.deregister(reg)
 
     def _track(self, posts: list[ReadPost], results: list[PostResult]) -> None:
         for post, res in zip(posts, results, strict=True):

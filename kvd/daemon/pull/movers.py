@@ -116,13 +116,21 @@ class NixlMover:
                       sample: dict[str, ProducerReads]) -> int:
         """Ahead of a pair's first pull: the NIXL lists of the chunk its READs will use
         (kvd.transport.remote.prepped), prepared from a sample pull's reads
-        (`PullAssembler.sample`), so that its first post only picks indices. How many
-        READs of the sample would go through them."""
+        (`PullAssembler.sample`), so that its first post only picks indices; and, DRAM
+        to DRAM, one page read from each producer daemon (`DataPath.warm_read`: the
+        transport's first-READ costs, paid now). How many READs of the sample would go
+        through prepared lists."""
         msg = P.Pull(engine_id=engine.engine_id, request_id="warm-up",
                      remote_engine_id=remote.desc.engine_id, remote_address="",
                      remote_block_ids=[], local_block_ids=[])
-        posts = build_posts(msg, engine, remote, sample, name_pools=True)[0]
-        return await self.datapath.prepare_reads(_arrays(posts))
+        posts = _arrays(build_posts(msg, engine, remote, sample, name_pools=True)[0])
+        prepared = await self.datapath.prepare_reads(posts)
+        if engine.mem_type == "DRAM":  # a DRAM page takes the READ, in this side's memory
+            for post in posts:  # and the READ's first one to each producer daemon
+                if post.mem_type == "DRAM" and len(post.remote_addrs):
+                    await self.datapath.warm_read(post.peer, int(post.remote_addrs[0]),
+                                                  int(post.nbytes[0]))
+        return prepared
 
     async def poll(self, handles: list[int]) -> dict[int, XferStatus]:
         return await self.datapath.poll_many(handles)

@@ -1,5 +1,7 @@
 """`WarmUp` over NIXL also prepares the descriptor lists of the pair's READs
-(kvd.transport.remote.prepped), so that the first pull's post only picks indices.
+(kvd.transport.remote.prepped), so that the first pull's post only picks indices, and
+reads one page from the producer (`DataPath.warm_read`), so that the first pull's READ
+is not the transport's first to that peer (posted inline, like every later one).
 
 The lists are keyed by a chunk that the posted descriptors decide (``common_chunk``):
 the warm-up prepares them from a sample pull's reads, and the first real pull of
@@ -23,6 +25,7 @@ from support.inprocess import config, sample
 from kvd.client import AsyncKvdClient, KvdClient
 from kvd.daemon.server import Daemon
 from kvd.tools.sim import EngineShape, check_shard, global_kv, layout_spec, write_shard
+from kvd.transport.base import ReadPost
 from kvd.wire.protocol import ModelSpec
 
 pytestmark = pytest.mark.nixl
@@ -70,12 +73,20 @@ def test_the_first_pull_after_a_warm_up_uses_lists_prepared_ahead(
                 async def lists() -> int:
                     return (await d.datapath.counts()).prepared_lists
 
-                async def warmed() -> bool:  # no pull yet
-                    return await lists() > 0
+                async def warmed() -> bool:  # no pull yet: a READ to the producer would
+                    remote = d.peers.cached("dec", "pre", producer_d.peer_address)
+                    if remote is None:  # post inline, as READs to a peer already read
+                        return False
+                    one = np.array([1 << 20])
+                    return d.datapath.can_post_now([ReadPost(
+                        peer=next(iter(remote.ranks.values())).agent, local_addrs=one,
+                        remote_addrs=one, nbytes=np.array([4096]), mem_type="DRAM",
+                        notif=b"")])
 
-                await _until("the warm-up's NIXL lists", warmed)
+                await _until("the warm-up's READ", warmed)
                 # a local and a remote list on each posting worker that reaches the peer
                 warm_lists = await lists()
+                assert warm_lists > 0
                 assert sample(d, "kvd_transfers_total", role="consumer", path="remote",
                               outcome="ok") == 0
 
@@ -91,6 +102,7 @@ def test_the_first_pull_after_a_warm_up_uses_lists_prepared_ahead(
             finally:
                 dc.close()
                 await d.stop()
+            assert d.shutdown_counts.registrations == 0  # the warm READ's page too
 
         asyncio.run(body())
     finally:
