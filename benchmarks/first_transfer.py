@@ -29,6 +29,7 @@ A tree is a kvd checkout; its daemons run with ``PYTHONPATH`` set to it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ from kvd.tools.sim import EngineShape, layout_spec
 from kvd.wire.protocol import ModelSpec
 
 MODEL = ModelSpec(name="tiny", num_kv_heads=2, num_layers=4, head_dim=64, dtype="float32")
-SHAPE = EngineShape(tp_size=1, block_size_tokens=32, num_blocks=512)
+SHAPE = EngineShape(tp_size=1, block_size_tokens=32, num_blocks=512)  # 64 MiB pools
 BLOCKS = 25
 LAYOUTS = {"1d": None, "2d": ["--set", "host_pulls=true"],
            "2d-nixl": ["--set", "host_pulls=false"]}
@@ -59,8 +60,8 @@ def _minflt(pid: int) -> int:
     return int(fields[7])  # minflt (majflt is fields[9]: none on tmpfs)
 
 
-def one_run(tree: str, layout: str, warm: int, gap_s: float, tag: str, log_dir: str
-            ) -> dict[str, float]:
+def one_run(tree: str, layout: str, warm: int, gap_s: float, tag: str, log_dir: str,
+            shape: EngineShape = SHAPE) -> dict[str, float]:
     rng = np.random.default_rng(zlib.crc32(tag.encode()))
     env = {"PYTHONPATH": tree}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -76,14 +77,14 @@ def one_run(tree: str, layout: str, warm: int, gap_s: float, tag: str, log_dir: 
         dc = pc if pd is dd else stack.enter_context(dd.client(ping_interval_s=0, timeout_s=30))
         nowait = NoWaitClient(dd.engine_address)
         stack.callback(nowait.close)
-        p = pc.register("pre", MODEL, layout_spec(SHAPE))
-        dc.register("dec", MODEL, layout_spec(SHAPE))
+        p = pc.register("pre", MODEL, layout_spec(shape))
+        dc.register("dec", MODEL, layout_spec(shape))
         p.kv.reshape(-1).view(np.uint8)[:] = rng.integers(0, 255, p.kv.nbytes, np.uint8)
         dc.warm_up("dec", [("pre", pd.peer_address)])  # as the connector, at start-up
         time.sleep(gap_s)  # the engine loads, compiles, profiles...
 
         def ids() -> list[int]:
-            return sorted(rng.choice(SHAPE.num_blocks, BLOCKS, replace=False).tolist())
+            return sorted(rng.choice(shape.num_blocks, BLOCKS, replace=False).tolist())
 
         def handover(rid: str) -> tuple[float, float, int]:
             src = ids()
@@ -125,6 +126,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=10, help="warm hand-overs per run")
     ap.add_argument("--gap-s", type=float, default=1.5, help="idle gap after the warm-up")
     ap.add_argument("--log-dir", default="", help="keep the daemons' logs here")
+    ap.add_argument("--num-blocks", type=int, default=SHAPE.num_blocks,
+                    help="blocks per engine pool (128 KiB each)")
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
     # `python -m kvd` puts the working directory first on the daemon's sys.path: run
@@ -136,7 +139,7 @@ def main() -> None:
         for r in range(args.runs):
             for k, (name, path) in enumerate(trees):
                 res = one_run(path, layout, args.warm, args.gap_s, f"{layout}{r}{k}",
-                              log_dir)
+                              log_dir, dataclasses.replace(SHAPE, num_blocks=args.num_blocks))
                 out.setdefault(layout, {}).setdefault(name, []).append(res)
                 print(f"{layout} run {r + 1} {name}: " + ", ".join(
                     f"{key} {v:.2f}" if "_x_" in key else
