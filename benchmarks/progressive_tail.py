@@ -39,18 +39,26 @@ PAIRS = (("one daemon", "kvd-1d", "kvd-1d-prog"),
          ("two daemons, NIXL", "kvd-2d-nixl", "kvd-2d-nixl-prog"))
 
 
+def bench_command(tokens: int, args: argparse.Namespace, log_dir: Path,
+                  out: Path) -> list[str]:
+    """The `kvd bench vllm` command of one prompt length."""
+    cmd = [sys.executable, "-m", "kvd", "bench", "vllm", "--systems", "progressive",
+           "--prompt-tokens", str(tokens), "--rounds", str(args.rounds),
+           "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
+           "--max-tokens", str(args.max_tokens),
+           "--max-num-batched-tokens", str(args.chunk), "--model-shape", args.model_shape,
+           "--breakdown", "--out", str(out)]
+    if args.breakdown:  # every process's trace points kept, in the run's work directory
+        cmd += ["--work-dir", str(log_dir / f"work-{tokens}")]
+    return cmd
+
+
 def run_one(tokens: int, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """One `kvd bench vllm` run; its JSON, or {"error": ...} with its log's tail (the
     other prompt lengths still run)."""
     out = log_dir / f"bench-{tokens}.json"
     log = log_dir / f"bench-{tokens}.log"
-    cmd = [sys.executable, "-m", "kvd", "bench", "vllm", "--systems", "progressive",
-           "--prompt-tokens", str(tokens), "--rounds", str(args.rounds),
-           "--batch", "1", "--batch-rounds", "1", "--idle-s", "1",
-           "--max-tokens", str(args.max_tokens),
-           "--max-num-batched-tokens", str(args.chunk), "--breakdown", "--out", str(out)]
-    if args.breakdown:  # every process's trace points kept, in the run's work directory
-        cmd += ["--work-dir", str(log_dir / f"work-{tokens}")]
+    cmd = bench_command(tokens, args, log_dir, out)
     print("+", " ".join(cmd), f"> {log}", file=sys.stderr, flush=True)
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode

@@ -64,3 +64,17 @@ def test_a_run_without_traces_shows_dashes_for_the_paired_columns():
     one, two = pt.rows(1024, result)
     assert one[2:8] == [200.0, 50.0, 0.25, None, None, None]
     assert two[2:5] == [None, None, None]  # the layout not in this run
+
+
+def test_the_model_shape_reaches_kvd_bench_vllm(tmp_path: Path) -> None:
+    """--model-shape was accepted and then left out of the command: a kv-heavy run
+    measured the default model (16 MiB of KV at 4K tokens instead of 256)."""
+    import argparse
+
+    mod = _module()
+    args = argparse.Namespace(rounds=6, max_tokens=4, chunk=512, model_shape="kv-heavy",
+                              breakdown=False)
+    cmd = mod.bench_command(4096, args, tmp_path, tmp_path / "out.json")
+    assert cmd[cmd.index("--model-shape") + 1] == "kv-heavy"
+    assert cmd[cmd.index("--prompt-tokens") + 1] == "4096" and "--breakdown" in cmd
+    assert "--work-dir" not in cmd
