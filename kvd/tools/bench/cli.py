@@ -263,6 +263,10 @@ def vllm_bench(
     router_warm_up: bool = typer.Option(
         False, "--router-warm-up", help="Start the routers with --warm-up and wait until "
         "each pair is warm: 'first' is then the first hand-over after the warm-up."),
+    engine_warm_up: bool = typer.Option(
+        True, "--engine-warm-up/--no-engine-warm-up", help="Before round 0 each engine "
+        "serves one request of its own (no transfer): 'first' is then a pair's first "
+        "transfer on engines already serving, not also vLLM's first request."),
     max_num_batched_tokens: int = typer.Option(
         0, "--max-num-batched-tokens", help="Chunked prefill on every engine, this many "
         "tokens a step (0: vLLM's default). Progressive systems overlap the transfer with "
@@ -313,7 +317,7 @@ def vllm_bench(
                       max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                       model_shape=model_shape, breakdown=breakdown,
                       decode_timeout_s=decode_timeout_s,
-                      router_warm_up=router_warm_up,
+                      router_warm_up=router_warm_up, engine_warm_up=engine_warm_up,
                       max_num_batched_tokens=max_num_batched_tokens, hogs=hog,
                       pause_others=pause_others)
     try:

@@ -84,6 +84,7 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
               "VLLM_LOGGING_LEVEL": "WARNING"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+WARM_UP_SEED = 90_000  # the engines' own warm-up prompt (rounds: < 50_000, batches above)
 IDLE_SETTLE_S = 5.0  # in a system's turn, before its idle CPU is measured
 
 
@@ -104,6 +105,9 @@ class BenchConfig:
     seed: int = 0
     breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
     router_warm_up: bool = False  # routers hand one request over per pair before round 0
+    # each engine serves a local request (no transfer) before round 0: round 0 is then
+    # a warm pair's first transfer, not also each engine's first request
+    engine_warm_up: bool = True
     decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
     max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
     pause_others: bool = True  # between its turns a system is paused (SIGSTOP): a quiet host
@@ -513,6 +517,17 @@ class VllmBench:
     def _equal(self, seed: int, text: str) -> int:
         return int(self.reference.get(seed) == text)
 
+    def warm_engines(self) -> None:
+        """Every engine, in its system's turn, serves one request of its own: no
+        kv_transfer_params, a prompt no round uses. vLLM's first request is slow in its
+        own stages (API server to engine core 17-26 ms against 3-6 ms warm); after this,
+        round 0 measures what a pair's first transfer costs on engines already serving."""
+        seed = self.cfg.seed * 100_000 + WARM_UP_SEED
+        for name in self._live(list(self.systems)):
+            with self._turn(name):
+                for port in self.systems[name].ports.values():
+                    stream_completion(port, self._body(seed), self.cfg.decode_timeout_s)
+
     def single_round(self, rnd: int, order: list[str]) -> None:
         seed = self.cfg.seed * 100_000 + rnd
         for name in self._live(order):
@@ -652,6 +667,8 @@ class VllmBench:
             hogs = self.hogs
             self.turns = Turns(self._groups(), self.cfg.settle_s,
                                hog_pids=(hogs.pids if hogs is not None else tuple))
+        if self.cfg.engine_warm_up:
+            self.warm_engines()
         before = self.decode_metrics()
         for rnd in range(self.cfg.rounds):
             self.single_round(rnd, self._live(_rotated(names, rnd)))

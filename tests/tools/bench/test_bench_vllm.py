@@ -274,3 +274,43 @@ def test_a_kv_heavy_model_gets_a_kv_cache_for_two_of_its_longest_requests(
     bad = CliRunner().invoke(bench_app, [*args, "--model-shape", "huge"])
     assert bad.exit_code != 0 and "--model-shape must be one of" in bad.output
     assert len(seen) == 2
+
+
+def test_each_engine_serves_a_request_of_its_own_before_round_0(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine warm-up: every engine of every system (prefill, decode, plain) gets
+    one plain request, with no kv_transfer_params and a prompt no round or batch uses,
+    before the first round; --no-engine-warm-up leaves it out."""
+    import kvd.tools.bench.vllm_run as vllm_run
+    from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench
+
+    asked: list[tuple[int, dict]] = []
+    monkeypatch.setattr(vllm_run, "stream_completion",
+                        lambda port, body, timeout_s=0: asked.append((port, body)))
+    cfg = BenchConfig(systems=("plain", "kvd-1d"), rounds=2, batch_rounds=1)
+    bench = VllmBench(cfg, tmp_path, tmp_path, log=lambda m: None)
+    bench.systems = {"plain": Running(system_spec("plain"), {"plain": 11}),
+                     "kvd-1d": Running(system_spec("kvd-1d"), {"prefill": 12, "decode": 13})}
+    order: list[str] = []
+    monkeypatch.setattr(bench, "single_round", lambda rnd, names: order.append(f"r{rnd}"))
+    monkeypatch.setattr(bench, "batch_round", lambda rnd, names: order.append(f"b{rnd}"))
+    monkeypatch.setattr(bench, "decode_metrics",
+                        lambda: order.append("metrics") or {})
+    monkeypatch.setattr(bench, "idle_cores", lambda: {})
+    bench.run()
+    assert sorted(port for port, _ in asked) == [11, 12, 13]
+    assert order[:2] == ["metrics", "r0"]  # warmed before the counters' baseline
+    round_prompts = [bench._body(s)["prompt"] for s in (0, 1, 50_000)]
+    for _, body in asked:
+        assert "kv_transfer_params" not in body and body["prompt"] not in round_prompts
+
+    asked.clear()
+    off = VllmBench(BenchConfig(systems=("plain",), engine_warm_up=False), tmp_path,
+                    tmp_path, log=lambda m: None)
+    off.systems = {"plain": Running(system_spec("plain"), {"plain": 11})}
+    monkeypatch.setattr(off, "single_round", lambda rnd, names: None)
+    monkeypatch.setattr(off, "batch_round", lambda rnd, names: None)
+    monkeypatch.setattr(off, "decode_metrics", lambda: {})
+    monkeypatch.setattr(off, "idle_cores", lambda: {})
+    off.run()
+    assert asked == []
