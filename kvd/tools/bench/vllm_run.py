@@ -65,6 +65,8 @@ from kvd.tools.bench.vllm_traces import (
     Routed,
     add_trace_measures,
     co_scheduled,
+    kvd_parts,
+    one_daemon_not_slower_on_kvd_part,
     paired_tails,
     prefill_done_s,
 )
@@ -702,6 +704,11 @@ class VllmBench:
             goals["first_transfer_le_2x_warm"] = {
                 n: f["x_warm"] <= TARGET_FIRST_X_WARM
                 for n, f in extra["first_transfers"].items()}
+        if "breakdown_samples" in extra:
+            parts = kvd_parts(extra["breakdown_samples"], extra["batch_landing"])
+            extra["kvd_part"] = {n: asdict(p) for n, p in parts.items()}
+            goals["one_daemon_not_slower_than_two_kvd_part"] = \
+                one_daemon_not_slower_on_kvd_part(parts)
         if self.turns is not None:
             extra["turn_load"] = self.turns.summary()
         extra["failed_systems"] = dict(self.failed_systems)

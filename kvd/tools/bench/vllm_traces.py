@@ -33,6 +33,16 @@ judge what the connector controls apart from what vLLM's server does before it:
   the prefill, which the paired tail alone would hide. The plain TTFT includes its first
   token's way out (a step's output, detokenising, HTTP: a few ms) that the prefill's
   point does not, so an unslowed prefill comes out slightly under 1.
+
+A third reads the same points to judge one daemon against two (``kvd_part``): the
+hand-over as the client sees it is mostly vLLM's own stages (its API server, its
+scheduler, its decode step), which one daemon or two does not change and which move by
+tens of ms between rounds on a 2-core host; what the daemons change is the time from
+the pull sent to the event taken. So beside the issue's verdict (the client-side p50s)
+the same comparison is made on that part: the warm single hand-overs' p50 of
+``pull sent to event taken (all)``, and per batch, from its last pull sent to its last
+event taken (how long after the last request asked for its KV the whole batch had it),
+the median over batches.
 """
 
 from __future__ import annotations
@@ -142,6 +152,53 @@ def paired_tails(routed: Sequence[Routed], plain_ttft_by_round: dict[int, float]
               for r in warm if plain_ttft_by_round.get(r.round)]
     return Paired(_ms(statistics.median(tails)) if tails else None,
                   round(statistics.median(ratios), 2) if ratios else None, len(warm))
+
+
+SINGLE_KVD_PART = "pull sent to event taken (all)"  # vllm_stats.STAGES
+
+
+@dataclass(frozen=True)
+class KvdPart:
+    """The part of a hand-over the daemons control (above), ms; None: not traced."""
+
+    single_p50_ms: float | None
+    batch_p50_ms: float | None
+
+
+def kvd_part(samples: Sequence[dict[str, float]],
+             landings: Sequence[dict[str, object]]) -> KvdPart:
+    """From one system's breakdown samples (round 0 first, left out as the warm-up) and
+    its batches' landings (ms after each batch was sent, per trace point)."""
+    warm = [r[SINGLE_KVD_PART] for r in samples[1:] if SINGLE_KVD_PART in r]
+    batches = []
+    for b in landings:
+        sent, taken = b.get("pull_sent"), b.get("event_taken")
+        if isinstance(sent, list) and isinstance(taken, list) and sent and taken:
+            batches.append(max(taken) - max(sent))
+    return KvdPart(round(statistics.median(warm), 2) if warm else None,
+                   round(statistics.median(batches), 2) if batches else None)
+
+
+def kvd_parts(samples: dict[str, list[dict[str, float]]],
+              landing: Sequence[dict[str, object]]) -> dict[str, KvdPart]:
+    """`kvd_part` of every traced system (``breakdown_samples``, ``batch_landing``)."""
+    names = dict.fromkeys([*samples, *(str(b["system"]) for b in landing)])
+    return {n: kvd_part(samples.get(n, []), [b for b in landing if b["system"] == n])
+            for n in names}
+
+
+def one_daemon_not_slower_on_kvd_part(parts: dict[str, KvdPart]) -> dict[str, bool] | None:
+    """kvd-1d against kvd-2d on the daemons' part, singles and batches (None: a system
+    or its traces missing)."""
+    one, two = parts.get("kvd-1d"), parts.get("kvd-2d")
+    if one is None or two is None:
+        return None
+    out = {}
+    if one.single_p50_ms is not None and two.single_p50_ms is not None:
+        out["single"] = one.single_p50_ms <= two.single_p50_ms
+    if one.batch_p50_ms is not None and two.batch_p50_ms is not None:
+        out["batch"] = one.batch_p50_ms <= two.batch_p50_ms
+    return out or None
 
 
 def add_trace_measures(summaries: dict[str, Summary],

@@ -143,3 +143,35 @@ def test_trace_measures_reach_the_summary_the_targets_and_the_table():
     assert "co-scheduled spread/step max" in text
     assert "target batch_within_one_step (co_scheduled): {'kvd-1d': True, 'nixl': None}" \
         in text
+
+
+def test_the_daemons_part_is_pull_sent_to_event_taken_and_one_daemon_is_judged_on_it():
+    """Singles: the warm rounds' p50 of pull sent -> event taken (round 0 left out);
+    batches: the last event taken minus the last pull sent, the median over batches."""
+    from kvd.tools.bench.vllm_traces import (
+        SINGLE_KVD_PART,
+        KvdPart,
+        kvd_parts,
+        one_daemon_not_slower_on_kvd_part,
+    )
+
+    samples = {"kvd-1d": [{SINGLE_KVD_PART: 90.0}, {SINGLE_KVD_PART: 4.0},
+                          {SINGLE_KVD_PART: 6.0}, {SINGLE_KVD_PART: 5.0}],
+               "kvd-2d": [{SINGLE_KVD_PART: 1.0}, {SINGLE_KVD_PART: 9.0},
+                          {SINGLE_KVD_PART: 11.0}]}
+    landing = [
+        {"system": "kvd-1d", "pull_sent": [1.0, 9.0], "event_taken": [12.0, 14.0]},
+        {"system": "kvd-1d", "pull_sent": [2.0, 3.0], "event_taken": [40.0, 3.5]},
+        {"system": "kvd-1d", "pull_sent": [5.0], "event_taken": [9.0]},
+        {"system": "kvd-2d", "pull_sent": [1.0], "event_taken": [31.0]},
+        {"system": "kvd-2d", "pull_sent": [], "event_taken": [2.0]},  # untraced: out
+    ]
+    parts = kvd_parts(samples, landing)
+    assert parts["kvd-1d"] == KvdPart(5.0, 5.0)  # batches: 5, 37, 4 -> 5
+    assert parts["kvd-2d"] == KvdPart(10.0, 30.0)
+    assert one_daemon_not_slower_on_kvd_part(parts) == {"single": True, "batch": True}
+    slow = {**parts, "kvd-1d": KvdPart(10.5, 5.0)}
+    assert one_daemon_not_slower_on_kvd_part(slow) == {"single": False, "batch": True}
+    assert one_daemon_not_slower_on_kvd_part({"kvd-1d": parts["kvd-1d"]}) is None
+    assert one_daemon_not_slower_on_kvd_part(
+        {"kvd-1d": KvdPart(None, None), "kvd-2d": KvdPart(None, None)}) is None
