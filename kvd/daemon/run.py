@@ -73,6 +73,9 @@ async def serve(cfg: Config, on_started: Callable[[object], None] | None = None)
 
 
 def run(cfg: Config) -> int:
+    from kvd.daemon.priority import apply_nice
+
+    apply_nice(cfg.cpu_nice)  # before any thread: every thread made later inherits it
     try:
         import uvloop
 
