@@ -8,7 +8,8 @@ line up (``kvd bench vllm --breakdown`` reads them). Unset (the default) every c
 is one attribute check. The points:
 
 * ``publish_sent``: the prefill's scheduler sent the publish (its request finished);
-* ``decode_scheduled``: the decode's scheduler allocated blocks for a remote prefill;
+* ``decode_scheduled``: the decode's scheduler allocated blocks for a remote prefill
+  (value: the scheduler's step, counted from 0: requests of one step share it);
 * ``pull_sent``: the decode's scheduler sent the pull to its daemon;
 * ``event_taken``: the decode's worker took the pull's done_recving (value: the
   daemon's own duration of the pull, seconds);

@@ -122,6 +122,8 @@ class KvdScheduler:
                               settings.consumers, lambda: self.peer_address is not None,
                               self._send_seal, async_scheduling=async_scheduling,
                               groups=self.groups)
+        # build_meta calls so far: the step a request was scheduled in (trace points)
+        self._steps = 0
         self._progressive_pulls: OrderedDict[str, None] = OrderedDict()
         self.pulls_out = PullsOut()  # an empty step waiting only for progressive pulls?
 
@@ -239,7 +241,7 @@ class KvdScheduler:
         if traceparent != remote.traceparent:
             remote = dataclasses.replace(remote, traceparent=traceparent)
         num_tokens = min(remote.num_tokens, request.num_prompt_tokens)
-        TRACE.point("decode_scheduled", request.request_id)
+        TRACE.point("decode_scheduled", request.request_id, self._steps)
         if self._spans is not None and num_external_tokens > 0:
             self._waiting[request.request_id] = (time.time_ns(), traceparent, {
                 "kvd.request_id": request.request_id, "kvd.engine_id": self.settings.engine_id,
@@ -267,7 +269,7 @@ class KvdScheduler:
         except ParamsError:
             return  # warned in num_new_matched_tokens
         num_tokens = self._progressive_tokens(request)
-        TRACE.point("decode_scheduled", request.request_id)
+        TRACE.point("decode_scheduled", request.request_id, self._steps)
         if num_external_tokens <= 0:
             self._pending[request.request_id] = _Pull(remote, [], num_tokens, quiet=True)
             return
@@ -407,6 +409,7 @@ class KvdScheduler:
             self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
+        self._steps += 1
         meta.idle = idle
         meta.only_progressive = idle and self.pulls_out.only_progressive
         return meta

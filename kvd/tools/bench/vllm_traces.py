@@ -10,7 +10,8 @@ judge what the connector controls apart from what vLLM's server does before it:
   KV before vLLM scheduled its request. So the batch's requests are grouped by the
   decode step that scheduled them (``decode_scheduled`` sorted: a request joins the
   current group while within half the batch's decode step ``step_s`` of the group's
-  first one), and in each group of two or more: the spread of ``recv_reported`` (the
+  first one; where the point carries the scheduler's step, as it does since
+  2026-12-07, the requests of one step are a group, exactly), and in each group of two or more: the spread of ``recv_reported`` (the
   connector handed the KV to vLLM) in steps; the batch's value is the largest over its
   groups. Points match by request id (the decode's, one in its scheduler and worker); a
   request with no ``recv_reported`` is left out (``unreported``); no group of two
@@ -93,6 +94,21 @@ class CoScheduled:
     unreported: int  # scheduled requests with no recv_reported (left out)
 
 
+def scheduler_steps(points: Sequence[TracePoint]) -> list[list[str]] | None:
+    """Request ids grouped by the scheduler step their ``decode_scheduled`` names, the
+    steps in order; None if any request's point has no step (a trace from before)."""
+    steps: dict[str, float] = {}
+    for _ns, point, rid, value in points:
+        if point == "decode_scheduled" and rid not in steps:
+            if value is None:
+                return None
+            steps[rid] = value
+    groups: dict[float, list[str]] = {}
+    for rid, step in steps.items():
+        groups.setdefault(step, []).append(rid)
+    return [groups[k] for k in sorted(groups)]
+
+
 def co_scheduled(points: Sequence[TracePoint], step_s: float) -> CoScheduled:
     """The co-scheduled spread of one batch from its trace points (the batch's window)."""
     scheduled = first_at(points, "decode_scheduled")
@@ -100,7 +116,7 @@ def co_scheduled(points: Sequence[TracePoint], step_s: float) -> CoScheduled:
     if step_s <= 0:
         return CoScheduled((len(scheduled),) if scheduled else (), None,
                            sum(r not in reported for r in scheduled))
-    groups = step_groups(scheduled, step_s)
+    groups = scheduler_steps(points) or step_groups(scheduled, step_s)
     spreads = []
     for g in groups:
         times = [reported[r] for r in g if r in reported]

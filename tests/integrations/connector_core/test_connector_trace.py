@@ -106,3 +106,32 @@ def test_with_tracing_on_the_wait_for_the_kv_and_the_first_step_are_spans(monkey
     assert all(f"{s.context.trace_id:032x}" == ROUTER_TP[3:35]
                and f"{s.parent.span_id:016x}" == ROUTER_TP[36:52] for s in spans)
 
+
+
+def test_decode_scheduled_names_the_scheduler_step(tmp_path, monkeypatch) -> None:
+    """The bench groups a batch's requests by the step that scheduled them: requests
+    allocated before one build_meta share a step, the next step's have the next."""
+    import kvd.integrations.connector_core.scheduler as scheduler_mod
+    from kvd.ops.trace import Tracer, read_traces
+
+    monkeypatch.setattr(scheduler_mod, "TRACE", Tracer(str(tmp_path)))
+    sched, _sent = _scheduler()
+    blocks = SimpleNamespace(blocks=[[SimpleNamespace(block_id=b, block_hash=None)
+                                      for b in (8, 9)]])
+
+    def admit(rid: str) -> None:
+        remote = RemotePrefill(engine_id="pre", request_id=f"p-{rid}",
+                               address="tcp://p:7101", block_ids=(4, 5), num_tokens=20)
+        sched.after_alloc(SimpleNamespace(request_id=rid, kv_transfer_params=remote.to_params(),
+                                          num_prompt_tokens=20, trace_headers=None),
+                          blocks, 20)
+
+    sched.build_meta()  # a step with nothing to pull
+    admit("d-1")
+    admit("d-2")
+    sched.build_meta()
+    admit("d-3")
+    sched.build_meta()
+    steps = {rid: value for _ns, point, rid, value in read_traces(str(tmp_path))
+             if point == "decode_scheduled"}
+    assert steps == {"d-1": 1.0, "d-2": 1.0, "d-3": 2.0}

@@ -175,3 +175,24 @@ def test_the_daemons_part_is_pull_sent_to_event_taken_and_one_daemon_is_judged_o
     assert one_daemon_not_slower_on_kvd_part({"kvd-1d": parts["kvd-1d"]}) is None
     assert one_daemon_not_slower_on_kvd_part(
         {"kvd-1d": KvdPart(None, None), "kvd-2d": KvdPart(None, None)}) is None
+
+
+def test_with_the_schedulers_step_in_the_points_a_step_is_a_group_exactly():
+    """Run 12's batch 4 of kvd-1d: requests scheduled 10.5 ms apart in two steps, with a
+    median token gap of 34 ms; half a step merged them (a spread of 1.85 steps that
+    was two steps' landing). The step each point names splits them; a trace without
+    steps is grouped by time as before."""
+    sched = {"a": 6.3, "b": 16.8, "c": 16.9, "d": 17.0}
+    reported = {"a": 17.8, "b": 81.0, "c": 81.0, "d": 81.0}
+    step_of = {"a": 3.0, "b": 4.0, "c": 4.0, "d": 4.0}
+    timed = _points(sched, reported)
+    stepped = [(ns, point, rid, step_of[rid] if point == "decode_scheduled" else value)
+               for ns, point, rid, value in timed]
+    merged = co_scheduled(timed, 0.0341)
+    assert merged.group_sizes == (4,) and merged.spread_steps == 1.85
+    split = co_scheduled(stepped, 0.0341)
+    assert split.group_sizes == (1, 3) and split.spread_steps == 0.0
+    late = dict(reported, d=120.0)  # one of the step's three landed later: seen
+    stepped_late = [(ns, point, rid, step_of[rid] if point == "decode_scheduled" else value)
+                    for ns, point, rid, value in _points(sched, late)]
+    assert co_scheduled(stepped_late, 0.0341).spread_steps == round(39.0 / 34.1, 2)
