@@ -19,7 +19,14 @@ Trees alternate round by round so that background load hits both alike:
 
     python benchmarks/local_handover.py --tree before=/path/a --tree after=/path/b
 
-A tree is a kvd checkout; its daemon runs with ``PYTHONPATH`` set to it.
+A tree is a kvd checkout; its daemon runs with ``PYTHONPATH`` set to it. The same
+checkout twice with different settings (``--daemon-set NAME=KEY=VALUE``, repeatable)
+compares settings; ``--spinners N`` runs N processes beside everything for the whole run
+that call ``sched_yield`` in a loop, as vLLM's engine cores and workers do for a second
+after every step (a host whose engines keep the cores busy):
+
+    python benchmarks/local_handover.py --tree nice0=$PWD --tree nice-10=$PWD \
+        --daemon-set nice0=cpu_nice=0 --daemon-set nice-10=cpu_nice=-10 --spinners 4
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -67,11 +76,16 @@ class Memcpy:
         return time.perf_counter() - t
 
 
+SPIN = "import os\nwhile True:\n    os.sched_yield()"
+
+
 def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
-              memcpy: Memcpy) -> dict[str, float]:
+              memcpy: Memcpy, sets: tuple[str, ...] = ()) -> dict[str, float]:
     rng = np.random.default_rng(int(tag) if tag.isdigit() else 1)
     with tempfile.TemporaryDirectory() as tmp:
-        d = DaemonProcess.start(f"lh{tag}", Path(tmp), env={"PYTHONPATH": tree})
+        d = DaemonProcess.start(f"lh{tag}", Path(tmp),
+                                [a for kv in sets for a in ("--set", kv)],
+                                env={"PYTHONPATH": tree})
         try:
             nowait = NoWaitClient(d.engine_address)
             with d.client(ping_interval_s=0, timeout_s=30) as c:
@@ -132,6 +146,7 @@ def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
             d.stop()
     m50 = statistics.median(mc)
     return {"single_wall_p50_us": statistics.median(wall) * 1e6,
+            "single_wall_p99_us": float(np.percentile(wall, 99)) * 1e6,
             "single_daemon_p50_us": statistics.median(daemon) * 1e6,
             "batch_wall_p50_us": statistics.median(bwall) * 1e6,
             "batch_duration_spread_p50_us": statistics.median(bspread) * 1e6,
@@ -148,21 +163,37 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=100)
     ap.add_argument("--batches", type=int, default=30)
     ap.add_argument("--batch", type=int, default=6)
+    ap.add_argument("--daemon-set", action="append", default=[],
+                    help="NAME=KEY=VALUE: a --set of that tree's daemon")
+    ap.add_argument("--spinners", type=int, default=0,
+                    help="sched_yield loops beside everything for the whole run")
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
+    sets: dict[str, tuple[str, ...]] = {}
+    for item in args.daemon_set:
+        name, kv = item.split("=", 1)
+        sets[name] = (*sets.get(name, ()), kv)
     # `python -m kvd` puts the working directory first on the daemon's sys.path: run
     # from a neutral one, or a checkout there would shadow every tree's PYTHONPATH
     os.chdir(tempfile.gettempdir())
     memcpy = Memcpy()
     out: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
-    for r in range(args.rounds):
-        for k, (name, path) in enumerate(trees):
-            res = one_round(path, args.singles, args.batches, args.batch, f"{r}{k}", memcpy)
-            out[name].append(res)
-            print(f"round {r + 1} {name}: " + ", ".join(f"{key} {v:.2f}" if "_x_" in key
-                                                        else f"{key} {v:.0f}"
-                                                        for key, v in res.items()), flush=True)
-    print(json.dumps({"load_avg_end": os.getloadavg(), "trees": out}))
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.spinners)]
+    try:
+        for r in range(args.rounds):
+            for k, (name, path) in enumerate(trees):
+                res = one_round(path, args.singles, args.batches, args.batch, f"{r}{k}",
+                                memcpy, sets.get(name, ()))
+                out[name].append(res)
+                print(f"round {r + 1} {name}: " + ", ".join(
+                    f"{key} {v:.2f}" if "_x_" in key else f"{key} {v:.0f}"
+                    for key, v in res.items()), flush=True)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    print(json.dumps({"load_avg_end": os.getloadavg(), "spinners": args.spinners,
+                      "daemon_sets": sets, "trees": out}))
 
 
 if __name__ == "__main__":
