@@ -23,7 +23,7 @@ A tree is a kvd checkout; its daemon runs with ``PYTHONPATH`` set to it. The sam
 checkout twice with different settings (``--daemon-set NAME=KEY=VALUE``, repeatable)
 compares settings; ``--spinners N`` runs N processes beside everything for the whole run
 that call ``sched_yield`` in a loop, as vLLM's engine cores and workers do for a second
-after every step (a host whose engines keep the cores busy):
+after every step (``--spin yield``), or that compute (``--spin busy``: a prefill, a hog):
 
     python benchmarks/local_handover.py --tree nice0=$PWD --tree nice-10=$PWD \
         --daemon-set nice0=cpu_nice=0 --daemon-set nice-10=cpu_nice=-10 --spinners 4
@@ -76,7 +76,8 @@ class Memcpy:
         return time.perf_counter() - t
 
 
-SPIN = "import os\nwhile True:\n    os.sched_yield()"
+SPIN = {"yield": "import os\nwhile True:\n    os.sched_yield()",  # vLLM's idle readers
+        "busy": "while True:\n    pass"}  # threads that compute (a prefill, a hog)
 
 
 def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
@@ -166,7 +167,9 @@ def main() -> None:
     ap.add_argument("--daemon-set", action="append", default=[],
                     help="NAME=KEY=VALUE: a --set of that tree's daemon")
     ap.add_argument("--spinners", type=int, default=0,
-                    help="sched_yield loops beside everything for the whole run")
+                    help="loops beside everything for the whole run (--spin: what they do)")
+    ap.add_argument("--spin", choices=sorted(SPIN), default="yield",
+                    help="yield: sched_yield in a loop (vLLM's idle engines); busy: compute")
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
     sets: dict[str, tuple[str, ...]] = {}
@@ -178,7 +181,8 @@ def main() -> None:
     os.chdir(tempfile.gettempdir())
     memcpy = Memcpy()
     out: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.spinners)]
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN[args.spin]])
+                for _ in range(args.spinners)]
     try:
         for r in range(args.rounds):
             for k, (name, path) in enumerate(trees):
@@ -193,6 +197,7 @@ def main() -> None:
             p.kill()
             p.wait()
     print(json.dumps({"load_avg_end": os.getloadavg(), "spinners": args.spinners,
+                      "spin": args.spin,
                       "daemon_sets": sets, "trees": out}))
 
 

@@ -40,8 +40,10 @@ def apply_nice(wanted: int, *, getpriority: Callable[[int, int], int] = os.getpr
                setpriority: Callable[[int, int, int], None] = os.setpriority,
                threads: Callable[[], list[int]] = _threads) -> Priority:
     """Set every thread of this process to nice ``wanted`` (0: nothing is changed). A
-    raise the process is not allowed (no CAP_SYS_NICE) is logged once and leaves the
-    process as it was: the daemon works at any priority, only slower on a busy host."""
+    raise the process is not allowed (no CAP_SYS_NICE) leaves the process as it was:
+    the daemon works at any priority, only slower on a busy host. Nothing is logged
+    here: `log_priority` says it once the daemon serves (a daemon that cannot start
+    says only why, on one line)."""
     before = getpriority(os.PRIO_PROCESS, 0)
     if wanted == 0 or wanted == before:
         return Priority(wanted, before)
@@ -57,11 +59,16 @@ def apply_nice(wanted: int, *, getpriority: Callable[[int, int], int] = os.getpr
                 setpriority(os.PRIO_PROCESS, tid, before)
             except OSError:
                 pass
+        return Priority(wanted, before, refused=str(exc.strerror or exc))
+    return Priority(wanted, getpriority(os.PRIO_PROCESS, 0))
+
+
+def log_priority(p: Priority) -> None:
+    """One line on what `apply_nice` did: a warning if the raise was refused."""
+    if p.refused:
         log.warning("kvd runs at nice %d, not cpu_nice=%d: %s (raising a priority needs "
                     "CAP_SYS_NICE or RLIMIT_NICE; on a busy host pulls may wait for a "
-                    "CPU; set cpu_nice=0 to keep the priority as started)", before,
-                    wanted, exc.strerror or exc)
-        return Priority(wanted, before, refused=str(exc.strerror or exc))
-    now = getpriority(os.PRIO_PROCESS, 0)
-    log.info("CPU priority: nice %d (was %d)", now, before)
-    return Priority(wanted, now)
+                    "CPU; set cpu_nice=0 to keep the priority as started)", p.nice,
+                    p.wanted, p.refused)
+    elif p.wanted:
+        log.info("CPU priority: nice %d", p.nice)

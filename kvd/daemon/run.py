@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvd.config import Config
 from kvd.daemon.faces import is_loopback
+from kvd.daemon.priority import Priority, apply_nice, log_priority
 from kvd.errors import ConfigError
 from kvd.wire.curve import KeyPair, load_allowlist, load_keypair
 
@@ -47,12 +48,15 @@ def load_curve(cfg: Config) -> KeyPair | None:
     return keys
 
 
-async def serve(cfg: Config, on_started: Callable[[object], None] | None = None) -> int:
+async def serve(cfg: Config, on_started: Callable[[object], None] | None = None,
+                priority: Priority | None = None) -> int:
     from kvd.daemon.server import Daemon
 
     token = load_token(cfg)
     daemon = Daemon(cfg, token=token, curve_keys=load_curve(cfg))
     await daemon.start()
+    if priority is not None:
+        log_priority(priority)
     # Everything made so far (imported modules, NIXL bindings, the daemon's own tables)
     # lives as long as the process: keep it out of the collector, so that a full
     # collection while many pulls are in flight scans only their objects and does not
@@ -73,12 +77,10 @@ async def serve(cfg: Config, on_started: Callable[[object], None] | None = None)
 
 
 def run(cfg: Config) -> int:
-    from kvd.daemon.priority import apply_nice
-
-    apply_nice(cfg.cpu_nice)  # before any thread: every thread made later inherits it
+    priority = apply_nice(cfg.cpu_nice)  # before any thread: all made later inherit it
     try:
         import uvloop
 
-        return uvloop.run(serve(cfg))
+        return uvloop.run(serve(cfg, priority=priority))
     except ImportError:  # pragma: no cover - uvloop is a dependency, but not on every OS
-        return asyncio.run(serve(cfg))
+        return asyncio.run(serve(cfg, priority=priority))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.priority import apply_nice
+from kvd.daemon.priority import apply_nice, log_priority
 from kvd.tools.localcluster import DaemonProcess
 
 
@@ -31,6 +31,7 @@ def test_every_thread_of_a_served_daemon_runs_at_its_cpu_nice(tmp_path: Path) ->
         threads = _nice_of_threads(d.proc.pid)
         assert len(threads) > 1  # the setting is per thread on Linux: all, not one
         assert set(threads.values()) == {19}, threads
+        assert "CPU priority: nice 19" in d.log_path.read_text()
     finally:
         d.kill()
 
@@ -67,6 +68,8 @@ def test_a_raise_that_is_refused_leaves_every_thread_as_it_was(
     with caplog.at_level(logging.WARNING, logger="kvd.daemon"):
         got = apply_nice(-10, getpriority=fake.get, setpriority=fake.set,
                          threads=lambda: sorted(fake.nice))
+        assert caplog.text == ""  # said once the daemon serves, not before
+        log_priority(got)
     assert got.nice == 0 and got.refused == "Permission denied"
     assert fake.nice == {100: 0, 101: 0, 102: 0}  # the one set before the refusal undone
     assert "kvd runs at nice 0, not cpu_nice=-10" in caplog.text

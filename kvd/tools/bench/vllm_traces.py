@@ -10,18 +10,19 @@ judge what the connector controls apart from what vLLM's server does before it:
   KV before vLLM scheduled its request. So the batch's requests are grouped by the
   decode step that scheduled them (``decode_scheduled`` sorted: a request joins the
   current group while within half the batch's decode step ``step_s`` of the group's
-  first one; where the point carries the scheduler's step, as it does since
-  2026-12-07, the requests of one step are a group, exactly), and in each group of two or more: the spread of ``recv_reported`` (the
-  connector handed the KV to vLLM) in steps; the batch's value is the largest over its
-  groups. Points match by request id (the decode's, one in its scheduler and worker); a
-  request with no ``recv_reported`` is left out (``unreported``); no group of two
-  reported requests: None. Too wide a window only merges steps, so the value errs
-  against kvd, never for it. docs/notes/handover-runs/ (51 batches, sorted times, no
-  ids): one step's points lie within 1.8 ms, steps 7-570 ms apart, decode steps 5-190
-  ms; half a step merged two steps in two batches (steps of 84 and 187 ms). Taking the
-  k-th scheduled as the k-th reported there: 0-0.02 steps in 48 batches, 1.45 in a
-  merged one, 18 in one (2026-11-29-burst-ab kvd-1d round 0), None in one (no step
-  measured), against client-side 0-112.
+  first one; where the point carries the scheduler's step, as it does since 2026-12-07,
+  the requests of one step are a group, exactly), and in each group of two or more: the
+  spread of ``recv_reported`` (the connector handed the KV to vLLM) in steps; the
+  batch's value is the largest over its groups. Points match by request id (the
+  decode's, one in its scheduler and worker); a request with no ``recv_reported`` is
+  left out (``unreported``); no group of two reported requests: None. Too wide a window
+  only merges steps, so the value errs against kvd, never for it.
+  docs/notes/handover-runs/ (51 batches, sorted times, no ids): one step's points lie
+  within 1.8 ms, steps 7-570 ms apart, decode steps 5-190 ms; half a step merged two
+  steps in two batches (steps of 84 and 187 ms). Taking the k-th scheduled as the k-th
+  reported there: 0-0.02 steps in 48 batches, 1.45 in a merged one, 18 in one
+  (2026-11-29-burst-ab kvd-1d round 0), None in one (no step measured), against
+  client-side 0-112.
 * paired tail (``Routed``, ``paired_tails``): a request through ``kvd router``: its
   first token minus the time its prefill engine finished computing its prompt (the
   prefill's ``publish_sent``, or for a progressive pull its last ``seal_sent``, the
