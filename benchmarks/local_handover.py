@@ -11,6 +11,9 @@ the pull without waiting for its reply (`NoWaitClient`), then ``done_recving``. 
 * batch: ``--batch`` pulls sent back to back (one engine step's), wall time from the
   first sent to the last event, and the spread of the events' ``duration_s`` ends;
 * the daemon's CPU time per hand-over (its process, from /proc: counted, not timed);
+* to the daemon: from the engine's send of a pull to the daemon's read of it (the
+  daemon's ``daemon_pull`` trace point, KVD_TRACE_DIR), p50 and p99 over every pull:
+  on a busy host, how long the daemon waited for a CPU;
 * memcpy: a single-thread ``np.copyto`` of the same bytes between two shm buffers
   4x the size of the CPU caches (cold, like a pull's blocks), timed alternately with
   the pulls: ratios to it are within one run.
@@ -45,6 +48,8 @@ import numpy as np
 
 from kvd.client.core import Messages
 from kvd.client.nowait import NoWaitClient
+from kvd.ops.trace import ENV as TRACE_ENV
+from kvd.ops.trace import read_traces
 from kvd.tools.localcluster import DaemonProcess
 from kvd.tools.sim import EngineShape, layout_spec
 from kvd.wire.protocol import ModelSpec
@@ -83,10 +88,11 @@ SPIN = {"yield": "import os\nwhile True:\n    os.sched_yield()",  # vLLM's idle 
 def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
               memcpy: Memcpy, sets: tuple[str, ...] = ()) -> dict[str, float]:
     rng = np.random.default_rng(int(tag) if tag.isdigit() else 1)
+    sent_ns: dict[str, int] = {}  # request id -> when the engine sent its pull
     with tempfile.TemporaryDirectory() as tmp:
         d = DaemonProcess.start(f"lh{tag}", Path(tmp),
                                 [a for kv in sets for a in ("--set", kv)],
-                                env={"PYTHONPATH": tree})
+                                env={"PYTHONPATH": tree, TRACE_ENV: f"{tmp}/trace"})
         try:
             nowait = NoWaitClient(d.engine_address)
             with d.client(ping_interval_s=0, timeout_s=30) as c:
@@ -105,6 +111,7 @@ def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
                     # as the connector's scheduler: sent, not waited for
                     msg = Messages.pull("dec", rid, "pre", d.peer_address, src, dst, rid,
                                         num_tokens=-1, publish_receipt=receipt)
+                    sent_ns[rid] = time.monotonic_ns()
                     assert nowait.send(msg, rid, time.monotonic())
 
                 wall, daemon, mc, n = [], [], [], 0
@@ -142,12 +149,19 @@ def one_round(tree: str, singles: int, batches: int, batch: int, tag: str,
                 cpu = (_cpu_s(d.proc.pid) - cpu0) / max(n, 1)
                 paths = {f.path for f in c.status().finished_pulls}
                 assert paths == {"local"}, paths
+                took = {rid: ns for ns, point, rid, _ in read_traces(f"{tmp}/trace")
+                        if point == "daemon_pull"}
         finally:
             nowait.close()
             d.stop()
     m50 = statistics.median(mc)
+    # the engine's send to the daemon's read of the pull: the daemon waiting for a CPU
+    # (and ZMQ's I/O thread), nothing of the copy
+    to_daemon = [(took[r] - t) / 1e3 for r, t in sent_ns.items() if r in took]
     return {"single_wall_p50_us": statistics.median(wall) * 1e6,
             "single_wall_p99_us": float(np.percentile(wall, 99)) * 1e6,
+            "to_daemon_p50_us": statistics.median(to_daemon),
+            "to_daemon_p99_us": float(np.percentile(to_daemon, 99)),
             "single_daemon_p50_us": statistics.median(daemon) * 1e6,
             "batch_wall_p50_us": statistics.median(bwall) * 1e6,
             "batch_duration_spread_p50_us": statistics.median(bspread) * 1e6,
