@@ -161,9 +161,13 @@ def test_injected_read_failure_invalidates_every_local_block() -> None:
         async with daemon_pair() as p:
             await register(p.pc, "pre")
             await register(p.dc, "dec")
-            await p.pc.publish("pre", "r1", [0, 1])
+            # With the receipt, as the connector sends it: a READ posted before the
+            # Acquire's reply cannot predate the publish, so it is never read again
+            # (without it, a slow host re-read and the second READ was ok: CI 14:04)
+            receipt = await p.pc.publish("pre", "r1", [0, 1])
             p.decode.datapath.transport.fail_next_reads = 1
-            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [0, 1], [6, 7])
+            await p.dc.pull("dec", "r1", "pre", p.prefill.cfg.peer_address, [0, 1], [6, 7],
+                            publish_receipt=receipt)
             recv = await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")
             assert not recv.ok and recv.invalid_block_ids == [6, 7]
             assert recv.error.startswith("transfer_failed")  # the producer is still there

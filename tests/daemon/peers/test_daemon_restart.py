@@ -115,9 +115,10 @@ def test_a_failed_read_drops_the_cached_peer() -> None:
             await _register(p.pc, "pre")
             await _register(p.dc, "dec")
             addr = p.prefill.cfg.peer_address
-            await p.pc.publish("pre", "r0", [1])
+            # the receipt: a READ that cannot predate the publish is never read again
+            receipt = await p.pc.publish("pre", "r0", [1])
             p.decode.datapath.transport.fail_next_reads = 1
-            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
+            await p.dc.pull("dec", "r0", "pre", addr, [1], [2], publish_receipt=receipt)
             ev = await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")
             assert not ev.ok and ev.error.startswith("transfer_failed")
             assert p.decode.peers.remotes == {}
