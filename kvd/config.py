@@ -184,9 +184,9 @@ class Config:
         ge=-20, le=19,
         description="The daemon's CPU priority (nice value, every thread of it), set at "
                     "start. Its work is short and on every hand-over's path, and its "
-                    "CPU use small (~0.03 core idle): ahead of the engines, a busy host "
-                    "(engines' threads that spin between steps) no longer keeps a pull "
-                    "waiting for a CPU. A value below the current one needs "
+                    "CPU use small (~0.03 core idle): ahead of threads that compute "
+                    "(engines, other work), a pull waits less for a CPU on a busy "
+                    "host. A value below the current one needs "
                     "CAP_SYS_NICE or RLIMIT_NICE (docs/operations.md): without them "
                     "the daemon logs a warning and runs as started; 0: left as started.",
     )] = -10

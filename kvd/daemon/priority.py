@@ -6,10 +6,11 @@ threads, NIXL's threads, its copy threads and its posting workers, it covers the
 threads that already exist (none in `kvd serve`; a host process embedding the daemon may
 have some) are set too.
 
-Why (docs/notes/2026-12-07-runs.md): on a 2-core host with two CPU engines, vLLM's
-engine cores and workers spin (``sched_yield``) for a second after each step; the
-daemon, woken by a pull, then waited tens of ms for a CPU before it read the message
-(the loop-lag monitor: "held by the daemon 0 ms of it"), in 3 of 5 batches of one run.
+Why (docs/notes/2026-12-07-priority-and-runs.md): on a 2-core host whose other threads
+compute (a prefill, a decode, a hog), a nice-0 daemon woken by a pull waits for a CPU
+before it reads it. On the daemon alone with four computing spinners, nice -10 cut that
+wait's p99 from 36-44 ms to 19-29 ms; spinners that only ``sched_yield`` delay it
+either way alike. In whole vLLM engines the gain is not shown.
 """
 
 from __future__ import annotations
