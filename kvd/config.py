@@ -186,7 +186,8 @@ class Config:
                     "start. Its work is short and on every hand-over's path, and its "
                     "CPU use small (~0.03 core idle): ahead of threads that compute "
                     "(engines, other work), a pull waits less for a CPU on a busy "
-                    "host. A value below the current one needs "
+                    "host. A daemon leading its session sets its autogroup too "
+                    "(docs/operations.md). A value below the current one needs "
                     "CAP_SYS_NICE or RLIMIT_NICE (docs/operations.md): without them "
                     "the daemon logs a warning and runs as started; 0: left as started.",
     )] = -10
