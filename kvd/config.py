@@ -51,6 +51,15 @@ class Config:
     engine_address: Annotated[Endpoint, Meta(
         description="ZMQ endpoint (tcp:// or ipc://) where local engines connect.",
     )] = DEFAULT_ENGINE_ADDRESS
+    engine_direct: Annotated[bool, Meta(
+        description="Also serve engines of this host on a Unix socket in the abstract "
+                    "namespace named after engine_address (kvd-engine-tcp-<port>; Linux, "
+                    "not with CURVE on the engine face). kvd's engine clients use it "
+                    "when they find it: a message then goes from the engine thread that "
+                    "sends it into the kernel, not through ZMQ's I/O threads, which "
+                    "wait behind the engine's computing threads on a busy host "
+                    "(docs/architecture.md). Same requests, token and bounds.",
+    )] = True
     peer_address: Annotated[TcpEndpoint, Meta(
         description="ZMQ tcp endpoint where other kvd daemons connect.",
     )] = "tcp://127.0.0.1:7101"

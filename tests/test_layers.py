@@ -38,7 +38,7 @@ SUBLAYERS: dict[str, list[tuple[str, ...]]] = {
     "kvd.daemon": [
         ("kvd.daemon", "kvd.daemon.clock", "kvd.daemon.transitions", "kvd.daemon.looplag",
          "kvd.daemon.datapath",
-         "kvd.daemon.events", "kvd.daemon.faces", "kvd.daemon.curve_auth"),
+         "kvd.daemon.events", "kvd.daemon.direct", "kvd.daemon.faces", "kvd.daemon.curve_auth"),
         ("kvd.daemon.engines",),  # what each engine is, registration, liveness
         ("kvd.daemon.peers",),  # other daemons: handshakes, connections
         ("kvd.daemon.services", "kvd.daemon.hybrid"),

@@ -20,7 +20,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -30,6 +30,9 @@ from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolEr
 from kvd.ops.metrics import Metrics
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
+
+if TYPE_CHECKING:
+    from kvd.daemon.direct import DirectFace
 
 log = logging.getLogger("kvd.daemon")
 
@@ -193,6 +196,23 @@ class Face:
             claim_ipc_path(address[len("ipc://"):])
         self.sock.bind(address)
         self.inbox = Inbox(self.sock)
+        self.direct: DirectFace | None = None  # the engine face's Unix door (`open_direct`)
+
+    def open_direct(self, name: str, max_message_bytes: int, receive_queue_bytes: int
+                    ) -> DirectFace:
+        """Also serve this face's requests on the abstract Unix socket ``name``
+        (kvd.daemon.direct); `serve_direct` then answers them."""
+        from kvd.daemon.direct import DirectFace
+        from kvd.wire.stream import is_abstract
+
+        if not is_abstract(name):
+            claim_ipc_path(name)  # a crashed daemon's file goes; a live daemon's stays
+        self.direct = DirectFace(self, name, max_message_bytes, receive_queue_bytes)
+        return self.direct
+
+    def waiting(self) -> bool:
+        """Whether a request waits to be answered, on ZMQ or on the direct door."""
+        return self.inbox.waiting() or (self.direct is not None and self.direct.waiting())
 
     async def rekey(self, keys: Any, timeout_s: float = REBIND_TIMEOUT_S) -> None:
         """Serve new connections with another CURVE keypair: libzmq copies security
@@ -232,7 +252,7 @@ class Face:
             if self.curve is not None and not self.curve.check_message(
                     self.name, _user_id(frames), _fd(frames)):
                 continue  # a revoked key: its connection is being closed, no answer
-            reply, msg_id = await self._answer([f.buffer for f in frames[1:]], identity,
+            reply, msg_id = await self.answer([f.buffer for f in frames[1:]], identity,
                                                handlers, _fd(frames))
             if reply is not None:
                 self.send(identity, msg_id, reply)
@@ -240,7 +260,7 @@ class Face:
                 await asyncio.sleep(0)  # a turn for the rest of the loop, not a wait
                 slice_end_s = time.perf_counter() + SERVE_SLICE_S
 
-    async def _answer(self, payload: list[Any], identity: bytes,
+    async def answer(self, payload: list[Any], identity: bytes,
                       handlers: dict[type, Handler], fd: int = -1) -> tuple[Any, int]:
         """(reply or None for a long poll answered later, the id to reply with)."""
         msg_id = 0
@@ -274,17 +294,19 @@ class Face:
         return P.Error(code=InternalError.code, message=f"internal error: {exc!r}")
 
     async def answer_later(self, identity: bytes, msg_id: int, work: Awaitable[Any]) -> None:
-        """Reply to one request with ``work``'s result, or its error as `_answer` would:
+        """Reply to one request with ``work``'s result, or its error as `answer` would:
         for a handler that must not hold the face while it waits (a registration: pool
         allocation and NIXL registration, a second or more per GiB). Meanwhile the face
         answers every other request, Pings and Polls included."""
         try:
             reply = await work
-        except Exception as exc:  # noqa: BLE001 - as in _answer
+        except Exception as exc:  # noqa: BLE001 - as in answer
             reply = self._error(exc)
         self.send(identity, msg_id, reply)
 
     def send(self, identity: bytes, msg_id: int, body: Any) -> None:
+        if self.direct is not None and self.direct.send(identity, msg_id, body):
+            return
         try:
             self.sock.send_multipart([identity, *P.encode(body, msg_id,
                                                           instance=self.instance_id)],
@@ -310,6 +332,8 @@ class Face:
             monitor.close(0)
 
     def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         self.inbox.close()
         self.sock.close(0)
 

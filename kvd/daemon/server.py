@@ -48,6 +48,7 @@ from kvd.planner import RankId
 from kvd.transport.base import Transport
 from kvd.wire import curve as C
 from kvd.wire import protocol as P
+from kvd.wire.stream import direct_name
 
 log = logging.getLogger("kvd.daemon")
 
@@ -128,6 +129,7 @@ class Daemon:
                     ("engine", "engine_address", cfg.engine_address, P.ENGINE_REQUESTS,
                      guard if curve_on_engine_face(cfg) else None),
                     ("peer", "peer_address", cfg.peer_address, P.PEER_REQUESTS, guard)))
+            self._open_direct()
             if cfg.metrics_port:
                 try:
                     self.http = start_http_server(cfg.metrics_host, cfg.metrics_port,
@@ -155,13 +157,15 @@ class Daemon:
                        spans=self.spans)
         self.producer = Producer(svc)
         self.consumer = Consumer(svc, self._local_peer)
-        self.after_burst.waiting = self.engine_face.inbox.waiting
+        self.after_burst.waiting = self.engine_face.waiting
         if cfg.copy_bursts:
-            self.consumer.copy_bursts(self.engine_face.inbox.waiting)
+            self.consumer.copy_bursts(self.engine_face.waiting)
         self.connections = ConnectionTracker()
         self.registry.on_engine_gone(self.connections.forget)
-        self.spawn(self.engine_face.serve({t: self._noting(h)
-                                           for t, h in self._engine_handlers().items()}))
+        engine_handlers = {t: self._noting(h) for t, h in self._engine_handlers().items()}
+        self.spawn(self.engine_face.serve(engine_handlers))
+        if self.engine_face.direct is not None:
+            self.spawn(self.engine_face.direct.serve(engine_handlers))
         self.spawn(self.engine_face.watch_disconnects(
             lambda fd: self.spawn(self._retire_closed(fd))))
         self.spawn(self.peer_face.serve(self._peer_handlers()))
@@ -177,8 +181,10 @@ class Daemon:
         self.spawn(self._housekeeping())
         self.spawn(watch_loop_lag(self.clock, self.metrics.loop_lag, self.metrics.loop_held))
         self.ready = True
-        log.info("kvd %s serving: engine %s, peer %s (advertised %s), agent %s, instance %s",
-                 __version__, cfg.engine_address, cfg.peer_address,
+        direct = self.engine_face.direct
+        log.info("kvd %s serving: engine %s%s, peer %s (advertised %s), agent %s, instance %s",
+                 __version__, cfg.engine_address,
+                 f" (direct {direct.name})" if direct is not None else "", cfg.peer_address,
                  cfg.peer_advertise, self.datapath.agent_name, self.instance_id)
 
     async def _abort_start(self) -> None:
@@ -314,6 +320,20 @@ class Daemon:
                 self.events.forget_except(set(self.registry.engines))
             except Exception:  # noqa: BLE001 - housekeeping must go on
                 log.exception("housekeeping failed")
+
+    def _open_direct(self) -> None:
+        """The engine face's Unix door (kvd.daemon.direct), where it applies. A name
+        another process holds (a second daemon bound to the same port on another
+        address) leaves this daemon on ZMQ alone, said once."""
+        cfg, face = self.cfg, self.engine_face
+        name = direct_name(cfg.engine_address, serving=True)
+        if not cfg.engine_direct or name is None or face.curve is not None:
+            return
+        try:
+            face.open_direct(name, cfg.max_message_bytes, cfg.receive_queue_bytes)
+        except OSError as exc:
+            log.warning("engines reach this daemon over ZMQ only: the direct socket "
+                        "%s is not free (%s)", name, exc.strerror or exc)
 
     # ------------------------------------------------------------ dispatch
 

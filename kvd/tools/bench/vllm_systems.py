@@ -26,14 +26,16 @@ SYSTEMS: dict[str, str] = {
     # not in `all`: an A/B of the daemon's copy bursts in one run
     "kvd-1d-burst": "kvd on one daemon, pulls read together copied together "
                     "(copy_bursts = true)",
+    # not in `all`: an A/B of the engine face's direct door in one run
+    "kvd-1d-zmq": "kvd on one daemon, engines over ZMQ only (engine_direct = false)",
     # not in `all` (`progressive` runs them against their sequential base)
     "kvd-1d-prog": "kvd-1d through `kvd router --progressive` (prefill and decode at once)",
     "kvd-2d-nixl-prog": "kvd-2d-nixl through `kvd router --progressive`",
 }
 ALL_SYSTEMS = ("plain", "kvd-1d", "kvd-2d", "kvd-2d-nixl", "nixl", "nixl-noprog")
 QUICK_SYSTEMS = ("plain", "kvd-1d", "nixl-noprog")
-KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-prog",
-               "kvd-2d-nixl-prog")
+KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-zmq",
+               "kvd-1d-prog", "kvd-2d-nixl-prog")
 # The exposed tail of a progressive pull against the sequential hand-off, side by side.
 PROGRESSIVE_SYSTEMS = ("plain", "kvd-1d", "kvd-1d-prog", "kvd-2d-nixl", "kvd-2d-nixl-prog")
 PROGRESSIVE_SUFFIX = "-prog"
@@ -121,9 +123,10 @@ def system_spec(name: str) -> SystemSpec:
         return SystemSpec(name, (), tuple(
             EngineSpec(f"{name}-{role}", role, cfg, nixl_side_channel=True)
             for role in ("prefill", "decode")))
-    if name in ("kvd-1d", "kvd-1d-spin", "kvd-1d-burst"):
-        burst = ("--set", "copy_bursts=true") if name == "kvd-1d-burst" else ()
-        daemons: tuple[DaemonSpec, ...] = (DaemonSpec(f"{name}-d", burst),)
+    if name in ("kvd-1d", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-zmq"):
+        args = {"kvd-1d-burst": ("--set", "copy_bursts=true"),
+                "kvd-1d-zmq": ("--set", "engine_direct=false")}.get(name, ())
+        daemons: tuple[DaemonSpec, ...] = (DaemonSpec(f"{name}-d", args),)
         homes = {"prefill": daemons[0].name, "decode": daemons[0].name}
     elif name in ("kvd-2d", "kvd-2d-nixl"):
         extra = ("--set", "host_pulls=false") if name == "kvd-2d-nixl" else ()

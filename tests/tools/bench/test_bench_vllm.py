@@ -31,7 +31,8 @@ from kvd.tools.bench.vllm_systems import (
 
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
     assert parse_systems("all") == tuple(n for n in SYSTEMS
-                                         if n not in ("kvd-1d-spin", "kvd-1d-burst")
+                                         if n not in ("kvd-1d-spin", "kvd-1d-burst",
+                                                      "kvd-1d-zmq")
                                          and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
@@ -44,6 +45,13 @@ def test_the_copy_burst_a_b_is_one_daemon_with_copy_bursts_on():
     each = system_spec("kvd-1d-burst")
     assert [d.extra_args for d in each.daemons] == [("--set", "copy_bursts=true")]
     assert {e.daemon for e in each.engines} == {each.daemons[0].name}
+
+
+def test_the_direct_door_a_b_is_one_daemon_with_the_door_shut():
+    """Its engines find no door and stay on ZMQ: the hand-over as before the door."""
+    shut = system_spec("kvd-1d-zmq")
+    assert [d.extra_args for d in shut.daemons] == [("--set", "engine_direct=false")]
+    assert {e.daemon for e in shut.engines} == {shut.daemons[0].name}
 
 
 def test_each_system_runs_its_connector_and_daemons():
