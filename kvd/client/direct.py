@@ -59,7 +59,7 @@ class DirectChannel:
         """Write what is unsent, as far as the kernel takes it now."""
         while self._unsent and not self.broken:
             try:
-                n = self.sock.send(self._unsent, socket.MSG_DONTWAIT)
+                n = self.sock.send(self._unsent, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import socket
 import time
 from collections import deque
@@ -72,6 +73,7 @@ class DirectFace:
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._handlers: Handlers = {}
+        self._poller: select.poll | None = None  # the connections' descriptors (`waiting`)
         self._path = None if S.is_abstract(name) else name  # a file to remove at close
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -98,8 +100,20 @@ class DirectFace:
         return True
 
     def waiting(self) -> bool:
-        """Whether a request has come on some connection and is not yet answered."""
-        return any(conn.pending for conn in self.conns.values())
+        """Whether a request has come on some connection and is not yet answered: read
+        and queued, or still in the kernel's buffer (as the ZMQ face's Inbox counts what
+        its I/O thread has taken)."""
+        if any(conn.pending for conn in self.conns.values()):
+            return True
+        if self._poller is None:
+            self._poller = select.poll()
+            for conn in self.conns.values():
+                if conn.fd >= 0:
+                    self._poller.register(conn.fd, select.POLLIN)
+        return bool(self._poller.poll(0))
+
+    def _changed(self) -> None:
+        self._poller = None  # rebuilt for the connections now open
 
     def close(self) -> None:
         if self._server is not None:
@@ -124,13 +138,17 @@ class _Conn(asyncio.Protocol):
         self.pending: deque[tuple[bytes, bytes]] = deque()
         self.pending_bytes = 0
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self._paused = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
         self.door.conns[self.identity] = self
+        self.door._changed()
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def data_received(self, data: bytes) -> None:
@@ -153,6 +171,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.door.conns.pop(self.identity, None)
+        self.door._changed()
         self.pending.clear()
         if self._task is not None:
             self._task.cancel()

@@ -5,6 +5,7 @@ door broke goes on over ZMQ and comes back to the door."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -245,3 +246,57 @@ def test_the_client_switch_reads_like_the_daemons() -> None:
     for off in ("0", "false", "no", "off", " OFF "):
         assert nowait_mod.direct_default({"KVD_ENGINE_DIRECT": off}) is False
     assert nowait_mod.direct_default({"KVD_ENGINE_DIRECT": "1"}) is True
+
+
+class _Face:
+    """The face a door answers for, in-process: each request is recorded and held until
+    released, so the test sees what `waiting` says meanwhile."""
+
+    name = "engine"
+    instance_id = "inst"
+
+    def __init__(self) -> None:
+        from kvd.ops.metrics import Metrics
+
+        self.metrics = Metrics()
+        self.seen: list[int] = []
+        self.release = asyncio.Event()
+
+    async def answer(self, payload, identity, handlers, fd=-1):
+        header = P.decode_header(payload[0])
+        self.seen.append(header.id)
+        await self.release.wait()
+        return P.Ok(), header.id
+
+
+def test_waiting_counts_requests_read_and_still_in_the_kernel() -> None:
+    """AfterBurst holds a burst's events while requests wait on the engine face: on the
+    door that is a request queued on a connection or bytes not yet read from it."""
+    from kvd.daemon.direct import DirectFace
+
+    async def run() -> None:
+        face = _Face()
+        name = f"@kvd-test-door-{free_port()}"
+        door = DirectFace(face, name, 1 << 20, 1 << 24)
+        server = asyncio.get_running_loop().create_task(door.serve({}))
+        try:
+            await asyncio.sleep(0.05)
+            assert not door.waiting()
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(S.address_of(name))
+            await asyncio.sleep(0.05)
+            assert not door.waiting()  # a connection, nothing sent
+            s.sendall(S.pack(P.encode(P.StatusQuery(), 1, "")))
+            assert door.waiting()  # in the kernel, not read yet: the loop has not run
+            s.sendall(S.pack(P.encode(P.StatusQuery(), 2, "")))
+            await asyncio.sleep(0.05)
+            assert face.seen == [1] and door.waiting()  # 2 queued behind 1
+            face.release.set()
+            await asyncio.sleep(0.05)
+            assert face.seen == [1, 2] and not door.waiting()
+            s.close()
+        finally:
+            door.close()
+            server.cancel()
+
+    asyncio.run(run())
