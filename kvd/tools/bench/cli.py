@@ -303,8 +303,8 @@ def vllm_bench(
         names = parse_systems(systems)
     except ValueError as exc:
         _fail(str(exc))
-    from kvd.tools.bench.vllm_run import BenchConfig, plot, run_bench
-    from kvd.tools.bench.vllm_stats import render
+    from kvd.tools.bench.vllm_run import BenchConfig, run_bench
+    from kvd.tools.bench.vllm_stats import plot, render
     from kvd.tools.tiny_model.llama import SHAPES, kv_bytes_per_token
 
     if model_shape not in SHAPES:

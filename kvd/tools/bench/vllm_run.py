@@ -5,8 +5,10 @@ The edge of the benchmark: it starts the daemons (``kvd serve``), the vLLM OpenA
 servers (``python -m vllm.entrypoints.openai.api_server``, this interpreter, so run it
 from the venv that has vLLM) and one ``kvd router`` per P/D system, sends the
 requests, scrapes the decode servers' ``/metrics``, reads the processes' CPU time from
-``/proc``, and stops everything it started on every exit path. The arithmetic and the
-table are ``vllm_stats``; the systems ``vllm_systems``.
+``/proc``, and stops everything it started on every exit path. Its parts: the
+systems as data, and the run's settings, ``vllm_systems``; starting and stopping them
+``vllm_launch``; processes and HTTP ``vllm_procs``; turns and pauses ``vllm_turns``; the
+arithmetic and the table ``vllm_stats``; the trace measures ``vllm_traces``.
 
 Per round, every system in turn (the order rotates each round, so background load
 hits all alike), the same prompt for all:
@@ -27,25 +29,31 @@ No vLLM or aiohttp import here: HTTP is the standard library's, engines are proc
 from __future__ import annotations
 
 import contextlib
-import http.client
 import importlib.util
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kvd.errors import KvdError
-from kvd.ops.trace import ENV as TRACE_ENV
 from kvd.ops.trace import read_traces
+from kvd.tools.bench.vllm_launch import Launcher, Running, stop_system
+from kvd.tools.bench.vllm_procs import (
+    Stream,
+    host_load,
+    metric_sum,
+    parallel,
+    post_completion,
+    scrape,
+    session_cpu_s,
+    signals_raise,
+    stream_completion,
+)
 from kvd.tools.bench.vllm_stats import (
     TARGET_FIRST_X_WARM,
     Batch,
@@ -53,276 +61,24 @@ from kvd.tools.bench.vllm_stats import (
     Single,
     Summary,
     add_ratios,
-    batch_landing,
-    breakdown,
-    first_transfers,
-    median_breakdown,
     summarize,
     targets,
 )
-from kvd.tools.bench.vllm_systems import SYSTEMS, SystemSpec, engine_args, system_spec
+from kvd.tools.bench.vllm_systems import SYSTEMS, BenchConfig
 from kvd.tools.bench.vllm_traces import (
-    Routed,
     add_trace_measures,
-    co_scheduled,
     kvd_parts,
     one_daemon_not_slower_on_kvd_part,
-    paired_tails,
-    prefill_done_s,
+    trace_measures,
 )
-from kvd.tools.bench.vllm_turns import Group, Hogs, Turns, cpu_s, session_pids
-from kvd.tools.localcluster import DaemonProcess, free_port
+from kvd.tools.bench.vllm_turns import Group, Hogs, Turns
 
-HTTP_TIMEOUT_S = 300.0
-# An engine or router that exits because another process took its port between the
-# pick and the bind (anything else on the host picking free ports: another test's
-# `kvd demo`) is started again on a new port, at most this many times.
-BIND_TRIES = 3
-BIND_FAILED = ("Address already in use", "[Errno 98]")
-# A batch's points, in the order a request passes them (the breakdown's landing table).
-LANDING_POINTS = ("decode_scheduled", "pull_sent", "daemon_pull", "daemon_event",
-                  "daemon_event_sent", "event_taken", "recv_reported")
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-              "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-              "VLLM_LOGGING_LEVEL": "WARNING"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WARM_UP_SEED = 90_000  # the engines' own warm-up prompt (rounds: < 50_000, batches above)
 IDLE_SETTLE_S = 5.0  # in a system's turn, before its idle CPU is measured
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    systems: tuple[str, ...]
-    rounds: int = 8  # single-request rounds (the first is the warm-up)
-    batch: int = 6
-    batch_rounds: int = 2
-    prompt_tokens: int = 800
-    max_tokens: int = 16
-    kv_cache_bytes: int = 128 << 20
-    max_model_len: int = 2048
-    idle_s: float = 5.0
-    start_parallel: int = 2  # engines starting at once
-    start_timeout_s: float = 900.0
-    daemon_start_timeout_s: float = 120.0  # each kvd serve answering (a busy host: imports)
-    seed: int = 0
-    breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
-    router_warm_up: bool = False  # routers hand one request over per pair before round 0
-    # each engine serves a local request (no transfer) before round 0: round 0 is then
-    # a warm pair's first transfer, not also each engine's first request
-    engine_warm_up: bool = True
-    decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
-    max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
-    pause_others: bool = True  # between its turns a system is paused (SIGSTOP): a quiet host
-    settle_s: float = 1.0  # after a system is continued, before its turn
-    hogs: int = 0  # busy loops beside the engines for the whole run (a busy host)
-    model_shape: str = "tiny"  # kvd.tools.tiny_model.llama.SHAPES
-
-
-# ------------------------------------------------------------------ processes
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    @classmethod
-    def start(cls, name: str, args: list[str], log_dir: Path,
-              env: dict[str, str] | None = None) -> Proc:
-        log_path = log_dir / f"{name}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})},
-                                    start_new_session=True)
-        return cls(name, proc, log_path)
-
-    def bind_failed(self) -> bool:
-        """Whether it exited because its port was taken (its log says so)."""
-        return self.proc.poll() is not None and any(m in self.tail(20000)
-                                                    for m in BIND_FAILED)
-
-    def tail(self, nchars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-nchars:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """Stop its whole session (a vLLM server's engine core and workers too)."""
-        stop_session(self.proc)
-
-
-def stop_session(proc: subprocess.Popen, term_wait_s: float = 20.0) -> None:
-    for sig, wait_s in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; the rest of its session may still be exiting
-        deadline = time.monotonic() + wait_s
-        while session_pids(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not session_pids(proc.pid):
-            return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def session_cpu_s(sid: int) -> float:
-    """User + system CPU seconds of every live process of session ``sid``."""
-    return cpu_s(session_pids(sid))
-
-
-# ------------------------------------------------------------------ HTTP
-
-@dataclass
-class Stream:
-    sent_s: float
-    token_s: list[float] = field(default_factory=list)  # arrival of each chunk with text
-    end_s: float = 0.0
-    text: str = ""
-
-    @property
-    def ttft_s(self) -> float:
-        return self.token_s[0] - self.sent_s
-
-
-def _post(port: int, body: dict[str, Any],
-          timeout_s: float = HTTP_TIMEOUT_S) -> dict[str, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise KvdError(f"POST :{port} answered {resp.status}: {data[:300]!r}")
-        return json.loads(data)
-    finally:
-        conn.close()
-
-
-def stream_completion(port: int, body: dict[str, Any],
-                      timeout_s: float = HTTP_TIMEOUT_S) -> Stream:
-    """A streamed completion: when each chunk with text came, and the text."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        payload = json.dumps({**body, "stream": True})
-        out = Stream(sent_s=time.monotonic())
-        conn.request("POST", "/v1/completions", payload,
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise KvdError(f"stream :{port} answered {resp.status}: {resp.read()[:300]!r}")
-        parts = []
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            text = "".join(c.get("text", "") for c in chunk.get("choices", []))
-            if text:
-                out.token_s.append(time.monotonic())
-                parts.append(text)
-        out.end_s = time.monotonic()
-        out.text = "".join(parts)
-        if not out.token_s:
-            raise KvdError(f"stream :{port} gave no tokens")
-        return out
-    finally:
-        conn.close()
-
-
-def _healthy(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
-def _warming(port: int) -> bool:
-    """Whether a router started with --warm-up still has a pair pending."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", "/health")
-        return "pending" in json.loads(conn.getresponse().read()).get("warm", {}).values()
-    except (OSError, ValueError):
-        return True
-    finally:
-        conn.close()
-
-
-def scrape(port: int) -> dict[str, float]:
-    """A server's /metrics as {'name{labels}': value} (label order as printed)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            with contextlib.suppress(ValueError):
-                out[key] = float(value)
-    return out
-
-
-def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in metrics.items():
-        base = key.split("{", 1)[0]
-        if base == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
-
-
 # ------------------------------------------------------------------ the run
-
-@dataclass
-class Running:
-    spec: SystemSpec
-    ports: dict[str, int]  # role -> server port ("plain" | "prefill" | "decode")
-    router_port: int = 0
-    procs: list[Proc] = field(default_factory=list)
-    daemons: list[DaemonProcess] = field(default_factory=list)
-
-
-@dataclass
-class _Launch:
-    """An engine to start: its server's arguments (a port among them) and environment."""
-
-    run: Running
-    role: str
-    name: str
-    args: list[str]
-    env: dict[str, str]
-    tries: int = 1
-
-    @property
-    def port(self) -> int:
-        return int(self.args[self.args.index("--port") + 1])
-
-    def rebind(self) -> bool:
-        """New ports (the server's, NIXL's side channel) for another try; False when
-        it has had its BIND_TRIES."""
-        if self.tries >= BIND_TRIES:
-            return False
-        self.tries += 1
-        port = free_port()
-        self.args[self.args.index("--port") + 1] = str(port)
-        self.run.ports[self.role] = port
-        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in self.env:
-            self.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-        return True
-
 
 def _prompt(seed: int, length: int) -> list[int]:
     from kvd.tools.tiny_model.llama import prompt_ids
@@ -349,115 +105,12 @@ class VllmBench:
         self.failed_systems: dict[str, str] = {}  # system -> why it was dropped
         self.turns: Turns | None = None  # set by run(): only the measured system runs
         self.hogs: Hogs | None = None
+        self.launcher = Launcher(cfg, work, self.model, self.log, self.systems)
 
     # -------------------------------------------------------------- start / stop
 
     def start(self) -> None:
-        pending: list[_Launch] = []
-        for name in self.cfg.systems:
-            spec = system_spec(name)
-            run = Running(spec, {})
-            self.systems[name] = run
-            homes, peers = {}, {}
-            daemon_env = {TRACE_ENV: str(self.work / "trace")} if self.cfg.breakdown else None
-            for d in spec.daemons:
-                daemon = DaemonProcess.start(d.name, self.work, list(d.extra_args),
-                                             env=daemon_env,
-                                             timeout_s=self.cfg.daemon_start_timeout_s)
-                run.daemons.append(daemon)
-                homes[d.name] = daemon.engine_address
-                peers[d.name] = daemon.peer_address
-            prefill = next((e for e in spec.engines if e.role == "prefill"), None)
-            for e in spec.engines:
-                port = free_port()
-                run.ports[e.role] = port
-                cfg = None
-                if e.kv_transfer_config is not None:
-                    cfg = json.loads(json.dumps(e.kv_transfer_config))
-                    if e.daemon is not None:
-                        extra = cfg["kv_connector_extra_config"]
-                        extra["kvd_address"] = homes[e.daemon]
-                        if e.role == "decode" and prefill is not None and prefill.daemon:
-                            # as an operator would: the decode names its producer, and
-                            # its daemon greets the prefill's ahead of the first pull
-                            extra["kvd_producers"] = [{"engine_id": prefill.name,
-                                                       "address": peers[prefill.daemon]}]
-                env = dict(ENGINE_ENV)
-                if self.cfg.breakdown and e.daemon is not None:
-                    env[TRACE_ENV] = str(self.work / "trace")
-                if e.nixl_side_channel:
-                    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-                args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                        *engine_args(self.model, port, self.cfg.kv_cache_bytes,
-                                     self.cfg.max_model_len, cfg,
-                                     self.cfg.max_num_batched_tokens)]
-                pending.append(_Launch(run, e.role, e.name, args, env))
-        starting: list[tuple[Proc, _Launch]] = []
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        t0 = time.monotonic()
-        while pending or starting:
-            while pending and len(starting) < self.cfg.start_parallel:
-                launch = pending.pop(0)
-                proc = Proc.start(launch.name, launch.args, self.work, launch.env)
-                launch.run.procs.append(proc)
-                starting.append((proc, launch))
-            for proc, launch in list(starting):
-                if proc.proc.poll() is not None:
-                    starting.remove((proc, launch))
-                    if not (proc.bind_failed() and launch.rebind()):
-                        raise KvdError(f"engine {proc.name} exited with "
-                                       f"{proc.proc.returncode}:\n{proc.tail()}")
-                    self.log(f"  {proc.name}: its port was taken meanwhile; starting it "
-                             f"again on port {launch.port}")
-                    pending.insert(0, launch)
-                elif _healthy(launch.port):
-                    self.log(f"  {proc.name} up after {time.monotonic() - t0:.0f} s")
-                    starting.remove((proc, launch))
-            if time.monotonic() > deadline:
-                raise KvdError(self._not_up(f"engines not up within "
-                                            f"{self.cfg.start_timeout_s} s",
-                                            [p for p, _ in starting]))
-            time.sleep(1.0)
-        routers = {name: self._start_router(run) for name, run in self.systems.items()
-                   if run.spec.disaggregated}
-        for name, run in self.systems.items():
-            tries = 1
-            while run.router_port and not _healthy(run.router_port):
-                proc = routers[name]
-                if proc.proc.poll() is not None:
-                    if not proc.bind_failed() or tries >= BIND_TRIES:
-                        raise KvdError(f"router of {name} exited with "
-                                       f"{proc.proc.returncode}:\n{proc.tail()}")
-                    tries += 1
-                    routers[name] = self._start_router(run)
-                if time.monotonic() > deadline:
-                    raise KvdError(self._not_up(f"router of {name} not up", [proc]))
-                time.sleep(0.2)
-            while self.cfg.router_warm_up and run.router_port and _warming(run.router_port):
-                if time.monotonic() > deadline:
-                    raise KvdError(f"router of {run.spec.name} did not warm its pair up")
-                time.sleep(0.2)
-
-    def _start_router(self, run: Running) -> Proc:
-        run.router_port = free_port()
-        proc = Proc.start(f"{run.spec.name}-router", [
-            sys.executable, "-m", "kvd", "router",
-            "--prefill", f"http://127.0.0.1:{run.ports['prefill']}",
-            "--decode", f"http://127.0.0.1:{run.ports['decode']}",
-            "--port", str(run.router_port), *run.spec.router_args,
-            *(["--warm-up"] if self.cfg.router_warm_up else [])], self.work)
-        run.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def _not_up(what: str, procs: list[Proc]) -> str:
-        """What did not come up, with what tells a starved host from a hang: the
-        host's load, and each process's CPU time so far and its log's end."""
-        lines = [f"{what} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus):"]
-        for p in procs:
-            lines.append(f"--- {p.name}: running, {session_cpu_s(p.proc.pid):.0f} CPU s "
-                         f"used so far; log {p.log_path}, its end:\n{p.tail(1500)}")
-        return "\n".join(lines)
+        self.launcher.start()
 
     def sessions(self) -> list[int]:
         """The session ids of every process this run started (stopped or not)."""
@@ -471,7 +124,7 @@ class VllmBench:
         if self.hogs is not None:
             self.hogs.stop()
         for run in self.systems.values():
-            _stop_system(run)
+            stop_system(run)
 
     # -------------------------------------------------------------- requests
 
@@ -485,7 +138,7 @@ class VllmBench:
         body = {**self._body(seed), "max_tokens": 1,
                 "kv_transfer_params": {"do_remote_decode": True}}
         try:
-            params = _post(run.ports["prefill"], body,
+            params = post_completion(run.ports["prefill"], body,
                            2 * self.cfg.decode_timeout_s).get("kv_transfer_params")
         except (TimeoutError, OSError, KvdError, ValueError) as exc:
             self.log(f"  {run.spec.name}: prefill request failed ({exc})")
@@ -577,13 +230,13 @@ class VllmBench:
     def _batch(self, name: str, rnd: int, seeds: list[int]) -> None:
         run = self.systems[name]
         if run.spec.disaggregated:
-            params = _parallel([lambda s=s, r=run: self._prefill(r, s) for s in seeds])
+            params = parallel([lambda s=s, r=run: self._prefill(r, s) for s in seeds])
             calls = [lambda s=s, p=p, r=run: self._decode(r, s, p)
                      for s, p in zip(seeds, params, strict=True)]
         else:
             port = run.ports["plain"]
             calls = [lambda s=s, p=port: stream_completion(p, self._body(s)) for s in seeds]
-        got = _parallel(calls)
+        got = parallel(calls)
         streams = [st for st in got if st is not None]
         if not streams:
             self.log(f"  {name}: every request of the batch failed")
@@ -655,7 +308,7 @@ class VllmBench:
         self.failed_systems[name] = why
         if self.turns is not None:
             self.turns.drop(name)
-        _stop_system(self.systems[name])
+        stop_system(self.systems[name])
 
     def _live(self, order: list[str]) -> list[str]:
         return [n for n in order if n not in self.failed_systems]
@@ -720,53 +373,11 @@ class VllmBench:
 
 
     def breakdowns(self, plain_ttft: dict[int, float]) -> dict[str, Any]:
-        """Per kvd system: the median stage times of its warm single hand-overs, each
-        batch's landing (when each request's pull was sent, its event taken, reported,
-        and its first token came) and its co-scheduled spread, and the paired tail of
-        its requests through the router (vllm_stats' docstring has both rules)."""
+        """The trace measures of the run (vllm_traces.trace_measures)."""
         trace_dir = self.work / "trace"
         points = read_traces(str(trace_dir)) if trace_dir.is_dir() else []
-        per_system: dict[str, list[dict[str, float]]] = {}
-        for name, stamps in self.timelines:
-            if not name.startswith("kvd"):
-                continue
-            window = [p for p in points
-                      if stamps["prefill_sent"] <= p[0] / 1e9 <= stamps["end"]]
-            found = dict(stamps)
-            copy_s = None
-            for ns, point, _rid, value in window:
-                if point not in found:
-                    found[point] = ns / 1e9
-                    if point == "event_taken":
-                        copy_s = value
-            per_system.setdefault(name, []).append(breakdown(found, copy_s))
-        medians = {n: median_breakdown(rows[1:] or rows) for n, rows in per_system.items()}
-        landing = []
-        co: dict[str, list[Any]] = {}
-        for b in self.batches:
-            if not b.system.startswith("kvd"):
-                continue
-            window = [p for p in points if b.sent_s <= p[0] / 1e9 <= max(b.end_s)]
-            c = co_scheduled(window, b.step_s)
-            co.setdefault(b.system, []).append(c)
-            by_point: dict[str, list[float]] = {}
-            for ns, point, _rid, _value in window:
-                if point in LANDING_POINTS:
-                    by_point.setdefault(point, []).append(ns / 1e9)
-            by_point["first_token"] = list(b.first_token_s)
-            landing.append({"system": b.system, "round": b.round,
-                            "step_ms": round(b.step_s * 1000, 1),
-                            "co_scheduled": asdict(c),
-                            **batch_landing(b.sent_s, by_point)})
-        routed = [Routed(name, rnd, sent_s, first_s, prefill_done_s(
-            [p for p in points if sent_s <= p[0] / 1e9 <= first_s]))
-            for name, rnd, sent_s, first_s in self.routed if name.startswith("kvd")]
-        paired = {name: paired_tails([r for r in routed if r.system == name], plain_ttft)
-                  for name in dict.fromkeys(r.system for r in routed)}
-        return {"breakdown": medians, "breakdown_samples": per_system,
-                "first_transfers": first_transfers(per_system), "batch_landing": landing,
-                "co_scheduled": co, "paired": paired,
-                "routed_samples": [asdict(r) for r in routed]}
+        return trace_measures(points, self.timelines, self.batches, self.routed,
+                              plain_ttft)
 
 
 def _counters(name: str, before: dict[str, float], after: dict[str, float],
@@ -788,62 +399,11 @@ def _counters(name: str, before: dict[str, float], after: dict[str, float],
     return c
 
 
-def _stop_system(run: Running) -> None:
-    """Stop a system's processes, the last started first, then its daemons, whatever fails."""
-    for proc in reversed(run.procs):
-        with contextlib.suppress(Exception):
-            proc.stop()
-    for d in run.daemons:
-        with contextlib.suppress(Exception):
-            d.stop()
-
-
 def _rotated(names: list[str], rnd: int) -> list[str]:
     """The plain engine first (its tokens are the reference), the rest rotated."""
     rest = [n for n in names if n != "plain"]
     k = rnd % len(rest) if rest else 0
     return [n for n in names if n == "plain"] + rest[k:] + rest[:k]
-
-
-def _parallel(calls: list[Any]) -> list[Any]:
-    """Run the calls at once on threads; their results in order (first error raised)."""
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-    gate = threading.Barrier(len(calls))
-
-    def one(i: int) -> None:
-        try:
-            gate.wait()
-            results[i] = calls[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def host_load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGTERM/SIGHUP end the run through its cleanup (as Ctrl-C does)."""
-    def raise_exit(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def run_bench(cfg: BenchConfig, work_dir: str | None = None,
@@ -866,7 +426,7 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
     load_before = host_load()
     failed = True
     try:
-        with _signals_raise():
+        with signals_raise():
             bench.log(f"starting {len(cfg.systems)} systems (logs in {work})")
             bench.start()
             result = bench.run()
@@ -881,26 +441,3 @@ def run_bench(cfg: BenchConfig, work_dir: str | None = None,
     result["started_sessions"] = bench.sessions()
     result["config"] = asdict(cfg)
     return result
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    """Hand-over p50/p95 and the batch's decode time per system (needs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [s for s in result["summaries"] if s["system"] != "plain"]
-    names = [s["system"] for s in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    x = range(len(rows))
-    a.bar([i - 0.2 for i in x], [s["handover_p50_ms"] or 0 for s in rows], 0.4, label="p50")
-    a.bar([i + 0.2 for i in x], [s["handover_p95_ms"] or 0 for s in rows], 0.4, label="p95")
-    a.set_xticks(list(x), names, rotation=20)
-    a.set_ylabel("hand-over (decode TTFT), ms")
-    a.legend()
-    b.bar(list(x), [s["batch_decode_p50_s"] or 0 for s in rows])
-    b.set_xticks(list(x), names, rotation=20)
-    b.set_ylabel(f"batch of {result['config']['batch']}: decode side, s")
-    fig.tight_layout()
-    fig.savefig(path)

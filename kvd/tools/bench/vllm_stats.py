@@ -371,3 +371,26 @@ def render_breakdown(per_system: dict[str, dict[str, float]]) -> str:
 def batch_landing(sent_s: float, points: dict[str, list[float]]) -> dict[str, list[float]]:
     """A batch's per-request times (ms after the batch was sent), sorted, per point."""
     return {k: sorted(round((t - sent_s) * 1000, 1) for t in v) for k, v in points.items()}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Hand-over p50/p95 and the batch's decode time per system (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in result["summaries"] if s["system"] != "plain"]
+    names = [s["system"] for s in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(rows))
+    a.bar([i - 0.2 for i in x], [s["handover_p50_ms"] or 0 for s in rows], 0.4, label="p50")
+    a.bar([i + 0.2 for i in x], [s["handover_p95_ms"] or 0 for s in rows], 0.4, label="p95")
+    a.set_xticks(list(x), names, rotation=20)
+    a.set_ylabel("hand-over (decode TTFT), ms")
+    a.legend()
+    b.bar(list(x), [s["batch_decode_p50_s"] or 0 for s in rows])
+    b.set_xticks(list(x), names, rotation=20)
+    b.set_ylabel(f"batch of {result['config']['batch']}: decode side, s")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -159,3 +159,31 @@ def engine_args(model_dir: str, port: int, kv_cache_bytes: int, max_model_len: i
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return args
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    systems: tuple[str, ...]
+    rounds: int = 8  # single-request rounds (the first is the warm-up)
+    batch: int = 6
+    batch_rounds: int = 2
+    prompt_tokens: int = 800
+    max_tokens: int = 16
+    kv_cache_bytes: int = 128 << 20
+    max_model_len: int = 2048
+    idle_s: float = 5.0
+    start_parallel: int = 2  # engines starting at once
+    start_timeout_s: float = 900.0
+    daemon_start_timeout_s: float = 120.0  # each kvd serve answering (a busy host: imports)
+    seed: int = 0
+    breakdown: bool = False  # kvd engines write connector traces (KVD_TRACE_DIR)
+    router_warm_up: bool = False  # routers hand one request over per pair before round 0
+    # each engine serves a local request (no transfer) before round 0: round 0 is then
+    # a warm pair's first transfer, not also each engine's first request
+    engine_warm_up: bool = True
+    decode_timeout_s: float = 30.0  # a decode request without its first token by then fails
+    max_num_batched_tokens: int = 0  # > 0: chunked prefill of that many tokens a step
+    pause_others: bool = True  # between its turns a system is paused (SIGSTOP): a quiet host
+    settle_s: float = 1.0  # after a system is continued, before its turn
+    hogs: int = 0  # busy loops beside the engines for the whole run (a busy host)
+    model_shape: str = "tiny"  # kvd.tools.tiny_model.llama.SHAPES

@@ -51,9 +51,17 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from kvd.tools.bench.vllm_stats import Summary
+from kvd.tools.bench.vllm_stats import (
+    Batch,
+    Summary,
+    batch_landing,
+    breakdown,
+    first_transfers,
+    median_breakdown,
+)
 
 
 def _ms(s: float) -> float:
@@ -230,3 +238,63 @@ def add_trace_measures(summaries: dict[str, Summary],
         if name in paired:
             s.tail_after_prefill_p50_ms = paired[name].tail_after_prefill_p50_ms
             s.prefill_vs_plain_p50 = paired[name].prefill_vs_plain_p50
+
+
+# A batch's points, in the order a request passes them (the breakdown's landing table).
+LANDING_POINTS = ("decode_scheduled", "pull_sent", "daemon_pull", "daemon_event",
+                  "daemon_event_sent", "event_taken", "recv_reported")
+
+
+def trace_measures(points: Sequence[tuple[int, str, str, float]],
+                   timelines: Sequence[tuple[str, dict[str, float]]],
+                   batches: Sequence[Batch],
+                   routed_at: Sequence[tuple[str, int, float, float]],
+                   plain_ttft: dict[int, float]) -> dict[str, Any]:
+    """Per kvd system: the median stage times of its warm single hand-overs, each
+    batch's landing (when each request's pull was sent, its event taken, reported,
+    and its first token came) and its co-scheduled spread, and the paired tail of
+    its requests through the router (vllm_stats' docstring has both rules).
+    ``points``: the trace points (ns, point, request id, value); ``timelines``: each
+    single hand-over's client-side stamps; ``routed_at``: (system, round, sent, first
+    token) of each request through the router."""
+    per_system: dict[str, list[dict[str, float]]] = {}
+    for name, stamps in timelines:
+        if not name.startswith("kvd"):
+            continue
+        window = [p for p in points
+                  if stamps["prefill_sent"] <= p[0] / 1e9 <= stamps["end"]]
+        found = dict(stamps)
+        copy_s = None
+        for ns, point, _rid, value in window:
+            if point not in found:
+                found[point] = ns / 1e9
+                if point == "event_taken":
+                    copy_s = value
+        per_system.setdefault(name, []).append(breakdown(found, copy_s))
+    medians = {n: median_breakdown(rows[1:] or rows) for n, rows in per_system.items()}
+    landing = []
+    co: dict[str, list[Any]] = {}
+    for b in batches:
+        if not b.system.startswith("kvd"):
+            continue
+        window = [p for p in points if b.sent_s <= p[0] / 1e9 <= max(b.end_s)]
+        c = co_scheduled(window, b.step_s)
+        co.setdefault(b.system, []).append(c)
+        by_point: dict[str, list[float]] = {}
+        for ns, point, _rid, _value in window:
+            if point in LANDING_POINTS:
+                by_point.setdefault(point, []).append(ns / 1e9)
+        by_point["first_token"] = list(b.first_token_s)
+        landing.append({"system": b.system, "round": b.round,
+                        "step_ms": round(b.step_s * 1000, 1),
+                        "co_scheduled": asdict(c),
+                        **batch_landing(b.sent_s, by_point)})
+    routed = [Routed(name, rnd, sent_s, first_s, prefill_done_s(
+        [p for p in points if sent_s <= p[0] / 1e9 <= first_s]))
+        for name, rnd, sent_s, first_s in routed_at if name.startswith("kvd")]
+    paired = {name: paired_tails([r for r in routed if r.system == name], plain_ttft)
+              for name in dict.fromkeys(r.system for r in routed)}
+    return {"breakdown": medians, "breakdown_samples": per_system,
+            "first_transfers": first_transfers(per_system), "batch_landing": landing,
+            "co_scheduled": co, "paired": paired,
+            "routed_samples": [asdict(r) for r in routed]}

@@ -16,7 +16,8 @@ import pytest
 
 from kvd.errors import KvdError
 from kvd.ops.trace import read_traces
-from kvd.tools.bench.vllm_run import BenchConfig, run_bench, session_pids
+from kvd.tools.bench.vllm_run import BenchConfig, run_bench
+from kvd.tools.bench.vllm_turns import session_pids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3000)]
 

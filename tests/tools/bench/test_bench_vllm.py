@@ -203,11 +203,12 @@ def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
     in all; any other exit is not."""
     import sys
 
-    from kvd.tools.bench.vllm_run import BIND_TRIES, Proc, Running, _Launch
+    from kvd.tools.bench.vllm_launch import BIND_TRIES, Launch, Running
+    from kvd.tools.bench.vllm_procs import Proc
 
     run = Running(system_spec("nixl-noprog"), {"prefill": 8100})
     args = engine_args("/m", 8100, 1 << 27, 2048, None)
-    launch = _Launch(run, "prefill", "p", args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"})
+    launch = Launch(run, "prefill", "p", args, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"})
     seen = {8100}
     for _ in range(BIND_TRIES - 1):
         assert launch.rebind()
@@ -237,19 +238,21 @@ def test_a_pairs_router_starts_and_answers(tmp_path):
     here with no engine behind it: it answers its health check, and stops."""
     import time
 
-    from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench, _healthy
+    from kvd.tools.bench.vllm_launch import Running
+    from kvd.tools.bench.vllm_procs import healthy
+    from kvd.tools.bench.vllm_run import BenchConfig, VllmBench
 
     bench = VllmBench(BenchConfig(systems=("kvd-1d",)), tmp_path, tmp_path, log=lambda m: None)
     run = Running(system_spec("kvd-1d"), {"prefill": 1, "decode": 2})
-    proc = bench._start_router(run)
+    proc = bench.launcher.start_router(run)
     try:
         deadline = time.monotonic() + 60
-        while not _healthy(run.router_port):
+        while not healthy(run.router_port):
             assert proc.proc.poll() is None, proc.tail()
             assert time.monotonic() < deadline, "router not up in 60 s"
             time.sleep(0.2)
         assert proc in run.procs
-        assert "not up" in bench._not_up("router of kvd-1d not up", [proc])
+        assert "not up" in bench.launcher.not_up("router of kvd-1d not up", [proc])
     finally:
         proc.stop()
 
@@ -290,7 +293,8 @@ def test_each_engine_serves_a_request_of_its_own_before_round_0(
     one plain request, with no kv_transfer_params and a prompt no round or batch uses,
     before the first round; --no-engine-warm-up leaves it out."""
     import kvd.tools.bench.vllm_run as vllm_run
-    from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench
+    from kvd.tools.bench.vllm_launch import Running
+    from kvd.tools.bench.vllm_run import BenchConfig, VllmBench
 
     asked: list[tuple[int, dict]] = []
     monkeypatch.setattr(vllm_run, "stream_completion",

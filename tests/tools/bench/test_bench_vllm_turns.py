@@ -18,7 +18,8 @@ import pytest
 
 from kvd.errors import KvdError
 from kvd.tools.bench import vllm_turns
-from kvd.tools.bench.vllm_run import BenchConfig, Running, VllmBench
+from kvd.tools.bench.vllm_launch import Running
+from kvd.tools.bench.vllm_run import BenchConfig, VllmBench
 from kvd.tools.bench.vllm_systems import system_spec
 from kvd.tools.bench.vllm_turns import Group, Hogs, Turns, is_stopped, session_pids
 
