@@ -14,7 +14,8 @@ from kvd.errors import ProtocolError
 from kvd.wire import protocol as P
 from kvd.wire import stream as S
 
-MAX_UNSENT_BYTES = 64 * 1024 * 1024  # past it, a send is refused (the daemon is not reading)
+MAX_UNSENT_BYTES = 8 * 1024 * 1024  # past it, a send is refused (the daemon is not reading:
+# frozen or gone), as ZMQ refuses past its 1,000-message high-water mark
 MAX_REPLY_BYTES = 256 * 1024 * 1024  # a reply's body (a Status of a big node stays far below)
 READ_CHUNK_BYTES = 256 * 1024
 

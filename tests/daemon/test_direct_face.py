@@ -300,3 +300,31 @@ def test_waiting_counts_requests_read_and_still_in_the_kernel() -> None:
             server.cancel()
 
     asyncio.run(run())
+
+
+def test_a_door_whose_daemon_does_not_read_refuses_and_keeps_the_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen daemon: the kernel's buffer fills, then the client's own, bounded; past
+    it `send` refuses at once (the connector fails that pull now), as ZMQ refuses past
+    its high-water mark. It never turns to ZMQ meanwhile: a later request would overtake
+    the queued ones."""
+    from kvd.client import direct as direct_mod
+
+    monkeypatch.setattr(direct_mod, "MAX_UNSENT_BYTES", 1 << 20)
+    port = free_port()
+    name = S.direct_name(f"tcp://127.0.0.1:{port}")
+    assert name is not None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(S.address_of(name))
+        listener.listen(1)
+        client = NoWaitClient(f"tcp://127.0.0.1:{port}", token="")
+        try:
+            big = P.Publish(engine_id="e", request_id="r", block_ids=list(range(20_000)))
+            sent = 0
+            while client.send(big, sent, time.monotonic()):
+                sent += 1
+                assert sent < 1000, "never refused"
+            assert sent > 0 and client.direct and client.sent_direct == sent
+            assert client.in_flight == sent  # the refused one is not in flight
+        finally:
+            client.close()
