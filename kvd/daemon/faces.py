@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import errno
 import hmac
-import ipaddress
 import logging
 import os
 import socket
@@ -30,6 +29,7 @@ from kvd.errors import AuthError, BusyError, InternalError, KvdError, ProtocolEr
 from kvd.ops.metrics import Metrics
 from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
+from kvd.wire.stream import is_loopback_host
 
 if TYPE_CHECKING:
     from kvd.daemon.direct import DirectFace
@@ -85,13 +85,7 @@ def _host(endpoint: str) -> str:
 def is_loopback(endpoint: str) -> bool:
     if endpoint.startswith("ipc://"):
         return True
-    host = _host(endpoint)
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(_host(endpoint))
 
 
 class Inbox:

@@ -56,12 +56,13 @@ def direct_name(engine_address: str, *, serving: bool = False) -> str | None:
     host = host.strip("[]")
     if not port.isdigit():
         return None
-    if not serving and not _is_loopback(host):
+    if not serving and not is_loopback_host(host):
         return None
     return f"@kvd-engine-tcp-{int(port)}"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback IP address (a host name is not resolved)."""
     if host == "localhost":
         return True
     try:

@@ -6,8 +6,10 @@ door broke goes on over ZMQ and comes back to the door."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -53,6 +55,19 @@ def _raw(d: DaemonProcess) -> socket.socket:
     s.settimeout(5)
     s.connect(S.address_of(name))
     return s
+
+
+@contextlib.contextmanager
+def _fake_door(port: int = 0) -> Iterator[tuple[socket.socket, str]]:
+    """A listener where a daemon of ``port`` (0: a free one) on loopback would have its
+    door, and that port's engine address: what a client finds there is this test's."""
+    port = port or free_port()
+    name = S.direct_name(f"tcp://127.0.0.1:{port}")
+    assert name is not None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(S.address_of(name))
+        listener.listen(1)
+        yield listener, f"tcp://127.0.0.1:{port}"
 
 
 def _read_message(s: socket.socket) -> tuple[P.Header, object]:
@@ -135,13 +150,8 @@ def test_send_returns_with_the_bytes_already_at_the_daemon() -> None:
     """The point of the door: when ``send`` returns, the request is in the daemon's
     socket, written by the calling thread. No other thread of the engine (a ZMQ I/O
     thread waiting for a CPU behind the engine's computing threads) has to run."""
-    port = free_port()
-    name = S.direct_name(f"tcp://127.0.0.1:{port}")
-    assert name is not None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(S.address_of(name))
-        listener.listen(1)
-        client = NoWaitClient(f"tcp://127.0.0.1:{port}", token="t")
+    with _fake_door() as (listener, address):
+        client = NoWaitClient(address, token="t")
         try:
             msg = P.StatusQuery()
             assert client.send(msg, "x", time.monotonic())
@@ -207,11 +217,7 @@ def test_the_door_waits_for_zmq_to_be_answered_first(monkeypatch: pytest.MonkeyP
     client = NoWaitClient(f"tcp://127.0.0.1:{port}", token="")  # nobody listens yet
     try:
         assert client.send(P.StatusQuery(), "zmq", time.monotonic()) and not client.direct
-        name = S.direct_name(f"tcp://127.0.0.1:{port}")
-        assert name is not None
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-            listener.bind(S.address_of(name))
-            listener.listen(1)
+        with _fake_door(port):
             assert client.send(P.StatusQuery(), "later", time.monotonic())
             assert not client.direct and client.sent_direct == 0
             client.forget_older(time.monotonic() + 10, 1.0)  # the ZMQ one given up
@@ -311,13 +317,8 @@ def test_a_door_whose_daemon_does_not_read_refuses_and_keeps_the_order(
     from kvd.client import direct as direct_mod
 
     monkeypatch.setattr(direct_mod, "MAX_UNSENT_BYTES", 1 << 20)
-    port = free_port()
-    name = S.direct_name(f"tcp://127.0.0.1:{port}")
-    assert name is not None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(S.address_of(name))
-        listener.listen(1)
-        client = NoWaitClient(f"tcp://127.0.0.1:{port}", token="")
+    with _fake_door() as (_listener, address):
+        client = NoWaitClient(address, token="")
         try:
             big = P.Publish(engine_id="e", request_id="r", block_ids=list(range(20_000)))
             sent = 0
