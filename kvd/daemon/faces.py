@@ -194,8 +194,8 @@ class Face:
 
     def open_direct(self, name: str, max_message_bytes: int, receive_queue_bytes: int
                     ) -> DirectFace:
-        """Also serve this face's requests on the abstract Unix socket ``name``
-        (kvd.daemon.direct); `serve_direct` then answers them."""
+        """Also serve this face's requests on the Unix socket ``name`` (``@`` abstract, or
+        a path: kvd.wire.stream); the door's own `serve` then answers them."""
         from kvd.daemon.direct import DirectFace
         from kvd.wire.stream import is_abstract
 
@@ -247,7 +247,7 @@ class Face:
                     self.name, _user_id(frames), _fd(frames)):
                 continue  # a revoked key: its connection is being closed, no answer
             reply, msg_id = await self.answer([f.buffer for f in frames[1:]], identity,
-                                               handlers, _fd(frames))
+                                              handlers, _fd(frames))
             if reply is not None:
                 self.send(identity, msg_id, reply)
             if time.perf_counter() >= slice_end_s:
@@ -255,7 +255,7 @@ class Face:
                 slice_end_s = time.perf_counter() + SERVE_SLICE_S
 
     async def answer(self, payload: list[Any], identity: bytes,
-                      handlers: dict[type, Handler], fd: int = -1) -> tuple[Any, int]:
+                     handlers: dict[type, Handler], fd: int = -1) -> tuple[Any, int]:
         """(reply or None for a long poll answered later, the id to reply with)."""
         msg_id = 0
         try:
