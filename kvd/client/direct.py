@@ -47,13 +47,15 @@ class DirectChannel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, frames: list[bytes]) -> bool:
-        """Queue one message without waiting: written now as far as the kernel takes it.
+    def send(self, frames: list[bytes], write: bool = True) -> bool:
+        """Queue one message without waiting: written now as far as the kernel takes it
+        (``write=False``: kept until the next ``flush``, to leave with the ones after it).
         False if the channel is broken or too much is still unsent."""
         if self.broken or len(self._unsent) > MAX_UNSENT_BYTES:
             return False
         self._unsent += S.pack(frames)
-        self.flush()
+        if write:
+            self.flush()
         return not self.broken
 
     def flush(self) -> None:

@@ -14,12 +14,20 @@ with no ZMQ I/O thread to wait for, and replies are read from it. Otherwise, or 
 broke (the daemon restarted), they go over ZMQ; the door is tried again no sooner than
 ``DIRECT_RETRY_S`` later and only once every request sent over ZMQ has been answered or
 forgotten, so no request overtakes one sent before it.
+
+``batch()`` makes the requests sent inside it leave together, in one write at its end:
+a step's pulls then reach the daemon as one burst, which it reads whole before it
+delivers their events (kvd.daemon.events.AfterBurst), whether or not this thread is
+descheduled between two sends. (ZMQ's I/O thread batches what it finds queued; a
+thread writing message by message into the kernel does not.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +79,7 @@ class NoWaitClient:
         self._direct_tried_s = float("-inf")
         self._over_zmq: set[int] = set()  # ids in flight that went over ZMQ
         self.sent_direct = 0  # requests sent over the direct door (for tests and stats)
+        self._batching = 0  # open batch() blocks: door writes wait for the outermost's end
 
     @property
     def direct(self) -> bool:
@@ -91,6 +100,18 @@ class NoWaitClient:
         self._direct = DirectChannel.connect(self._direct_name)
         return self._direct
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Requests sent inside leave together when the outermost block ends (over the
+        door: one write; over ZMQ its I/O thread batches them already). Never waits."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if not self._batching and self._direct is not None:
+                self._direct.flush()
+
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
@@ -104,7 +125,7 @@ class NoWaitClient:
         frames = P.encode(msg, msg_id, self.token)
         ch = self._channel(now_s)
         if ch is not None:
-            if ch.send(frames):
+            if ch.send(frames, write=not self._batching):
                 self._in_flight[msg_id] = (now_s, tag)
                 self.sent_direct += 1
                 return True

@@ -308,6 +308,38 @@ def test_waiting_counts_requests_read_and_still_in_the_kernel() -> None:
     asyncio.run(run())
 
 
+def test_a_batch_leaves_in_one_write_at_its_end() -> None:
+    """A step's pulls, sent inside ``batch()``, reach the daemon together: nothing is
+    written before the block ends, then all of them at once. Sent one by one, a thread
+    descheduled between two writes lets the daemon read (and answer) the first alone,
+    and its event leaves before the others' (the CI failure of
+    test_six_pulls_sent_together_report_in_one_poll_reply)."""
+    with _fake_door() as (listener, address):
+        client = NoWaitClient(address, token="t")
+        try:
+            msgs = [P.Publish(engine_id="e", request_id=f"r{k}", block_ids=[k])
+                    for k in range(6)]
+            with client.batch():
+                for k, msg in enumerate(msgs):
+                    assert client.send(msg, k, time.monotonic())
+                with client.batch():  # nested: the outermost end writes
+                    pass
+                conn, _ = listener.accept()
+                with pytest.raises(BlockingIOError):
+                    conn.recv(65536, socket.MSG_DONTWAIT)  # nothing written yet
+            with conn:
+                data = conn.recv(1 << 20, socket.MSG_DONTWAIT)  # every one is there now
+                got = S.FrameReader(P.MAX_HEADER_BYTES, 1 << 20).feed(data)
+                assert [P.decode(list(f), P.ENGINE_REQUESTS)[1] for f in got] == msgs
+                assert client.send(P.StatusQuery(), "after", time.monotonic())
+                data = conn.recv(65536, socket.MSG_DONTWAIT)  # out of a batch: at once
+                [(header, body)] = S.FrameReader(P.MAX_HEADER_BYTES, 1 << 20).feed(data)
+                assert isinstance(P.decode([header, body], P.ENGINE_REQUESTS)[1],
+                                  P.StatusQuery)
+        finally:
+            client.close()
+
+
 def test_a_door_whose_daemon_does_not_read_refuses_and_keeps_the_order(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A frozen daemon: the kernel's buffer fills, then the client's own, bounded; past

@@ -2,11 +2,12 @@
 every request waiting on it (kvd.daemon.events.AfterBurst), at most BURST_HOLD_S.
 
 The unit tests drive AfterBurst on a real event loop with the face's "waiting" stubbed;
-the end-to-end test sends six local pulls back to back to a real ``kvd serve`` (as a
-decode engine's step does) with an acknowledged poll parked before them, and reads the
-poll's one reply: all six ``done_recving`` events in it. Before, each event was
-delivered at the loop turn after its pull, and the face yields the loop every 2 ms, so
-with copies of a few ms the first reply carried one or two of them.
+the end-to-end test sends six local pulls in one ``batch()`` to a real ``kvd serve``
+(as a decode engine's step does: over the direct door, one write) with an acknowledged
+poll parked before them, and reads the poll's one reply: all six ``done_recving``
+events in it. Before, each event was delivered at the loop turn after its pull, and
+the face yields the loop every 2 ms, so with copies of a few ms the first reply
+carried one or two of them.
 """
 
 from __future__ import annotations
@@ -102,11 +103,12 @@ def test_six_pulls_sent_together_report_in_one_poll_reply(tmp_path) -> None:
                 receipts = [c.publish("pre", rid, src) for rid, src in held]
                 assert poller.send(cursor.poll(timeout_s=20.0), "poll", time.monotonic())
                 time.sleep(0.3)  # the poll is parked
-                for (rid, blocks), receipt in zip(held, receipts, strict=True):
-                    assert nowait.send(Messages.pull("dec", rid, "pre", d.peer_address,
-                                                     blocks, blocks, rid, num_tokens=-1,
-                                                     publish_receipt=receipt),
-                                       rid, time.monotonic())
+                with nowait.batch():  # as the connector sends a step's pulls
+                    for (rid, blocks), receipt in zip(held, receipts, strict=True):
+                        pull = Messages.pull("dec", rid, "pre", d.peer_address, blocks,
+                                             blocks, rid, num_tokens=-1,
+                                             publish_receipt=receipt)
+                        assert nowait.send(pull, rid, time.monotonic())
                 assert poller.wait_reply(20.0)
                 [reply] = [r for r in poller.replies() if r.tag == "poll"]
                 cursor.accept(reply.body)

@@ -3,8 +3,10 @@ what was sent, and a daemon's engine face that answers one Poll late."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -17,10 +19,24 @@ from kvd.wire.protocol import Event
 class FakeClient:
     def __init__(self) -> None:
         self.sent: list[Any] = []
+        self.batches: list[list[Any]] = []  # what each batch() block sent, in order
+        self._batching = False
 
     def send(self, msg: Any, tag: Any, now: float) -> bool:
         self.sent.append(msg)
+        if self._batching:
+            self.batches[-1].append(msg)
         return True
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        assert not self._batching, "the connector never nests its batches"
+        self._batching = True
+        self.batches.append([])
+        try:
+            yield
+        finally:
+            self._batching = False
 
     def replies(self) -> list[Any]:
         return []

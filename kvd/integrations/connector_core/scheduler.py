@@ -13,6 +13,7 @@ is where vLLM expects them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -403,10 +404,12 @@ class KvdScheduler:
         every pull out is progressive). ``output``: vLLM's scheduler output, whose
         blocks and computed tokens the seals follow."""
         self._take_replies()
-        if output is not None and self.sealing:
-            self.sealing.track(output)
-        for request_id, pull in self._pending.items():
-            self._start(request_id, pull)
+        # one write for the step's seals and pulls: the daemon reads them as one burst
+        with self.client.batch() if self._pending or self.sealing else contextlib.nullcontext():
+            if output is not None and self.sealing:
+                self.sealing.track(output)
+            for request_id, pull in self._pending.items():
+                self._start(request_id, pull)
         self._pending.clear()
         meta, self._meta = self._meta, StepAnnouncements()
         self._steps += 1
