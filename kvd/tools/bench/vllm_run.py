@@ -249,7 +249,8 @@ class VllmBench:
             tuple(st.token_s[0] for st in streams), tuple(st.end_s for st in streams),
             tuple(gaps), sum(self._equal(s, st.text)
                              for s, st in zip(seeds, got, strict=True) if st is not None),
-            len(got), failed=len(got) - len(streams)))
+            len(got), failed=len(got) - len(streams),
+            tokens_s=tuple(tuple(st.token_s) for st in streams)))
 
     def idle_cores(self) -> dict[str, float]:
         """Per system, in its turn: CPU cores its engines (and their daemons' share) use

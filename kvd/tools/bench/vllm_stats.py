@@ -52,6 +52,7 @@ class Batch:
     tokens_equal: int
     compared: int
     failed: int = 0
+    tokens_s: tuple[tuple[float, ...], ...] = ()  # each stream's token times (a stall's when)
 
     @property
     def spread_s(self) -> float:
