@@ -19,6 +19,9 @@ from kvd.errors import ConfigError
 # kvd_progressive_idle_wait_s is capped here: it is what a new request may wait for
 # its first step on an engine waiting only for progressive pulls
 MAX_PROGRESSIVE_IDLE_WAIT_S = 0.5
+# vLLM's shared-memory queue readers spin this long after their last read: a cap at or
+# over it leaves vLLM's own behaviour
+VLLM_QUEUE_SPIN_S = 1.0
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
@@ -46,6 +49,11 @@ class ConnectorSettings:
     # the producer engines this engine pulls from, (engine id, their daemon's peer
     # address) each: its daemon greets them at start-up, ahead of the first pull
     producers: tuple[tuple[str, str], ...] = ()
+    # how long this engine's vLLM queue readers (engine core, workers) spin in
+    # sched_yield waiting for a message before they sleep until it comes
+    # (kvd.integrations.vllm.executor_wait); None: the platform's default (CPU engines
+    # 0.005 s, others vLLM's own); VLLM_QUEUE_SPIN_S or more: vLLM's own
+    queue_spin_s: float | None = None
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> ConnectorSettings:
@@ -84,10 +92,20 @@ class ConnectorSettings:
                 progressive_idle_wait_s=max(0.0, min(MAX_PROGRESSIVE_IDLE_WAIT_S, float(
                     extra.get("kvd_progressive_idle_wait_s", 0.05)))),
                 producers=_producers(extra.get("kvd_producers")),
+                queue_spin_s=_queue_spin_s(extra.get("kvd_queue_spin_s")),
             )
         except (TypeError, ValueError) as exc:
             raise ConnectorConfigError(f"bad kvd_* value in kv_connector_extra_config: "
                                        f"{exc}") from None
+
+
+def _queue_spin_s(value: Any) -> float | None:
+    if value is None:
+        return None
+    spin_s = float(value)
+    if not spin_s >= 0:  # also NaN
+        raise ValueError(f"kvd_queue_spin_s must be >= 0 seconds, got {value!r}")
+    return min(spin_s, VLLM_QUEUE_SPIN_S)
 
 
 def _producers(value: Any) -> tuple[tuple[str, str], ...]:

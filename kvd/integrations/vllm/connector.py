@@ -23,7 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvd.integrations.connector_core.keepalive import RankKeepalive
 from kvd.integrations.connector_core.messages import as_vllm
 from kvd.integrations.connector_core.scheduler import KvdScheduler
-from kvd.integrations.connector_core.settings import ConnectorConfigError, ConnectorSettings
+from kvd.integrations.connector_core.settings import (
+    VLLM_QUEUE_SPIN_S,
+    ConnectorConfigError,
+    ConnectorSettings,
+)
 from kvd.integrations.connector_core.worker import KvdWorker
 from kvd.integrations.vllm import executor_wait
 from kvd.integrations.vllm.metadata import KvdConnectorMetadata, KvdHandshake, KvdWorkerMeta
@@ -47,9 +51,30 @@ log = logging.getLogger("kvd.vllm")
 DEFAULT_LAYOUT = "BHLNC"
 CPU_LAYOUT = "LBHNC"
 HYBRID_LAYOUT = "LBHNC"
+# CPU engines: vLLM's queue readers spin at most this long per wait (kvd_queue_spin_s):
+# steps that come back to back are still caught spinning, an idle engine stops taking
+# the CPU its neighbours need (executor_wait)
+CPU_QUEUE_SPIN_S = 0.005
 
 SLEEP_REFUSED = ("KvdConnector does not support vLLM sleep mode: kvd owns the KV pool and "
                  "cannot release it while asleep")
+
+
+def cap_queue_spin(settings: ConnectorSettings) -> float | None:
+    """Cap how long this process's vLLM queue readers spin (kvd_queue_spin_s; CPU
+    engines CPU_QUEUE_SPIN_S by default, others vLLM's own). Returns the cap in force
+    (None: vLLM's own)."""
+    spin_s = settings.queue_spin_s
+    if spin_s is None:
+        from vllm.platforms import current_platform
+
+        spin_s = CPU_QUEUE_SPIN_S if current_platform.device_type == "cpu" else None
+    if spin_s is not None and spin_s >= VLLM_QUEUE_SPIN_S:
+        spin_s = None
+    if spin_s is not None and not executor_wait.install():
+        spin_s = None
+    executor_wait.cap_spin(spin_s)
+    return spin_s
 
 
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -87,6 +112,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             geom = geometry_from_vllm(vllm_config, kv_cache_config, self.settings.model_name)
             self._worker = KvdWorker(self.settings, geom,
                                      multi_group=is_multi_group(kv_cache_config))
+        cap_queue_spin(self.settings)
 
     # ------------------------------------------------------------ class-level
 

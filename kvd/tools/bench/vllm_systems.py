@@ -28,6 +28,9 @@ SYSTEMS: dict[str, str] = {
                     "(copy_bursts = true)",
     # not in `all`: an A/B of the engine face's direct door in one run
     "kvd-1d-zmq": "kvd on one daemon, engines over ZMQ only (engine_direct = false)",
+    # not in `all`: an A/B of the connector's cap on vLLM's queue spin in one run
+    "kvd-1d-vllmspin": "kvd on one daemon, vLLM's queue readers spinning their full second "
+                       "(kvd_queue_spin_s = 1)",
     # not in `all` (`progressive` runs them against their sequential base)
     "kvd-1d-prog": "kvd-1d through `kvd router --progressive` (prefill and decode at once)",
     "kvd-2d-nixl-prog": "kvd-2d-nixl through `kvd router --progressive`",
@@ -35,7 +38,7 @@ SYSTEMS: dict[str, str] = {
 ALL_SYSTEMS = ("plain", "kvd-1d", "kvd-2d", "kvd-2d-nixl", "nixl", "nixl-noprog")
 QUICK_SYSTEMS = ("plain", "kvd-1d", "nixl-noprog")
 KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-zmq",
-               "kvd-1d-prog", "kvd-2d-nixl-prog")
+               "kvd-1d-vllmspin", "kvd-1d-prog", "kvd-2d-nixl-prog")
 # The exposed tail of a progressive pull against the sequential hand-off, side by side.
 PROGRESSIVE_SYSTEMS = ("plain", "kvd-1d", "kvd-1d-prog", "kvd-2d-nixl", "kvd-2d-nixl-prog")
 PROGRESSIVE_SUFFIX = "-prog"
@@ -123,7 +126,7 @@ def system_spec(name: str) -> SystemSpec:
         return SystemSpec(name, (), tuple(
             EngineSpec(f"{name}-{role}", role, cfg, nixl_side_channel=True)
             for role in ("prefill", "decode")))
-    if name in ("kvd-1d", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-zmq"):
+    if name in ("kvd-1d", "kvd-1d-spin", "kvd-1d-burst", "kvd-1d-zmq", "kvd-1d-vllmspin"):
         args = {"kvd-1d-burst": ("--set", "copy_bursts=true"),
                 "kvd-1d-zmq": ("--set", "engine_direct=false")}.get(name, ())
         daemons: tuple[DaemonSpec, ...] = (DaemonSpec(f"{name}-d", args),)
@@ -134,7 +137,8 @@ def system_spec(name: str) -> SystemSpec:
         homes = {"prefill": daemons[0].name, "decode": daemons[1].name}
     else:
         raise ValueError(f"unknown system {name!r}")
-    extra = {"kvd_idle_wait_s": 0} if name == "kvd-1d-spin" else {}
+    extra = {"kvd-1d-spin": {"kvd_idle_wait_s": 0},
+             "kvd-1d-vllmspin": {"kvd_queue_spin_s": 1}}.get(name, {})
     return SystemSpec(name, daemons, tuple(
         EngineSpec(f"{name}-{role}", role, _kvd_config(f"{name}-{role}", extra),
                    daemon=homes[role])

@@ -32,7 +32,7 @@ from kvd.tools.bench.vllm_systems import (
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
     assert parse_systems("all") == tuple(n for n in SYSTEMS
                                          if n not in ("kvd-1d-spin", "kvd-1d-burst",
-                                                      "kvd-1d-zmq")
+                                                      "kvd-1d-zmq", "kvd-1d-vllmspin")
                                          and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
@@ -52,6 +52,16 @@ def test_the_direct_door_a_b_is_one_daemon_with_the_door_shut():
     shut = system_spec("kvd-1d-zmq")
     assert [d.extra_args for d in shut.daemons] == [("--set", "engine_direct=false")]
     assert {e.daemon for e in shut.engines} == {shut.daemons[0].name}
+
+
+def test_the_queue_spin_a_b_is_one_daemon_with_vllms_own_spin():
+    each = system_spec("kvd-1d-vllmspin")
+    assert [d.extra_args for d in each.daemons] == [()]
+    assert {e.daemon for e in each.engines} == {each.daemons[0].name}
+    assert all(e.kv_transfer_config["kv_connector_extra_config"] == {"kvd_queue_spin_s": 1}
+               for e in each.engines)
+    plain_kvd = system_spec("kvd-1d").engines[0].kv_transfer_config
+    assert "kvd_queue_spin_s" not in plain_kvd["kv_connector_extra_config"]
 
 
 def test_each_system_runs_its_connector_and_daemons():
