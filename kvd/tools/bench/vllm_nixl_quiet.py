@@ -16,6 +16,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
+from kvd.integrations.vllm import executor_wait
+from kvd.integrations.vllm.connector import CPU_QUEUE_SPIN_S
+
 _vllm_agent_config = base_worker.nixl_agent_config
 
 
@@ -30,3 +33,15 @@ if _vllm_agent_config is not None:
 
 class QuietNixlConnector(NixlConnector):
     """vLLM's NixlConnector; its NIXL agent runs without a progress thread."""
+
+
+class CappedNixlConnector(QuietNixlConnector):
+    """The same, with vLLM's queue readers spinning at most CPU_QUEUE_SPIN_S per wait, as
+    kvd's connector has them on CPU engines (kvd.integrations.vllm.executor_wait): the
+    NixlConnector a user would get with that one engine-side change, so that the bench
+    can tell what the transfer layer gives from what the cap gives."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if executor_wait.install():
+            executor_wait.cap_spin(CPU_QUEUE_SPIN_S)

@@ -28,6 +28,9 @@ SYSTEMS: dict[str, str] = {
                     "(copy_bursts = true)",
     # not in `all`: an A/B of the engine face's direct door in one run
     "kvd-1d-zmq": "kvd on one daemon, engines over ZMQ only (engine_direct = false)",
+    # not in `all`: NixlConnector with the engine-side change kvd's connector makes
+    "nixl-noprog-cap": "vLLM's NixlConnector, progress thread off, vLLM's queue readers "
+                       "spinning at most 5 ms (as kvd's connector has them)",
     # not in `all`: an A/B of the connector's cap on vLLM's queue spin in one run
     "kvd-1d-vllmspin": "kvd on one daemon, vLLM's queue readers spinning their full second "
                        "(kvd_queue_spin_s = 1)",
@@ -42,7 +45,7 @@ KVD_SYSTEMS = ("kvd-1d", "kvd-2d", "kvd-2d-nixl", "kvd-1d-spin", "kvd-1d-burst",
 # The exposed tail of a progressive pull against the sequential hand-off, side by side.
 PROGRESSIVE_SYSTEMS = ("plain", "kvd-1d", "kvd-1d-prog", "kvd-2d-nixl", "kvd-2d-nixl-prog")
 PROGRESSIVE_SUFFIX = "-prog"
-NIXL_SYSTEMS = ("nixl", "nixl-noprog")
+NIXL_SYSTEMS = ("nixl", "nixl-noprog", "nixl-noprog-cap")
 # The connector module that turns NIXL's progress thread off (vllm_nixl_quiet.py).
 QUIET_NIXL_MODULE = "kvd.tools.bench.vllm_nixl_quiet"
 
@@ -99,12 +102,10 @@ def _kvd_config(engine_id: str, extra: dict | None = None) -> dict:
             "kv_connector_extra_config": dict(extra or {})}  # + kvd_address (the runner)
 
 
-def _nixl_config(quiet: bool) -> dict:
-    cfg: dict = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                 "kv_buffer_device": "cpu"}
-    if quiet:
-        cfg = {**cfg, "kv_connector": "QuietNixlConnector",
-               "kv_connector_module_path": QUIET_NIXL_MODULE}
+def _nixl_config(connector: str) -> dict:
+    cfg: dict = {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    if connector != "NixlConnector":
+        cfg["kv_connector_module_path"] = QUIET_NIXL_MODULE
     return cfg
 
 
@@ -122,7 +123,8 @@ def system_spec(name: str) -> SystemSpec:
     if name == "plain":
         return SystemSpec(name, (), (EngineSpec("plain", "plain", None),))
     if name in NIXL_SYSTEMS:
-        cfg = _nixl_config(quiet=name == "nixl-noprog")
+        cfg = _nixl_config({"nixl": "NixlConnector", "nixl-noprog": "QuietNixlConnector",
+                            "nixl-noprog-cap": "CappedNixlConnector"}[name])
         return SystemSpec(name, (), tuple(
             EngineSpec(f"{name}-{role}", role, cfg, nixl_side_channel=True)
             for role in ("prefill", "decode")))

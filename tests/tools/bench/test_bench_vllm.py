@@ -32,7 +32,8 @@ from kvd.tools.bench.vllm_systems import (
 def test_parse_systems_puts_plain_first_and_refuses_unknown_names():
     assert parse_systems("all") == tuple(n for n in SYSTEMS
                                          if n not in ("kvd-1d-spin", "kvd-1d-burst",
-                                                      "kvd-1d-zmq", "kvd-1d-vllmspin")
+                                                      "kvd-1d-zmq", "kvd-1d-vllmspin",
+                                                      "nixl-noprog-cap")
                                          and not n.endswith("-prog"))
     assert parse_systems("kvd-1d-spin") == ("plain", "kvd-1d-spin")
     assert parse_systems("quick") == ("plain", "kvd-1d", "nixl-noprog")
@@ -78,6 +79,10 @@ def test_each_system_runs_its_connector_and_daemons():
     quiet = system_spec("nixl-noprog").engines[0].kv_transfer_config
     assert quiet["kv_connector_module_path"] == QUIET_NIXL_MODULE
     assert quiet["kv_buffer_device"] == "cpu"
+    assert quiet["kv_connector"] == "QuietNixlConnector"
+    capped = system_spec("nixl-noprog-cap").engines[1].kv_transfer_config
+    assert capped["kv_connector"] == "CappedNixlConnector"
+    assert capped["kv_connector_module_path"] == QUIET_NIXL_MODULE
     shipped = system_spec("nixl").engines[0].kv_transfer_config
     assert shipped["kv_connector"] == "NixlConnector"
     assert "kv_connector_module_path" not in shipped
