@@ -142,11 +142,14 @@ class Launcher:
                 launch.run.procs.append(proc)
                 starting.append((proc, launch))
             for proc, launch in list(starting):
-                if proc.proc.poll() is not None:
+                exited = proc.proc.poll() is not None
+                if exited or proc.port_taken():
                     starting.remove((proc, launch))
-                    if not (proc.bind_failed() and launch.rebind()):
+                    if not (proc.port_taken() and launch.rebind()):
                         raise KvdError(f"engine {proc.name} exited with "
                                        f"{proc.proc.returncode}:\n{proc.tail()}")
+                    if not exited:  # a thread's bind failed: it would never come up
+                        proc.stop()
                     self.log(f"  {proc.name}: its port was taken meanwhile; starting it "
                              f"again on port {launch.port}")
                     pending.insert(0, launch)

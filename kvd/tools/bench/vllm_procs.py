@@ -42,10 +42,15 @@ class Proc:
                                     start_new_session=True)
         return cls(name, proc, log_path)
 
+    def port_taken(self) -> bool:
+        """Whether its log says a port of its was taken, exited or not (vLLM's NIXL
+        handshake listener is a thread: when its bind fails the server lives on and
+        never comes up)."""
+        return any(m in self.tail(20000) for m in BIND_FAILED)
+
     def bind_failed(self) -> bool:
         """Whether it exited because its port was taken (its log says so)."""
-        return self.proc.poll() is not None and any(m in self.tail(20000)
-                                                    for m in BIND_FAILED)
+        return self.proc.poll() is not None and self.port_taken()
 
     def tail(self, nchars: int = 3000) -> str:
         try:

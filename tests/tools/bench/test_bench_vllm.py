@@ -217,6 +217,7 @@ def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
     before the engine binds it: that exit is retried on new ports, BIND_TRIES times
     in all; any other exit is not."""
     import sys
+    import time
 
     from kvd.tools.bench.vllm_launch import BIND_TRIES, Launch, Running
     from kvd.tools.bench.vllm_procs import Proc
@@ -243,9 +244,22 @@ def test_an_engine_whose_port_was_taken_is_started_again_on_new_ports(tmp_path):
     running = Proc.start("r", [sys.executable, "-c", "import time; time.sleep(30)"], tmp_path)
     try:
         assert not running.bind_failed()  # still running: not an exit at all
+        assert not running.port_taken()
     finally:
         running.proc.kill()
         running.proc.wait()
+    # vLLM's NIXL handshake listener is a thread: its bind fails, the server lives on
+    # and never answers (run 20's first try, 900 s lost): taken, to be started again
+    listener = Proc.start("l", [sys.executable, "-c",
+                                "print('zmq.error.ZMQError: Address already in use', "
+                                "flush=True); import time; time.sleep(30)"], tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not listener.port_taken() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener.port_taken() and not listener.bind_failed()
+    finally:
+        listener.stop()
 
 
 def test_a_pairs_router_starts_and_answers(tmp_path):
