@@ -15,13 +15,17 @@ from dataclasses import replace
 
 import pytest
 from support.fleet import Fault, Knobs, Sim, fails, fault_schedule, report, run, shrink
+from support.fleet.progressive import ProgPull
 from support.fleet.transport import FakeHostMaps
 
 from kvd.config import validate
+from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull import machine as M
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.pull.inputs import RanksReady
+from kvd.daemon.pull.progressive import ProgOn, Progressive, ProgressiveRunner, ProgState
 from kvd.errors import ConfigError
+from kvd.wire import protocol as P
 
 SEEDS = 3000
 
@@ -309,3 +313,161 @@ def test_a_host_copy_whose_producer_died_is_never_ok(monkeypatch: pytest.MonkeyP
     assert why is not None and "pull#36(e00:r31) reported ok with wrong bytes" in why
     why = fails(1238, PRODUCER_KILLED_MID_COPY, HOST_CRASHES)
     assert why is not None and "pull#30(e00:r25) reported ok with wrong bytes" in why
+
+
+# ------------------------------------------------------------------ progressive pulls
+
+# Progressive transfers (support.fleet.progressive): prefills sealing their prompt in
+# chunks, preempted, aborted or never sealed, read by decodes that pulled at admission,
+# on top of the default work and faults.
+PROG = Knobs(prog_ops=10)
+# Only progressive transfers, no faults, no aborts, room for every request: all end ok.
+PROG_CALM = Knobs(max_faults=0, ops=0, prog_ops=12, num_blocks=24, prog_preempt_p=0.0,
+                  prog_abort_p=0.0, prog_never_p=0.0, prog_cancel_p=0.0)
+# Mostly preempted prefills, among crashes, freezes, message faults and engines leaving.
+PROG_CHAOS = Knobs(prog_ops=12, ops=4, prog_preempt_p=0.8, max_faults=8,
+                   kinds=("crash", "msg", "freeze", "leave", "partition"))
+
+
+def _progressive(sim: Sim) -> list[ProgPull]:
+    return [p for p in sim.pulls if isinstance(p, ProgPull)]
+
+
+def _stale_ranges(sim: Sim) -> int:
+    """Ranges read ok in a generation its prefill unsealed later: bytes to be read again."""
+    assert sim.prog is not None
+    return sum(1 for r in sim.pulls if r.parent is not None and r.outcome == "ok"
+               and P.parse_range_request_id(r.remote_rid)[1]  # type: ignore[index]
+               < sim.prog.pubs[r.parent.remote_rid].generation)
+
+
+def test_fault_free_progressive_pulls_are_all_ok_and_byte_exact() -> None:
+    """Each ok report is checked then, byte for byte, against the complete generation."""
+    overlapped = 0
+    for seed in range(20):
+        pulls = _progressive(run(seed, None, PROG_CALM))
+        assert pulls and all(p.outcome == "ok" for p in pulls), seed
+        assert all(p.prog is not None and p.prog.rereads == 0 for p in pulls)
+        overlapped += sum(p.prog is not None and p.prog.ranges > 1 for p in pulls)
+    assert overlapped > 100  # read while the prefill computed: in several ranges
+
+
+def test_preempted_prefills_are_read_again_never_mixed() -> None:
+    knobs = replace(PROG_CALM, prog_preempt_p=1.0)
+    rereads = stale = 0
+    for seed in range(20):
+        sim = run(seed, None, knobs)
+        pulls = _progressive(sim)
+        assert pulls and all(p.outcome == "ok" for p in pulls), seed
+        rereads += sum(p.prog.rereads for p in pulls if p.prog is not None)
+        stale += _stale_ranges(sim)
+    assert rereads > 50 and stale > 20  # stale bytes were read, and read again
+
+
+def test_progressive_seeds_keep_every_invariant() -> None:
+    outcomes: dict[str, int] = {}
+    stale = 0
+    for knobs, seeds in ((PROG, int(os.environ.get("KVD_SIM_PROG_SEEDS", "250"))),
+                         (PROG_CHAOS, int(os.environ.get("KVD_SIM_PROG_CHAOS_SEEDS", "100")))):
+        for seed in range(seeds):
+            try:
+                sim = run(seed, None, knobs)
+            except Exception:  # noqa: BLE001 - reported with its shrunk trace
+                pytest.fail(report(seed, knobs), pytrace=False)
+            for p in _progressive(sim):
+                outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+            stale += _stale_ranges(sim)
+    assert outcomes.get("ok", 0) > 1000 and outcomes.get("failed", 0) > 500, outcomes
+    assert stale > 10
+
+
+def test_the_checks_catch_a_progressive_pull_that_mixes_generations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull that counts a range it read in an unsealed generation as read in the new
+    one (rather than settling, then reading it again) reports ok with a mix."""
+    on_range = Progressive.on_range
+
+    def careless(self: Progressive, event: P.Event, now_s: float) -> list:
+        if self.state is ProgState.SETTLING and event.ok and self.in_flight is not None:
+            ended, self.in_flight = self.in_flight, None
+            self._to(ProgOn.RANGE_ENDED)
+            self.read_generation, self.read_to = self.generation, ended.end
+            return self._next(now_s)
+        return on_range(self, event, now_s)
+
+    monkeypatch.setattr(Progressive, "on_range", careless)
+    why = fails(16, None, PROG)
+    assert why is not None and "reported ok with wrong bytes" in why, why
+
+
+# Seed 40 of PROG: a decode engine left and registered again (a new pool) while its
+# progressive pull waited for seals; the runner started the next range as a pull of the
+# new registration, whose READs wrote into blocks the new engine never gave it. Fixed in
+# ProgressiveRunner: a range starts only for the registration the pull began with.
+DECODE_REGISTERED_AGAIN = [Fault(kind="leave", at_s=1.2952, dur_s=0.3164, a=2, b=1)]
+
+
+def test_a_progressive_pull_never_reads_into_a_later_registration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = run(40, DECODE_REGISTERED_AGAIN, PROG)
+    (pull,) = [p for p in _progressive(sim) if p.label == "pull#18(e21:p16)"]
+    assert pull.outcome == "failed" and pull.prog is not None
+    assert "registered again" in pull.prog.error
+    do = ProgressiveRunner._do
+
+    def before_the_fix(self: ProgressiveRunner, act: object) -> None:
+        self.engine = self.svc.registry.engines.get(self.prog.msg.engine_id)
+        do(self, act)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ProgressiveRunner, "_do", before_the_fix)
+    why = fails(40, DECODE_REGISTERED_AGAIN, PROG)
+    assert why is not None and "after kvd handed it back" in why, why
+
+
+# Seed 378 of PROG: a prefill engine sealed a request complete, then left and registered
+# again while the decode's first range READ stalled. The next range's Acquire made a
+# range hold pinning the new registration; the decode, seeing its new epoch, greeted it
+# and read the sealed block ids out of the new pool: ok with wrong bytes. Fixed in
+# Producer._hold_range: a progressive hold whose pinned ranks are gone makes no range.
+PREFILL_REGISTERED_AGAIN = [
+    Fault(kind="read", at_s=1.749, dur_s=0.9689, a=0, x="stall"),
+    Fault(kind="leave", at_s=2.1955, dur_s=0.4964, a=2, b=1),
+]
+
+
+def test_a_range_is_never_read_from_a_later_registration_of_its_prefill(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = run(378, PREFILL_REGISTERED_AGAIN, PROG)
+    (pull,) = [p for p in _progressive(sim) if p.label == "pull#35(e01:p34)"]
+    assert pull.outcome == "failed" and pull.prog is not None
+    assert "left after sealing it" in pull.prog.error
+    hold_range = Producer._hold_range
+
+    def before_the_fix(self: Producer, msg: P.Acquire) -> None:
+        parsed = P.parse_range_request_id(msg.request_id)
+        assert parsed is not None
+        pinned = self._pinned.pop((msg.producer_engine_id, parsed[0]), None)
+        try:
+            hold_range(self, msg)
+        finally:
+            if pinned is not None:
+                self._pinned[(msg.producer_engine_id, parsed[0])] = pinned
+
+    monkeypatch.setattr(Producer, "_hold_range", before_the_fix)
+    why = fails(378, PREFILL_REGISTERED_AGAIN, PROG)
+    assert why is not None and "pull#35(e01:p34) reported ok with wrong bytes" in why, why
+
+
+# Seed 125 of PROG: a progressive pull whose producer aborted the request while its
+# daemon was frozen, thawed past its hold timeout with a range in flight: waiting for
+# that range, its runner woke for the passed deadline again and again without waiting
+# (virtual time stood still: the run never ended; a real daemon's loop would spin).
+# Fixed by Progressive.due_s: nothing to time out while a range in flight must end.
+# (tests/daemon/pull/test_progressive_runner.py shows the spin without the fix.)
+def test_a_progressive_pull_past_its_timeout_waits_for_its_range() -> None:
+    sim = run(125, None, PROG)
+    (pull,) = [p for p in _progressive(sim) if p.label == "pull#20(e20:p19)"]
+    assert pull.outcome == "failed" and pull.prog is not None
+    assert pull.prog.error.startswith("not_found: the producer ended the request")
+    (rng,) = pull.children
+    assert rng.outcome_s > pull.prog.deadline_s  # it ended past the deadline, waited for

@@ -518,6 +518,13 @@ class Producer:
         if generation != opened.generation:
             raise NotFoundError(f"request {base!r}: generation {generation} was unsealed "
                                 f"(now {opened.generation}): read it again")
+        if any(r.gone for r in self._pinned.get(parent, ())):
+            # As in `acquire`: its blocks are in the pools of the registration that sealed
+            # them (kept while pinned), not in those the engine registered since, which a
+            # consumer greeting the engine again would read.
+            raise NotFoundError(f"request {base!r}: engine {msg.producer_engine_id!r} left "
+                                "after sealing it; its blocks are not in the pools "
+                                "registered now")
         sealed_s = opened.sealed_since(end)
         if sealed_s is None and opened.state is not OpenState.COMPLETE:
             raise NotFoundError(f"request {base!r}: tokens up to {end} are not sealed")

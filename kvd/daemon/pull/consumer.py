@@ -314,7 +314,7 @@ class Consumer:
                                    "peer": msg.remote_address})
 
         runner = ProgressiveRunner(
-            prog, route.peers, self.svc,
+            prog, route.peers, self.svc, engine,
             lambda child, answer: self.start(child, events=answer), report)
         self.progressive[prog.key] = runner
         runner.task = self.svc.spawn(runner.run())

@@ -248,10 +248,18 @@ class Progressive:
         self._to(ProgOn.CONFIRMED)
         return [self._report(now_s)]
 
+    def due_s(self) -> float | None:
+        """When `on_tick` has something to decide (None: nothing until an input comes).
+        Past its deadline, a pull that waits for its range in flight to end (settling,
+        failing) has nothing to time out: its runner must not wake for it again and again."""
+        if self.state in (ProgState.WATCHING, ProgState.READING) and not self.complete:
+            return self.deadline_s
+        return None
+
     def on_tick(self, now_s: float) -> list[Action]:
         """The runner's clock: the hold timeout."""
-        if self.state in (ProgState.WATCHING, ProgState.READING) and not self.complete \
-                and now_s >= self.deadline_s:
+        due_s = self.due_s()
+        if due_s is not None and now_s >= due_s:
             return self.fail(f"timeout: no seal from the producer within "
                              f"{self.hold_timeout_s:g}s", now_s)
         return []
@@ -352,12 +360,16 @@ class _Answer:
 class ProgressiveRunner:
     """Carries a `Progressive`'s actions out: its Watches, its range pulls, its report."""
 
-    def __init__(self, prog: Progressive, peers: Any, svc: Any,
+    def __init__(self, prog: Progressive, peers: Any, svc: Any, engine: object,
                  start_range: Callable[[P.Pull, _Answer], None],
                  report: Callable[[Progressive, P.Event], None]) -> None:
         self.prog = prog
         self.peers = peers  # the route's peers: a PeerTable or this daemon's LocalPeers
         self.svc = svc
+        # The registration the pull's local blocks belong to. A range starts as a new pull
+        # of whatever registration the engine id names then: one that left and registered
+        # again (a new pool) never gave this pull those blocks.
+        self.engine = engine
         self._start_range = start_range
         self._report = report
         self._inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -372,7 +384,8 @@ class ProgressiveRunner:
         self._watcher = asyncio.ensure_future(self._watch())
         try:
             while prog.state not in TERMINAL:
-                left_s = max(0.0, prog.deadline_s - clock.now()) if not prog.complete else 60.0
+                due_s = prog.due_s()
+                left_s = 60.0 if due_s is None else max(0.0, due_s - clock.now())
                 try:
                     kind, value = await clock.wait_for(self._inbox.get(), min(left_s, 60.0))
                 except TimeoutError:
@@ -400,6 +413,9 @@ class ProgressiveRunner:
         prog = self.prog
         if isinstance(act, StartRange):
             try:
+                if self.svc.registry.engines.get(prog.msg.engine_id) is not self.engine:
+                    raise NotFoundError(f"engine {prog.msg.engine_id!r} left or registered "
+                                        "again since the progressive pull began")
                 self._start_range(act.msg, _Answer(
                     lambda ev: self._inbox.put_nowait(("range", ev))))
             except KvdError as exc:  # refused at once: as a failed range

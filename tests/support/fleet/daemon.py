@@ -10,7 +10,7 @@ crash (its tasks are never woken again).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -19,6 +19,7 @@ import numpy as np
 from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.pull.machine import Pull
+from kvd.daemon.pull.progressive import ProgressiveRunner
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.errors import BusyError, KvdError, NotFoundError, PeerLostError
 from kvd.wire import protocol as P
@@ -57,6 +58,7 @@ class PullRec:
     accepted: bool = False
     big: bool = False
     pull: Pull | None = None  # kvd's record of it, once its daemon took it
+    parent: PullRec | None = None  # a range pull's progressive pull (its blocks' owner)
 
     @property
     def label(self) -> str:
@@ -73,6 +75,7 @@ class PubRec:
     receipt: str = ""
     expected: np.ndarray | None = None
     ended: bool = False
+    computing: bool = False  # a progressive prefill still running: its blocks stay its own
 
     @property
     def label(self) -> str:
@@ -170,9 +173,12 @@ class SimEngine:
                 return
             self.give_back(rec, scribble=False)
         else:
-            pub = self.pubs.pop(rid, None)
-            if pub is not None:
-                pub.ended = True
+            pub = self.pubs.get(rid)
+            if pub is None:
+                return
+            pub.ended = True
+            if not pub.computing:  # else given back when the prefill ends
+                del self.pubs[rid]
                 self.give_back(pub, scribble=True)
 
 
@@ -213,6 +219,7 @@ class Daemon:
         self.quarantine = QuarantineCounts(sim.cfg, NOP)  # type: ignore[arg-type]
         self.drivers: dict[tuple[str, str], PullDriver] = {}  # as Consumer.pulls
         self.recs: dict[tuple[str, str], PullRec] = {}
+        self.progressive: dict[tuple[str, str], ProgressiveRunner] = {}  # as Consumer's
         self.remotes: dict[tuple[str, str], RemoteEngine] = {}  # as PeerTable.remotes
         self.pending: dict[int, Request] = {}
         self.xfers: set[int] = set()
@@ -311,6 +318,8 @@ class Daemon:
             elif isinstance(msg, P.ReadNotice):
                 prod.on_notice(msg, req.instance)
                 self.reply(src, req, P.Ok())
+            elif isinstance(msg, P.Watch):  # a long poll: answered at the first change
+                self.spawn(self._answer_later(src, req, prod.watch(msg)))
             else:
                 raise AssertionError(msg)
         except KvdError as exc:
@@ -319,11 +328,16 @@ class Daemon:
     async def _acquire_later(self, src: Daemon, req: Request) -> None:
         """The real Producer.acquire_when_published: up to ACQUIRE_WAITS_FOR_PUBLISH_S for
         the Publish; an Abandon meanwhile refuses it."""
+        await self._answer_later(src, req,
+                                 self.producer.acquire_when_published(req.msg, req.instance))
+
+    async def _answer_later(self, src: Daemon, req: Request, body: Awaitable[Any]) -> None:
+        """The peer face's answer_later: the reply once ``body`` is ready."""
         try:
-            body: Any = await self.producer.acquire_when_published(req.msg, req.instance)
+            reply: Any = await body
         except KvdError as exc:
-            body = exc
-        self.reply(src, req, body)
+            reply = exc
+        self.reply(src, req, reply)
 
     def reply(self, src: Daemon, req: Request, body: Any) -> None:
         self.sim.net.send_reply(self, src, req, body)
@@ -366,20 +380,24 @@ class Daemon:
                 req.then(PeerLostError(f"connection to {dst.addr} reset"))
         self.drop_address(dst.addr)
 
-    def start_pull(self, rec: PullRec, msg: P.Pull) -> None:
+    def start_pull(self, rec: PullRec, msg: P.Pull, events: object | None = None) -> None:
         """Consumer.start: refuse cheaply, or hand the pull to the real PullDriver (inline
-        first, then its task), with this daemon's fakes for its I/O."""
+        first, then its task), with this daemon's fakes for its I/O. ``events``: a
+        progressive pull's range reports there, and a refusal is raised to its runner."""
         sim = self.sim
         reg = self.svc.registry.engines.get(msg.engine_id)
         try:
             if reg is None:
                 raise NotFoundError(f"engine {msg.engine_id!r} is not registered")
-            if (msg.engine_id, msg.request_id) in self.drivers:
+            if (msg.engine_id, msg.request_id) in self.drivers or (
+                    msg.engine_id, msg.request_id) in self.progressive:
                 raise KvdError(f"request {msg.request_id!r} is already being pulled")
             if len(self.drivers) >= sim.cfg.max_inflight_pulls:
                 raise BusyError("pulls in flight (max_inflight_pulls)")
         except KvdError:
             rec.outcome, rec.outcome_s = "refused", sim.now
+            if events is not None:
+                raise
             rec.consumer.pulls.pop(rec.request_id, None)
             rec.consumer.give_back(rec, scribble=False)
             return
@@ -400,8 +418,9 @@ class Daemon:
             return remote_mover, None
 
         block_bytes = sim.knobs.block_bytes
+        svc = self.svc if events is None else self.svc.with_events(events)
         driver = PullDriver(
-            self.svc, pull, remote_mover, self.peers, self.quarantine,  # type: ignore[arg-type]
+            svc, pull, remote_mover, self.peers, self.quarantine,  # type: ignore[arg-type]
             lambda p, engine, remote: assemble(rec, block_bytes, engine, remote),
             self.on_reported, pick=pick)
         self.drivers[pull.key] = driver
@@ -414,17 +433,18 @@ class Daemon:
 
     def on_reported(self, pull: Pull) -> None:
         """Consumer._reported, and the simulation's checks of the report: once, in a final
-        state, ok only with the published bytes in the engine's blocks."""
+        state, ok only with the published bytes in the engine's blocks (a range pull's
+        bytes are judged when its progressive pull reports)."""
         sim = self.sim
         driver = self.drivers.pop(pull.key)
         rec = self.recs.pop(pull.key)
-        event = self.svc.events.last
+        event = driver.svc.events.last
         assert event is not None and event.request_id == pull.msg.request_id
         if sim.trace is not None:
             sim.note(f"{self.instance} {rec.label} reported {pull.state.value} "
                      f"{event.error or ''}")
         sim.on_outcome(rec, "ok" if event.ok else "failed", pull)
-        if event.ok:
+        if event.ok and rec.parent is None:
             engine = driver.engine
             assert engine is not None
             if rec.expected is None:

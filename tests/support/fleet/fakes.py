@@ -9,6 +9,7 @@ fires while its daemon is frozen or busy, and nothing after it crashed: the real
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,8 +56,9 @@ class FakeRank:
 
 
 class FakeLayout:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size_tokens: int) -> None:
         self.num_blocks = num_blocks
+        self.block_size_tokens = block_size_tokens
 
 
 class FakeEngine:
@@ -76,7 +78,7 @@ class FakeEngine:
         self.rank = FakeRank(self)
         self.model = MODEL
         self.par = parallelism(1, 1, None)
-        self.layout = FakeLayout(pool.shape[0])
+        self.layout = FakeLayout(pool.shape[0], daemon.sim.knobs.block_tokens)
         self.engine_daemons: list[str] = []
         self.uid = next(daemon.sim.uids)
         daemon.sim.regs[self.uid] = self
@@ -210,6 +212,13 @@ class FakeServices:
         self.datapath = None  # notices go as peer requests, answered
         self.spawn = daemon.spawn
 
+    def with_events(self, events: object) -> FakeServices:
+        """These services with another event hub (a progressive pull's range pull reports
+        to its runner, as kvd.daemon.pull.consumer.Consumer.start does)."""
+        svc = copy.copy(self)
+        svc.events = events  # type: ignore[assignment]
+        return svc
+
 
 class SimProducer(Producer):
     """The real producer; each hold's end is checked against its reason first."""
@@ -221,5 +230,18 @@ class SimProducer(Producer):
         if self.held.items.get(key) is held:
             if self.daemon.sim.trace is not None:
                 self.daemon.sim.note(f"{self.daemon.instance} hold {key} ends {outcome}")
-            self.daemon.sim.check_hold_end(self.daemon, held, outcome)
+            if not (outcome == "cancelled" and self._range_voided(key)):
+                self.daemon.sim.check_hold_end(self.daemon, held, outcome)
         super().finish(held, outcome)
+
+    def _range_voided(self, key: tuple[str, str]) -> bool:
+        """A range hold dropped with its generation (unsealed: the engine freed the blocks)
+        or with its progressive hold (ended): whatever its reader gets of it is void (the
+        progressive pull reads again or fails), so it may end under a running READ."""
+        parent = self._ranges.get(key)
+        if parent is None:
+            return False
+        opened = self.opened.items.get(parent)
+        parsed = P.parse_range_request_id(key[1])
+        assert parsed is not None
+        return opened is None or opened.terminal or parsed[1] != opened.generation

@@ -43,6 +43,16 @@ class Knobs:
     # Daemons that share one host: pulls between two of them take the host path (the
     # producer's pool files mapped, a copy that never fails when its owner dies).
     host_daemons: tuple[int, ...] = ()
+    # Progressive transfers (support.fleet.progressive): a prefill sealing its prompt in
+    # chunks, read by decodes that pulled it at admission. None unless asked for, so the
+    # runs of every other knob stay what they were, event for event.
+    prog_ops: int = 0
+    prog_preempt_p: float = 0.3  # share of prefills preempted (unsealed) mid-prompt
+    prog_abort_p: float = 0.08  # share aborted mid-prompt
+    prog_never_p: float = 0.08  # share never sealed at all
+    prog_cancel_p: float = 0.05  # share of decodes that cancel their pull (CancelPull)
+    prog_hold_s: float = 2.0  # progressive_hold_s: a seal is due within it
+    block_tokens: int = 4  # tokens per block, both engines (block_bytes // it per token)
 
     @property
     def end_s(self) -> float:
@@ -57,7 +67,8 @@ class Knobs:
                       handshake_timeout_s=self.handshake_timeout_s,
                       max_inflight_pulls=self.max_inflight_pulls,
                       max_held_requests=self.max_held,
-                      max_quarantined_pulls=self.max_quarantined_pulls)
+                      max_quarantined_pulls=self.max_quarantined_pulls,
+                      progressive_hold_s=self.prog_hold_s)
 
 
 @dataclass(frozen=True)

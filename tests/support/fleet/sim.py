@@ -23,6 +23,7 @@ from support.fleet.daemon import Daemon, PubRec, PullRec, SimEngine
 from support.fleet.fakes import FakeEngine
 from support.fleet.faults import Fault, Knobs, Violation, fault_schedule
 from support.fleet.network import Network
+from support.fleet.progressive import ProgressiveWork
 from support.fleet.transport import Transport
 
 
@@ -77,6 +78,7 @@ class Sim:
                 d.engines.append(e)
                 e.register(adopt=False)
         self._plan_work()
+        self.prog = ProgressiveWork(self) if knobs.prog_ops else None
         for f in self.faults:
             self.at(f.at_s, self._inject, f)
 
@@ -122,7 +124,8 @@ class Sim:
         running to the end, in a fraction of the events."""
         for d in self.daemons:
             if (not d.up or d.frozen or d.busy or d.deferred or d.drivers or d.pending
-                    or d.producer.held.items or any(r.state != "live" for r in d.regs)):
+                    or d.producer.held.items or d.progressive or d.producer.opened.items
+                    or any(r.state != "live" for r in d.regs)):
                 return
         for _, _, fn, args, call in self.loop._timers:
             if call is not None or getattr(fn, "__func__", None) is not Daemon._run or \
@@ -355,6 +358,8 @@ class Sim:
         for x in self.transport.xfers.values():
             if not x.released and x.consumer.inc == x.consumer_inc and x.consumer.up:
                 self.violate(f"transfer {x.id} of {x.pull.label} never released")
+        if self.prog is not None:
+            self.prog.check_quiescent()
 
     # faults
 

@@ -156,15 +156,16 @@ class Transport:
         self.writes.append((sim.now, x.consumer.name, dst.engine_id, block, rec.label))
         if sim.trace is not None:
             sim.note(f"write {rec.label} x{x.id} block {block} from {x.hold_key}")
-        if rec.outcome:
-            sim.violate(f"READ of {rec.label} wrote block {block} of {dst.engine_id} after kvd "
-                        f"reported the pull {rec.outcome} ({rec.outcome_s:.4f}s)")
+        for r in (rec, rec.parent):  # a range pull's blocks are its progressive pull's
+            if r is not None and r.outcome:
+                sim.violate(f"READ of {rec.label} wrote block {block} of {dst.engine_id} after "
+                            f"kvd reported {r.label} {r.outcome} ({r.outcome_s:.4f}s)")
         if dst.state == "freed":
             sim.violate(f"READ of {rec.label} wrote block {block} of {dst.engine_id}'s pool "
                         f"after the pool was freed")
         if dst.state == "live" and dst.engine.reg is dst:  # the engine uses this pool
             owner = dst.engine.owner.get(block)
-            if owner is not rec:
+            if owner is not (rec.parent or rec):
                 sim.violate(f"READ of {rec.label} wrote block {block} of {dst.engine_id} after "
                             f"kvd handed it back (now {owner.label if owner else 'free'})")
         dst.pool[block] = data
