@@ -9,7 +9,10 @@ What is real and what is simulated:
   every decision); each published request a `kvd.daemon.produce.held.HeldRequest` in
   the real `HeldTable`, and the producer side is the real `kvd.daemon.produce.producer.
   Producer` (publish, acquire and its wait for the publish, heartbeats, notices,
-  abandon, lease expiry with the frozen-daemon postponement, engine gone);
+  abandon, lease expiry with the frozen-daemon postponement, engine gone); with
+  ``Knobs.prog_ops``, progressive pulls too (`progressive`): kvd's real `Progressive`
+  and `ProgressiveRunner` on the consumer, each range a real PullDriver pull, and the
+  real Producer's seals, Watches and range holds;
 * fakes (`Fake*`, what that code touches): the peer table over the simulated network
   (`network.FakePeers`), the transfers over the simulated transport
   (`transport.FakeMover`, `FakeHostMaps`), the registry, clock, events and services of

@@ -70,7 +70,6 @@ class ProgPull(PullRec):
     """A decode's progressive pull (ground truth); its range pulls are `PullRec`s whose
     ``parent`` it is."""
 
-    tokens: int = 0
     skip: int = 0  # blocks of the engine's own prefix hit: not pulled
     reg: FakeEngine | None = None  # the registration whose blocks it fills
     prog: Progressive | None = None  # kvd's record of it, once its daemon took it
@@ -257,8 +256,7 @@ class ProgressiveWork:
             return
         local = free[:count]
         rec = ProgPull(next(sim.uids), c, d, d.inc, rid, prod.name, rid, local, None,
-                       sim.now, (prod.daemon.instance, prod.name, rid), tokens=tokens,
-                       skip=skip)
+                       sim.now, (prod.daemon.instance, prod.name, rid), skip=skip)
         for b in local:
             c.owner[b] = rec
         c.pulls[rid] = rec
