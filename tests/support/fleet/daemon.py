@@ -380,20 +380,27 @@ class Daemon:
                 req.then(PeerLostError(f"connection to {dst.addr} reset"))
         self.drop_address(dst.addr)
 
+    def admit(self, msg: P.Pull, in_flight: int) -> Any:
+        """Consumer's admission of a pull (its registration), or the KvdError it refuses
+        with: the engine registered, the request not already pulled, fewer than
+        ``max_inflight_pulls`` counted as ``in_flight``."""
+        reg = self.svc.registry.engines.get(msg.engine_id)
+        if reg is None:
+            raise NotFoundError(f"engine {msg.engine_id!r} is not registered")
+        key = (msg.engine_id, msg.request_id)
+        if key in self.drivers or key in self.progressive:
+            raise KvdError(f"request {msg.request_id!r} is already being pulled")
+        if in_flight >= self.sim.cfg.max_inflight_pulls:
+            raise BusyError("pulls in flight (max_inflight_pulls)")
+        return reg
+
     def start_pull(self, rec: PullRec, msg: P.Pull, events: object | None = None) -> None:
         """Consumer.start: refuse cheaply, or hand the pull to the real PullDriver (inline
         first, then its task), with this daemon's fakes for its I/O. ``events``: a
         progressive pull's range reports there, and a refusal is raised to its runner."""
         sim = self.sim
-        reg = self.svc.registry.engines.get(msg.engine_id)
         try:
-            if reg is None:
-                raise NotFoundError(f"engine {msg.engine_id!r} is not registered")
-            if (msg.engine_id, msg.request_id) in self.drivers or (
-                    msg.engine_id, msg.request_id) in self.progressive:
-                raise KvdError(f"request {msg.request_id!r} is already being pulled")
-            if len(self.drivers) >= sim.cfg.max_inflight_pulls:
-                raise BusyError("pulls in flight (max_inflight_pulls)")
+            reg = self.admit(msg, len(self.drivers))
         except KvdError:
             rec.outcome, rec.outcome_s = "refused", sim.now
             if events is not None:

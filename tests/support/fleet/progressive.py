@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvd.daemon.pull.progressive import Progressive, ProgressiveRunner, ProgState
-from kvd.errors import BusyError, KvdError, NotFoundError, ProtocolError
+from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as P
 from support.fleet.daemon import PubRec, PullRec
 
@@ -286,15 +286,8 @@ class ProgressiveWork:
         ProgressiveRunner over this daemon's fakes; each range pull through
         `Daemon.start_pull`, as Consumer.start."""
         sim, cfg = self.sim, self.sim.cfg
-        reg = d.svc.registry.engines.get(msg.engine_id)
         try:
-            if reg is None:
-                raise NotFoundError(f"engine {msg.engine_id!r} is not registered")
-            if (msg.engine_id, msg.request_id) in d.drivers or (
-                    msg.engine_id, msg.request_id) in d.progressive:
-                raise KvdError(f"request {msg.request_id!r} is already being pulled")
-            if len(d.drivers) + len(d.progressive) >= cfg.max_inflight_pulls:
-                raise BusyError("pulls in flight (max_inflight_pulls)")
+            reg = d.admit(msg, len(d.drivers) + len(d.progressive))
             prog = Progressive(msg=msg, local_block_tokens=reg.layout.block_size_tokens,
                                started_s=sim.now,
                                hold_timeout_s=msg.hold_timeout_s or cfg.progressive_hold_s)
