@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,9 +20,19 @@ BIND_RETRIES = 3
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now: each picked while the ones before it are still
+    held (two picks one after the other may return the same port)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 @dataclass
@@ -43,16 +54,18 @@ class DaemonProcess:
         """Start and wait until it answers; ports this picks are retried if another
         process took one between the pick and the daemon's bind (free_port races)."""
         for attempt in range(BIND_RETRIES):
-            engine = engine_address or f"tcp://127.0.0.1:{free_port()}"
-            peer = peer_address or f"tcp://127.0.0.1:{free_port()}"
-            mport = free_port() if metrics else 0
+            e_port, p_port, m_port = free_ports(3)
+            engine = engine_address or f"tcp://127.0.0.1:{e_port}"
+            peer = peer_address or f"tcp://127.0.0.1:{p_port}"
+            mport = m_port if metrics else 0
             d = cls._spawn(name, log_dir, extra_args, env, engine, peer, mport, token)
             try:
                 d.wait_ready(timeout_s)
                 return d
             except KvdError:
+                # ZMQ's words, or kvd's own line for a face it could not bind
                 lost_race = (d.proc.poll() is not None
-                             and "Address already in use" in d.log_path.read_text())
+                             and "address already in use" in d.log_path.read_text().lower())
                 d.kill()  # not ready in time: never leave a daemon the caller cannot stop
                 if not lost_race or attempt == BIND_RETRIES - 1:
                     raise
