@@ -16,7 +16,9 @@ is one attribute check. The points:
 * ``recv_reported``: the worker handed the finished receive to vLLM;
 * daemon: ``daemon_pull``, ``daemon_publish`` (the engine face took the message),
   ``daemon_event`` (an event was queued for its engine), ``daemon_event_sent`` (a poll
-  reply carried it).
+  reply carried it); when a pull is reported, ``daemon_phase_<transition>`` per
+  transition of it (value: seconds after the daemon took it) and ``daemon_post`` per
+  post (value: the post's seconds in the transport).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import time
 
 ENV = "KVD_TRACE_DIR"
+PHASE_POINT = "daemon_phase_"  # + a pull's transition (kvd.daemon.pull.consumer)
 
 
 class Tracer:

@@ -64,6 +64,7 @@ from kvd.errors import (
     TooLargeError,
     TransferError,
 )
+from kvd.ops.trace import PHASE_POINT, TRACE
 from kvd.transport.base import Copier, Mover
 from kvd.transport.samehost.discovery import host_facts, local_host_names, names_this_daemon
 from kvd.wire import protocol as P
@@ -269,7 +270,7 @@ class Consumer:
         pull = Pull(msg=msg, started_s=self.svc.clock.now(), reply_to=reply_to,
                     path=route.mover.path, liveness_timeout_s=cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=cfg.transfer_timeout_s)
-        if self.svc.spans is not None:  # traced: its phases are noted (kvd.ops.otel)
+        if self.svc.spans is not None or TRACE.on:  # its phases noted (kvd.ops.otel)
             pull.marks, pull.marks_clock = [], self.svc.clock.now
         self.svc.metrics.inflight_transfers.inc()
         svc = self.svc if events is None else dataclasses.replace(self.svc, events=events)
@@ -340,6 +341,8 @@ class Consumer:
         self.finished.append(pull)
         if self.svc.spans is not None:
             self.svc.spans.pull_ended(pull, self.svc.clock.now())
+        if TRACE.on:
+            trace_phases(pull)
 
     def cancel_all(self, reason: KvdError) -> list[asyncio.Task[None]]:
         """Fail every pull now (drain timeout): each releases its transfers, then reports."""
@@ -376,3 +379,15 @@ def _port(address: str) -> int:
     """The port of a "tcp://host:port" endpoint (0 when there is none)."""
     port = address.rpartition(":")[2]
     return int(port) if port.isdigit() and "://" in address else 0
+
+
+def trace_phases(pull: Pull) -> None:
+    """With KVD_TRACE_DIR set (kvd.ops.trace), a reported pull's phases, each as seconds
+    after the daemon took it (``daemon_phase_<transition>``: greeted, acquired, posted,
+    every transfer ended...), and each post's time in the transport (``daemon_post``:
+    build plus transfer call), for ``kvd bench vllm --breakdown``."""
+    rid = pull.msg.request_id
+    for name, at_s in pull.marks or ():
+        TRACE.point(PHASE_POINT + name, rid, at_s - pull.started_s)
+    for post_s, _descriptors, _timings in pull.post_records:
+        TRACE.point("daemon_post", rid, post_s)

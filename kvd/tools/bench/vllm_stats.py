@@ -283,6 +283,9 @@ def render(result: dict[str, Any]) -> str:
     for name, f in result.get("first_transfers", {}).items():
         out.append(f"{name}: first transfer (pull sent -> event taken) {f['first_ms']} ms, "
                    f"warm p50 {f['warm_p50_ms']} ms ({f['x_warm']}x)")
+        if f.get("phases_ms"):
+            out.append("  the daemon's phases, ms after it took the pull (first / warm p50): "
+                       + ", ".join(f"{k} {a} / {b}" for k, (a, b) in f["phases_ms"].items()))
     for b in result.get("batch_landing", []):
         c = b.get("co_scheduled") or {}
         out.append(f"batch {b['system']} round {b['round']} (step {b['step_ms']} ms; "
@@ -316,8 +319,14 @@ STAGES: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def breakdown(stamps: dict[str, float], copy_s: float | None) -> dict[str, float]:
-    """Stage durations (ms) of one hand-over from its time stamps (seconds, one clock)."""
+PHASE = "    daemon phase "  # a row per phase of the daemon's pull: ms after it took it
+
+
+def breakdown(stamps: dict[str, float], copy_s: float | None,
+              phases: dict[str, float] | None = None) -> dict[str, float]:
+    """Stage durations (ms) of one hand-over from its time stamps (seconds, one clock);
+    ``phases``: the daemon's pull's own transitions (``daemon_phase_*`` trace points:
+    seconds after it took the pull), as rows under the copy."""
     out = {}
     for name, a, b in STAGES:
         if a in stamps and b in stamps:
@@ -326,6 +335,8 @@ def breakdown(stamps: dict[str, float], copy_s: float | None) -> dict[str, float
         out["  of which: the daemon's pull (copy)"] = round(copy_s * 1000, 2)
         out["  of which: to the daemon and the event back"] = round(
             out["pull sent to event taken (all)"] - copy_s * 1000, 2)
+    for name, at_s in (phases or {}).items():
+        out[PHASE + name] = round(at_s * 1000, 2)
     if "decode_sent" in stamps and "first_token" in stamps:
         out["hand-over (decode sent to first token)"] = round(
             (stamps["first_token"] - stamps["decode_sent"]) * 1000, 2)
@@ -347,11 +358,18 @@ def first_transfers(samples: dict[str, list[dict[str, float]]]) -> dict[str, dic
         first, p50 = rows[0][FIRST_STAGE], statistics.median(warm)
         out[name] = {"first_ms": first, "warm_p50_ms": round(p50, 2),
                      "x_warm": round(first / p50, 2) if p50 > 0 else float("inf")}
+        warm_rows = median_breakdown(rows[1:])
+        phases = {k[len(PHASE):]: [rows[0][k], warm_rows.get(k)]
+                  for k in rows[0] if k.startswith(PHASE)}
+        if phases:  # the daemon's phases, ms after it took the pull: [first, warm p50]
+            out[name]["phases_ms"] = phases
     return out
 
 
 def median_breakdown(rows: Sequence[dict[str, float]]) -> dict[str, float]:
-    keys = [k for k in rows[0]] if rows else []
+    """Per stage, the median over the rows that have it (a greeting only when the
+    handshake was not cached, for one)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     return {k: round(statistics.median(r[k] for r in rows if k in r), 2) for k in keys}
 
 

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvd.ops.trace import PHASE_POINT
 from kvd.tools.bench.vllm_stats import (
     Batch,
     Summary,
@@ -265,12 +266,16 @@ def trace_measures(points: Sequence[tuple[int, str, str, float]],
                   if stamps["prefill_sent"] <= p[0] / 1e9 <= stamps["end"]]
         found = dict(stamps)
         copy_s = None
+        phases: dict[str, float] = {}
         for ns, point, _rid, value in window:
-            if point not in found:
+            if point.startswith(PHASE_POINT):  # the daemon's own, at its report
+                if value is not None:
+                    phases.setdefault(point[len(PHASE_POINT):], value)
+            elif point not in found:
                 found[point] = ns / 1e9
                 if point == "event_taken":
                     copy_s = value
-        per_system.setdefault(name, []).append(breakdown(found, copy_s))
+        per_system.setdefault(name, []).append(breakdown(found, copy_s, phases))
     medians = {n: median_breakdown(rows[1:] or rows) for n, rows in per_system.items()}
     landing = []
     co: dict[str, list[Any]] = {}

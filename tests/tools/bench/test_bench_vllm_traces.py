@@ -196,3 +196,36 @@ def test_with_the_schedulers_step_in_the_points_a_step_is_a_group_exactly():
     stepped_late = [(ns, point, rid, step_of[rid] if point == "decode_scheduled" else value)
                     for ns, point, rid, value in _points(sched, late)]
     assert co_scheduled(stepped_late, 0.0341).spread_steps == round(39.0 / 34.1, 2)
+
+
+def test_the_daemons_phases_of_the_first_transfer_stand_beside_the_warm_ones():
+    from kvd.tools.bench.vllm_traces import trace_measures
+
+    def single(t0_ms: float, rid: str, greet_ms: float | None, read_ms: float) -> list:
+        pts = [_at(t0_ms + 100, "pull_sent", rid), _at(t0_ms + 101, "daemon_pull", rid),
+               (round((t0_ms + 101 + read_ms + 1) * 1e6), "event_taken", rid,
+                (read_ms + 1) / 1000)]
+        at = 0.0
+        if greet_ms is not None:  # only the first: no cached handshake
+            at = greet_ms / 1000
+            pts.append((round((t0_ms + 120) * 1e6), "daemon_phase_handshake", rid, at))
+        pts += [(round((t0_ms + 121) * 1e6), "daemon_phase_post", rid, at + 0.0005),
+                (round((t0_ms + 122) * 1e6), "daemon_phase_released", rid,
+                 at + read_ms / 1000)]
+        return pts
+
+    points, timelines = [], []
+    for i, (greet, read) in enumerate([(9.0, 3.0), (None, 2.0), (None, 4.0), (None, 3.0)]):
+        t0 = i * 1000.0
+        points += single(t0, f"r{i}", greet, read)
+        timelines.append(("kvd-2d", {"prefill_sent": t0 / 1000, "end": (t0 + 500) / 1000}))
+    out = trace_measures(sorted(points), timelines, [], [], {})
+    first = out["first_transfers"]["kvd-2d"]
+    assert first["phases_ms"] == {"handshake": [9.0, None], "post": [9.5, 0.5],
+                                  "released": [12.0, 3.0]}
+    # the warm rows' median has each phase over the rows that have it
+    assert out["breakdown"]["kvd-2d"]["    daemon phase released"] == 3.0
+    text = render({"summaries": [], "first_transfers": out["first_transfers"],
+                   "config": {"rounds": 4, "batch": 6, "batch_rounds": 0,
+                              "prompt_tokens": 800, "max_tokens": 16}})
+    assert "handshake 9.0 / None, post 9.5 / 0.5, released 12.0 / 3.0" in text
