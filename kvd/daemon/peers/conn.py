@@ -54,7 +54,8 @@ class PeerConnection:
                  candidates: Callable[[], list[bytes]] | None = None,
                  on_key: Callable[[str, bytes], None] | None = None,
                  on_refused: Callable[[str], None] | None = None,
-                 discover_timeout_s: float = 5.0) -> None:
+                 discover_timeout_s: float = 5.0,
+                 on_up: Callable[[str], None] | None = None) -> None:
         self.address = address
         # With CURVE the connection is authenticated by key: the token is not sent.
         self.token = "" if curve_keys is not None else token
@@ -65,6 +66,7 @@ class PeerConnection:
         # it, instead of waiting their timeout on a connection that cannot come up.
         self.refused: KvdError | None = None
         self._on_refused = on_refused
+        self._on_up = on_up  # connected again after a drop (not the first connect)
         self._handshaken = False  # the current connection completed its ZMTP handshake
         self.clock = clock
         self.own_instance = instance
@@ -208,9 +210,12 @@ class PeerConnection:
                 if self._on_refused is not None:
                     self._on_refused(self.address)
             elif event["event"] == zmq.EVENT_CONNECTED:
+                again = self.connected is False
                 self.connected = True
                 self._handshaken = False
                 self._up.set()
+                if again and self._on_up is not None:
+                    self._on_up(self.address)
             elif (event["event"] == zmq.EVENT_DISCONNECTED and self.curve
                   and not self._handshaken):
                 # A CURVE server that cannot open our HELLO (we hold a key it no longer

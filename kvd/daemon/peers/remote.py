@@ -39,6 +39,7 @@ class RemoteEngine:
     daemons: dict[str, RemoteDaemon] = field(default_factory=dict)  # by peer address
     pools: Any = None  # (parallelism, rank pools) for the assembly, built at first use
     route: Any = None  # the consumer's choice of path for this handshake (host or remote)
+    via: str = ""  # the daemon address it was greeted through (the pulls' remote_address)
 
     @functools.cached_property
     def compat(self) -> str:

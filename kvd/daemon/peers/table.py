@@ -13,6 +13,12 @@ next pull handshakes again, when:
 * a pull names an address the entry does not contain;
 * an Acquire reports another epoch (pools came or went there; ``forget``).
 
+Handshakes dropped because the connection dropped (liveness: a partition, a frozen
+peer, or a stall of this daemon's own longer than ``peer_liveness_timeout_s``) are
+made again when ZMQ's redial connects (``on_regained``, the consumer's warm-up): the
+next pull finds them fresh and warm, instead of greeting, loading NIXL metadata and
+mapping pool files on its own path.
+
 A handshake to a daemon whose connection is down (liveness lost it, or it closed and
 ZMQ's redials have not brought it back) fails ``peer_lost`` at once rather than after
 ``handshake_timeout_s``; one restarted at the same address is greeted as soon as the
@@ -27,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import zmq
 import zmq.asyncio
@@ -57,6 +63,7 @@ _REFUSED = ("incompatible", "not_found", "unauthorized")
 # How long a handshake to a daemon known unreachable waits for ZMQ's redial (every
 # RECONNECT_INTERVAL_MS) before it fails peer_lost, instead of handshake_timeout_s.
 KNOWN_DEAD_WAIT_S = 0.3
+LOST = "disconnected"  # PeerConnection's reason when liveness (or the peer) dropped it
 
 
 class PeerTable:
@@ -79,6 +86,10 @@ class PeerTable:
         self.remotes: dict[tuple[str, str], RemoteEngine] = {}
         self._inflight: dict[tuple[str, str], asyncio.Task[RemoteEngine]] = {}
         self._closed = False
+        # Per daemon address, the handshakes its connection's drop took: (local engine,
+        # remote engine, the address greeted), handed to ``on_regained`` when it is back.
+        self._lost_pairs: dict[str, set[tuple[str, str, str]]] = {}
+        self.on_regained: Callable[[list[tuple[str, str, str]]], None] | None = None
 
     # ------------------------------------------------------------ connections
 
@@ -97,8 +108,14 @@ class PeerTable:
                 server_key=self.server_keys.get(address),
                 candidates=(lambda: _candidates(curve)) if curve else None,
                 on_key=self.server_keys.__setitem__, on_refused=self._refused,
-                discover_timeout_s=self.cfg.handshake_timeout_s)
+                discover_timeout_s=self.cfg.handshake_timeout_s, on_up=self._up)
         return c
+
+    def _up(self, address: str) -> None:
+        """``address``'s connection is back after a drop: the pairs it took, warmed again."""
+        pairs = self._lost_pairs.pop(address, None)
+        if pairs and self.on_regained is not None and not self._closed:
+            self.on_regained(sorted(pairs))
 
     def _refused(self, address: str) -> None:
         """The security handshake with ``address`` failed: a CURVE connection is dropped
@@ -177,6 +194,8 @@ class PeerTable:
             if address in remote.daemons:
                 agents.add(remote.daemons[address].agent)
                 del self.remotes[key]
+                if why == LOST and remote.via:  # warmed again once it is back
+                    self._lost_pairs.setdefault(address, set()).add((*key, remote.via))
         if agents:
             log.info("dropped cached handshakes with %s (%s)", address, why,
                      extra={"peer": address})
@@ -240,6 +259,7 @@ class PeerTable:
             raise
         self.metrics.handshakes.labels(outcome="ok").inc()
         self.metrics.handshake_duration.observe(time.perf_counter() - start)
+        remote.via = address
         self.remotes[key] = remote
         self._count_peers()
         return remote

@@ -56,6 +56,7 @@ from kvd.daemon.pull.movers import NixlMover
 from kvd.daemon.pull.progressive import Progressive, ProgressiveRunner
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.daemon.pull.state import FINISHED_KEEP, FINISHED_KEEP_S, Path
+from kvd.daemon.pull.warmup import REGAIN_S, warm_producers
 from kvd.daemon.services import Services
 from kvd.errors import (
     BlockIdError,
@@ -125,6 +126,18 @@ class Consumer:
         self._own_addresses = tuple(a for a in (cfg.peer_address, cfg.peer_advertise) if a)
         self._local_hosts = local_host_names()
         self._names_me: dict[str, bool] = {}
+        svc.peers.on_regained = self.regained
+
+    def regained(self, pairs: list[tuple[str, str, str]]) -> None:
+        """Handshakes a dropped connection took (kvd.daemon.peers.table: liveness lost
+        it, a stall of ours as well as a partition), made again in the background now
+        that it is back, as a `WarmUp` would: (engine, producer engine, address).
+        Engines gone meanwhile are skipped; the others are tried for up to REGAIN_S."""
+        for engine_id, producer_id, address in pairs:
+            if engine_id in self.svc.registry.engines:
+                self.svc.spawn(warm_producers(
+                    self.warm_pair, self.svc.clock, engine_id,
+                    [P.Producer(engine_id=producer_id, address=address)], REGAIN_S))
 
     def copy_bursts(self, more_waiting: Callable[[], bool]) -> None:
         """Local and same-host pulls read in a burst copy together when the burst has

@@ -24,6 +24,8 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.consumer")
 
 WARM_UP_S = 600.0  # how long a producer not reachable or registered yet is retried
+# after a dropped connection came back (kvd.daemon.peers.table): its pairs, this long
+REGAIN_S = 30.0
 RETRY_FIRST_S = 0.2
 RETRY_MAX_S = 5.0
 
@@ -34,13 +36,14 @@ WarmPair = Callable[[str, str, str], Awaitable[bool]]
 
 
 async def warm_producers(warm_pair: WarmPair, clock: Clock, engine_id: str,
-                         producers: list[P.Producer]) -> None:
-    await asyncio.gather(*(_warm_one(warm_pair, clock, engine_id, p) for p in producers))
+                         producers: list[P.Producer], horizon_s: float = WARM_UP_S) -> None:
+    await asyncio.gather(*(_warm_one(warm_pair, clock, engine_id, p, horizon_s)
+                           for p in producers))
 
 
 async def _warm_one(warm_pair: WarmPair, clock: Clock, engine_id: str,
-                    producer: P.Producer) -> None:
-    deadline_s = clock.now() + WARM_UP_S
+                    producer: P.Producer, horizon_s: float) -> None:
+    deadline_s = clock.now() + horizon_s
     delay_s, why = RETRY_FIRST_S, "not registered yet"
     while True:
         try:
@@ -53,7 +56,7 @@ async def _warm_one(warm_pair: WarmPair, clock: Clock, engine_id: str,
         if clock.now() + delay_s > deadline_s:
             log.info("pulls of %s from %s at %s not warmed up in %.0f s (%s): the first "
                      "pull greets", engine_id, producer.engine_id, producer.address,
-                     WARM_UP_S, why)
+                     horizon_s, why)
             return
         await clock.sleep(delay_s)
         delay_s = min(delay_s * 2, RETRY_MAX_S)
