@@ -268,9 +268,12 @@ class Face:
                 self.metrics.auth_failures.labels(face=self.name).inc()
                 raise AuthError("bad or missing token")
             body = P.decode_body(header, payload[1], self.allowed)
-            if TRACE.on and isinstance(body, (P.Pull, P.Publish)):
+            if TRACE.on and isinstance(body, (P.Pull, P.Publish, P.Acquire)):
                 TRACE.point(f"daemon_{type(body).__name__.lower()}", body.request_id)
-            return await handlers[type(body)](body, Request(identity, header, fd)), msg_id
+            reply = await handlers[type(body)](body, Request(identity, header, fd))
+            if TRACE.on and reply is not None and type(body) is P.Acquire:
+                TRACE.point("daemon_acquired", body.request_id)
+            return reply, msg_id
         except Exception as exc:  # noqa: BLE001 - a handler bug must not kill the face
             if isinstance(exc, ProtocolError) and not msg_id and payload:
                 msg_id = P.peek_id(bytes(payload[0]))  # reply to the right call even so

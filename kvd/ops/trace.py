@@ -15,6 +15,8 @@ is one attribute check. The points:
   daemon's own duration of the pull, seconds);
 * ``recv_reported``: the worker handed the finished receive to vLLM;
 * daemon: ``daemon_pull``, ``daemon_publish`` (the engine face took the message),
+  ``daemon_acquire`` and ``daemon_acquired`` (the producer daemon's peer face took a
+  consumer daemon's Acquire, and answered it there and then),
   ``daemon_event`` (an event was queued for its engine), ``daemon_event_sent`` (a poll
   reply carried it); when a pull is reported, ``daemon_phase_<transition>`` per
   transition of it (value: seconds after the daemon took it) and ``daemon_post`` per

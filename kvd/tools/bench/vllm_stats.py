@@ -284,7 +284,7 @@ def render(result: dict[str, Any]) -> str:
         out.append(f"{name}: first transfer (pull sent -> event taken) {f['first_ms']} ms, "
                    f"warm p50 {f['warm_p50_ms']} ms ({f['x_warm']}x)")
         if f.get("phases_ms"):
-            out.append("  the daemon's phases, ms after it took the pull (first / warm p50): "
+            out.append("  inside the daemons, ms (first / warm p50): "
                        + ", ".join(f"{k} {a} / {b}" for k, (a, b) in f["phases_ms"].items()))
     for b in result.get("batch_landing", []):
         c = b.get("co_scheduled") or {}
@@ -312,6 +312,8 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("pull sent to event taken (all)", "pull_sent", "event_taken"),
     ("  pull sent -> daemon took it", "pull_sent", "daemon_pull"),
     ("  daemon took it -> event queued", "daemon_pull", "daemon_event"),
+    ("    its Acquire reached the producer daemon", "daemon_pull", "daemon_acquire"),
+    ("    the producer daemon answered it", "daemon_acquire", "daemon_acquired"),
     ("  event queued -> sent in a poll reply", "daemon_event", "daemon_event_sent"),
     ("  poll reply sent -> worker took it", "daemon_event_sent", "event_taken"),
     ("event taken to reported to vLLM", "event_taken", "recv_reported"),
@@ -320,6 +322,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
 
 
 PHASE = "    daemon phase "  # a row per phase of the daemon's pull: ms after it took it
+DAEMON_ROWS = "    "  # the rows inside the daemon's part, shown first against warm
 
 
 def breakdown(stamps: dict[str, float], copy_s: float | None,
@@ -359,9 +362,9 @@ def first_transfers(samples: dict[str, list[dict[str, float]]]) -> dict[str, dic
         out[name] = {"first_ms": first, "warm_p50_ms": round(p50, 2),
                      "x_warm": round(first / p50, 2) if p50 > 0 else float("inf")}
         warm_rows = median_breakdown(rows[1:])
-        phases = {k[len(PHASE):]: [rows[0][k], warm_rows.get(k)]
-                  for k in rows[0] if k.startswith(PHASE)}
-        if phases:  # the daemon's phases, ms after it took the pull: [first, warm p50]
+        phases = {k.strip(): [rows[0][k], warm_rows.get(k)]
+                  for k in rows[0] if k.startswith(DAEMON_ROWS)}
+        if phases:  # the daemon's rows (its phases: ms after it took the pull), first/warm
             out[name]["phases_ms"] = phases
     return out
 

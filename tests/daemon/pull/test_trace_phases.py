@@ -41,3 +41,31 @@ def test_a_traced_daemon_writes_each_pulls_phases(tmp_path) -> None:
     assert at_s[-1] <= (queued[0] - took[0]) / 1e9 + 1e-3
     posts = [p for p in points if p[1] == "daemon_post" and p[2] == rid]
     assert posts and all(p[3] is not None and p[3] >= 0 for p in posts)
+
+
+def test_the_producer_daemon_traces_when_it_took_and_answered_the_acquire(tmp_path) -> None:
+    trace_dir = tmp_path / "trace"
+    env = {ENV: str(trace_dir)}
+    prefill = DaemonProcess.start(unique("ittrp"), tmp_path, env=env)
+    try:
+        decode = DaemonProcess.start(unique("ittrd"), tmp_path, env=env)
+    except BaseException:
+        stop_and_check_clean(prefill)
+        raise
+    pc, dc = prefill.client(), decode.client()
+    try:
+        m, pshape, dshape, tokens, skip = CASES[next(iter(CASES))]
+        res = run_transfer(prefill, decode, pc, dc, m, pshape, dshape, tokens,
+                           skip_tokens=skip)
+        assert res.recv.ok and res.mismatches == 0, res.recv.error
+    finally:
+        pc.close()
+        dc.close()
+        stop_and_check_clean(prefill)
+        stop_and_check_clean(decode)
+    points = read_traces(str(trace_dir))
+    at = {name: [p[0] for p in points if p[1] == name]
+          for name in ("daemon_pull", "daemon_acquire", "daemon_acquired", "daemon_event")}
+    assert all(len(v) == 1 for v in at.values()), at
+    assert (at["daemon_pull"][0] <= at["daemon_acquire"][0] <= at["daemon_acquired"][0]
+            <= at["daemon_event"][0])

@@ -221,11 +221,13 @@ def test_the_daemons_phases_of_the_first_transfer_stand_beside_the_warm_ones():
         timelines.append(("kvd-2d", {"prefill_sent": t0 / 1000, "end": (t0 + 500) / 1000}))
     out = trace_measures(sorted(points), timelines, [], [], {})
     first = out["first_transfers"]["kvd-2d"]
-    assert first["phases_ms"] == {"handshake": [9.0, None], "post": [9.5, 0.5],
-                                  "released": [12.0, 3.0]}
+    assert first["phases_ms"] == {"daemon phase handshake": [9.0, None],
+                                  "daemon phase post": [9.5, 0.5],
+                                  "daemon phase released": [12.0, 3.0]}
     # the warm rows' median has each phase over the rows that have it
     assert out["breakdown"]["kvd-2d"]["    daemon phase released"] == 3.0
     text = render({"summaries": [], "first_transfers": out["first_transfers"],
                    "config": {"rounds": 4, "batch": 6, "batch_rounds": 0,
                               "prompt_tokens": 800, "max_tokens": 16}})
-    assert "handshake 9.0 / None, post 9.5 / 0.5, released 12.0 / 3.0" in text
+    assert ("daemon phase handshake 9.0 / None, daemon phase post 9.5 / 0.5, "
+            "daemon phase released 12.0 / 3.0") in text
