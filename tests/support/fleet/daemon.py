@@ -18,11 +18,13 @@ import numpy as np
 
 from kvd.daemon.peers.remote import RemoteEngine
 from kvd.daemon.pull.driver import PullDriver
+from kvd.daemon.pull.local import LocalPeers
 from kvd.daemon.pull.machine import Pull
 from kvd.daemon.pull.progressive import ProgressiveRunner
 from kvd.daemon.pull.quarantine import QuarantineCounts
 from kvd.errors import BusyError, KvdError, NotFoundError, PeerLostError
 from kvd.wire import protocol as P
+from support.fleet import layouts
 from support.fleet.fakes import NOP, FakeEngine, FakeServices, SimProducer
 from support.fleet.network import FakePeers, Request
 from support.fleet.transport import FakeHostMaps, FakeMover, assemble
@@ -85,10 +87,14 @@ class PubRec:
 class SimEngine:
     """An engine: owns blocks (free, published, being pulled into), talks to its daemon."""
 
-    def __init__(self, sim: Sim, daemon: Daemon, name: str) -> None:
+    def __init__(self, sim: Sim, daemon: Daemon, name: str, k: int = 0) -> None:
         self.sim = sim
         self.daemon = daemon
         self.name = name
+        sizes = sim.knobs.engine_block_tokens  # k: the engine's index in the fleet
+        self.block_tokens = sizes[k % len(sizes)] if sizes else sim.knobs.block_tokens
+        self.block_bytes = (layouts.block_bytes(self.block_tokens) if sizes
+                            else sim.knobs.block_bytes)
         self.reg: FakeEngine | None = None
         self.pool: np.ndarray | None = None  # the pool this engine maps (its daemon's)
         self.owner: dict[int, PullRec | PubRec] = {}
@@ -116,7 +122,7 @@ class SimEngine:
                 pool = self.pool
             else:
                 pool = self.sim.data_rng.integers(0, 256, (self.sim.knobs.num_blocks,
-                                                           self.sim.knobs.block_bytes), np.uint8)
+                                                           self.block_bytes), np.uint8)
             self.pool = pool
             self.reg = FakeEngine(self, d, pool, next(self.sim.epochs))
             d.regs.append(self.reg)
@@ -131,8 +137,7 @@ class SimEngine:
             if o is rec:
                 del self.owner[b]
                 if scribble and self.pool is not None:  # reused at once by the engine
-                    self.pool[b] = self.sim.data_rng.integers(0, 256, self.sim.knobs.block_bytes,
-                                                              np.uint8)
+                    self.pool[b] = self.sim.data_rng.integers(0, 256, self.block_bytes, np.uint8)
 
     def _give_back_all(self, scribble_pubs: bool) -> None:
         for rec in list(self.pulls.values()):
@@ -216,6 +221,9 @@ class Daemon:
         self.producer = SimProducer(self.svc)  # type: ignore[arg-type]
         self.producer.daemon = self
         self.peers = FakePeers(self)
+        # a local pull's peers: kvd's own LocalPeers over this daemon's producer
+        self.local_peers = LocalPeers(self.svc.registry, self.local_dispatch,  # type: ignore
+                                      self.addr, self.agent, self.instance, self.svc.clock.now)
         self.quarantine = QuarantineCounts(sim.cfg, NOP)  # type: ignore[arg-type]
         self.drivers: dict[tuple[str, str], PullDriver] = {}  # as Consumer.pulls
         self.recs: dict[tuple[str, str], PullRec] = {}
@@ -325,6 +333,26 @@ class Daemon:
         except KvdError as exc:
             self.reply(src, req, exc)
 
+    def local_dispatch(self, msg: object) -> object:
+        """kvd.daemon.server.Server._local_peer: a local pull's peer message to this
+        daemon's own producer side, in-process; what must wait is a task of this daemon
+        (`spawn`: it waits with it, and dies with it)."""
+        prod = self.producer
+        if isinstance(msg, P.Acquire):
+            if prod.acquire_must_wait(msg):
+                return self.spawn(prod.acquire_when_published(msg, self.instance))
+            return prod.acquire(msg, self.instance)
+        if isinstance(msg, P.Heartbeat):
+            return prod.heartbeat(msg)
+        if isinstance(msg, P.Abandon):
+            return prod.abandon(msg)
+        if isinstance(msg, P.ReadNotice):
+            prod.on_notice(msg, self.instance)
+            return P.Ok()
+        if isinstance(msg, P.Watch):
+            return self.spawn(prod.watch(msg))
+        raise AssertionError(msg)
+
     async def _acquire_later(self, src: Daemon, req: Request) -> None:
         """The real Producer.acquire_when_published: up to ACQUIRE_WAITS_FOR_PUBLISH_S for
         the Publish; an Abandon meanwhile refuses it."""
@@ -410,9 +438,11 @@ class Daemon:
             return
         rec.accepted = True
         producer = sim.by_addr.get(msg.remote_address)
+        local = producer is self  # Consumer.route_for: this daemon's own producer side
         host = (producer is not None and producer is not self
                 and {self.index, producer.index} <= set(sim.knobs.host_daemons))
-        remote_mover = FakeMover(self, rec, host=False)
+        remote_mover = FakeMover(self, rec, host=local, local=local)
+        peers: Any = self.local_peers if local else self.peers
         pull = Pull(msg=msg, started_s=sim.now, path=remote_mover.path,
                     liveness_timeout_s=sim.cfg.peer_liveness_timeout_s,
                     transfer_timeout_s=sim.cfg.transfer_timeout_s)
@@ -427,14 +457,15 @@ class Daemon:
         block_bytes = sim.knobs.block_bytes
         svc = self.svc if events is None else self.svc.with_events(events)
         driver = PullDriver(
-            svc, pull, remote_mover, self.peers, self.quarantine,  # type: ignore[arg-type]
+            svc, pull, remote_mover, peers, self.quarantine,  # type: ignore[arg-type]
             lambda p, engine, remote: assemble(rec, block_bytes, engine, remote),
-            self.on_reported, pick=pick)
+            self.on_reported, pick=None if local else pick)
         self.drivers[pull.key] = driver
         self.recs[pull.key] = rec
         if sim.trace is not None:
-            sim.note(f"{self.instance} {rec.label} starts ({'host' if host else 'remote'})")
-        if not driver.run_now(reg, self.peers.cached(  # type: ignore[arg-type]
+            sim.note(f"{self.instance} {rec.label} starts "
+                     f"({'local' if local else 'host' if host else 'remote'})")
+        if not driver.run_now(reg, peers.cached(
                 msg.engine_id, msg.remote_engine_id, msg.remote_address)):
             driver.task = self.spawn(driver.run())
 

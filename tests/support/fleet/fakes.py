@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -19,8 +20,10 @@ from kvd.config import Config
 from kvd.daemon.produce.producer import Producer
 from kvd.errors import NotFoundError
 from kvd.planner import RankId
+from kvd.planner.layout import CacheLayout
 from kvd.pool.geometry import parallelism
 from kvd.wire import protocol as P
+from support.fleet import layouts
 
 if TYPE_CHECKING:
     from support.fleet.daemon import Daemon, SimEngine
@@ -54,6 +57,14 @@ class FakeRank:
     def gone(self) -> bool:
         return self.reg.state != "live"
 
+    # the pool's span, where a READ of more than a few descriptors names it
+    # (kvd.daemon.pull.movers.build_posts)
+    device_id = 0
+
+    @property
+    def pool(self) -> SimpleNamespace:
+        return SimpleNamespace(addr=self.reg.uid * POOL_SPAN, nbytes=self.reg.pool.nbytes)
+
 
 class FakeLayout:
     def __init__(self, num_blocks: int, block_size_tokens: int) -> None:
@@ -78,13 +89,34 @@ class FakeEngine:
         self.rank = FakeRank(self)
         self.model = MODEL
         self.par = parallelism(1, 1, None)
-        self.layout = FakeLayout(pool.shape[0], daemon.sim.knobs.block_tokens)
+        self.layout = FakeLayout(pool.shape[0], engine.block_tokens)
+        self.cache: CacheLayout | None = None  # kvd's layout of the pool (engine_block_tokens)
+        if daemon.sim.layout is not None:
+            self.model = layouts.MODEL
+            self.cache = layouts.cache(daemon.sim.layout, pool.shape[0], engine.block_tokens)
         self.engine_daemons: list[str] = []
         self.uid = next(daemon.sim.uids)
         daemon.sim.regs[self.uid] = self
 
     def live_ranks(self) -> list[FakeRank]:
         return [self.rank] if self.state == "live" else []
+
+    # what kvd.daemon.pull.local.LocalPeers asks of a producer engine in its registry
+
+    @property
+    def compat(self) -> str:
+        return "sim"  # every engine of a run pairs with every other
+
+    def missing_ranks(self, address: str) -> list[RankId]:
+        return []  # its one rank is here
+
+    def desc(self) -> SimpleNamespace:
+        """The engine as a local pull's "handshake" sees it (P.EngineDesc's part that
+        LocalPeers reads: its epoch and ranks; the pool's uid for the assembly)."""
+        rank = SimpleNamespace(tp_rank=0, pp_rank=0, base_addr=self.uid * POOL_SPAN,
+                               nbytes=self.pool.nbytes, device_id=0)
+        return SimpleNamespace(epoch=self.epoch, ranks=[rank], mem_type=self.mem_type,
+                               uid=self.uid)
 
     def __repr__(self) -> str:
         return f"<reg {self.engine_id}@{self.daemon.instance} {self.state} pins={self.rank.pins}>"

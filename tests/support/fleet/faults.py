@@ -53,6 +53,17 @@ class Knobs:
     prog_cancel_p: float = 0.05  # share of decodes that cancel their pull (CancelPull)
     prog_hold_s: float = 2.0  # progressive_hold_s: a seal is due within it
     block_tokens: int = 4  # tokens per block, both engines (block_bytes // it per token)
+    # Engines whose blocks hold different numbers of tokens (support.fleet.layouts):
+    # engine k (``e{daemon}{j}``, k = 2 * daemon + j) has ``engine_block_tokens[k % len]``
+    # tokens per block, a real cache layout (drawn per seed, the same for every engine:
+    # they must be compatible) and its pulls are assembled by kvd's planner, each READ a
+    # byte range. Empty: every engine has ``block_tokens`` in whole-block rows, as before.
+    # Progressive transfers only (``ops`` must be 0: an ordinary pull names as many
+    # blocks on both sides).
+    engine_block_tokens: tuple[int, ...] = ()
+    # Share of progressive transfers whose decode is the prefill's neighbour on its own
+    # daemon: a local pull (kvd.daemon.pull.local's LocalPeers, a copy on the daemon).
+    prog_local_p: float = 0.0
 
     @property
     def end_s(self) -> float:

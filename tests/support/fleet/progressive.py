@@ -26,6 +26,7 @@ back to its engine.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ import numpy as np
 from kvd.daemon.pull.progressive import Progressive, ProgressiveRunner, ProgState
 from kvd.errors import KvdError, ProtocolError
 from kvd.wire import protocol as P
+from support.fleet import layouts
 from support.fleet.daemon import PubRec, PullRec
 
 if TYPE_CHECKING:
@@ -71,6 +73,8 @@ class ProgPull(PullRec):
     ``parent`` it is."""
 
     skip: int = 0  # blocks of the engine's own prefix hit: not pulled
+    hit: int = 0  # its tokens
+    tokens: int = 0  # the prompt's
     reg: FakeEngine | None = None  # the registration whose blocks it fills
     prog: Progressive | None = None  # kvd's record of it, once its daemon took it
     children: list[PullRec] = field(default_factory=list)
@@ -109,8 +113,10 @@ class ProgressiveWork:
         prod = rng.choice(engines)
         others = [e for e in engines if e.daemon is not prod.daemon]
         cons = rng.sample(others, 2 if rng.random() < 0.15 else 1)
+        if k.prog_local_p and rng.random() < k.prog_local_p:  # its neighbour: a local pull
+            cons[0] = next(e for e in prod.daemon.engines if e is not prod)
         n = rng.randint(1, 4)
-        tokens = n * k.block_tokens - rng.randrange(k.block_tokens)
+        tokens = n * prod.block_tokens - rng.randrange(prod.block_tokens)
         rid = f"p{next(sim.uids)}"
         for c in cons:
             skip = rng.randrange(n) if rng.random() < 0.2 else 0
@@ -154,7 +160,8 @@ class ProgressiveWork:
         of them, complete, at the prompt's end); or the prefill preempted or aborted."""
         if not self._alive(pub):
             return
-        sim, e, bs = self.sim, pub.engine, self.sim.knobs.block_tokens
+        sim, e = self.sim, pub.engine
+        bs = e.block_tokens
         pub.steps += 1
         if pub.steps == pub.abort_step:
             self._seal(pub, [], 0, abort=True)
@@ -164,6 +171,11 @@ class ProgressiveWork:
         per_token = sim.knobs.block_bytes // bs
         start, end = pub.computed, min(pub.tokens, pub.computed + rng.randint(1, 2 * bs))
         for t in range(start, end):  # new bytes: every generation's differ
+            if sim.layout is not None:  # the token's cells, wherever its layout puts them
+                layouts.write_token(e.pool, sim.layout, bs, pub.blocks[t // bs], t % bs,
+                                    self.data_rng.integers(0, 256, layouts.TOKEN_BYTES,
+                                                           np.uint8))
+                continue
             e.pool[pub.blocks[t // bs], t % bs * per_token:(t % bs + 1) * per_token] = \
                 self.data_rng.integers(0, 256, per_token, np.uint8)
         pub.computed = end
@@ -248,15 +260,21 @@ class ProgressiveWork:
 
     def _issue(self, c: SimEngine, prod: SimEngine, rid: str, tokens: int, skip: int,
                cancel_s: float | None) -> None:
-        """The decode admits the request: its progressive pull, before anything is sealed."""
+        """The decode admits the request: its progressive pull, before anything is sealed.
+        ``skip``: prefill blocks of its own prefix hit, cut to whole blocks of both engines
+        (kvd refuses a hit that ends inside a prefill block), then counted in its own."""
         sim, d = self.sim, c.daemon
-        count = -(-tokens // sim.knobs.block_tokens) - skip
+        unit = math.lcm(c.block_tokens, prod.block_tokens)
+        hit = skip * prod.block_tokens // unit * unit
+        skip = hit // c.block_tokens
+        count = -(-tokens // c.block_tokens) - skip
         free = c.free_blocks()
         if c.reg is None or c.away or not d.up or rid in c.pulls or len(free) < count:
             return
         local = free[:count]
         rec = ProgPull(next(sim.uids), c, d, d.inc, rid, prod.name, rid, local, None,
-                       sim.now, (prod.daemon.instance, prod.name, rid), skip=skip)
+                       sim.now, (prod.daemon.instance, prod.name, rid), skip=skip,
+                       hit=hit, tokens=tokens)
         for b in local:
             c.owner[b] = rec
         c.pulls[rid] = rec
@@ -297,13 +315,14 @@ class ProgressiveWork:
             rec.consumer.give_back(rec, scribble=False)
             return
         rec.accepted, rec.reg, rec.prog = True, reg, prog
+        local = msg.remote_address == d.addr  # Consumer.route_for: its own producer side
         runner = ProgressiveRunner(
-            prog, d.peers, d.svc, reg,
+            prog, d.local_peers if local else d.peers, d.svc, reg,
             lambda child, answer: self._start_range(d, rec, child, answer),
             lambda p, event: self._reported(d, rec, p, event))
         d.progressive[prog.key] = runner
         if sim.trace is not None:
-            sim.note(f"{d.instance} {rec.label} starts (progressive)")
+            sim.note(f"{d.instance} {rec.label} starts (progressive{', local' if local else ''})")
         runner.task = d.spawn(runner.run())
 
     def _start_range(self, d: Daemon, parent: ProgPull, msg: P.Pull, answer: object) -> None:
@@ -339,13 +358,24 @@ class ProgressiveWork:
             assert rec.reg is not None
             if pub is None or pub.expected is None:
                 sim.violate(f"{rec.label} reported ok but its prefill never sealed it complete")
-            elif not np.array_equal(rec.reg.pool[rec.local_blocks], pub.expected[rec.skip:]):
+            elif not self._exact(rec, pub):
                 sim.violate(f"{rec.label} reported ok with wrong bytes (generation "
                             f"{pub.generation} of {pub.label} complete)")
         elif sorted(event.invalid_block_ids) != sorted(rec.local_blocks):
             sim.violate(f"{rec.label} failed with blocks {event.invalid_block_ids} invalid, "
                         f"not its {rec.local_blocks}")
         d.svc.events.push(rec.consumer.name, event)
+
+    def _exact(self, rec: ProgPull, pub: ProgPub) -> bool:
+        """The decode's blocks hold the prefill's complete generation: whole blocks, or
+        with engine_block_tokens every token of the prompt past the hit, cell by cell."""
+        assert rec.reg is not None and pub.expected is not None
+        layout = self.sim.layout
+        if layout is None:
+            return bool(np.array_equal(rec.reg.pool[rec.local_blocks], pub.expected[rec.skip:]))
+        return layouts.same_tokens(layout, rec.reg.pool, rec.local_blocks,
+                                   rec.consumer.block_tokens, pub.expected,
+                                   pub.engine.block_tokens, rec.hit, rec.tokens)
 
     # ------------------------------------------------------------ quiescence
 

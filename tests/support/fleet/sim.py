@@ -19,6 +19,7 @@ from kvd.errors import KvdError
 from kvd.transport.base import XferState
 from kvd.wire import protocol as P
 from support.clock import VirtualLoop
+from support.fleet import layouts
 from support.fleet.daemon import Daemon, PubRec, PullRec, SimEngine
 from support.fleet.fakes import FakeEngine
 from support.fleet.faults import Fault, Knobs, Violation, fault_schedule
@@ -70,11 +71,14 @@ class Sim:
         self.frozen_at: dict[int, float] = {}
         self.unreachable_since: dict[tuple[int, int], float | None] = {}
         self.trace: list[str] | None = None  # set to [] to record what happens
+        # every engine's (kv_layout, head_layout) with engine_block_tokens (layouts)
+        self.layout = layouts.draw(seed) if knobs.engine_block_tokens else None
+        assert self.layout is None or knobs.ops == 0, "engine_block_tokens: progressive only"
         self.daemons = [Daemon(self, i) for i in range(knobs.daemons)]
         self.by_addr = {d.addr: d for d in self.daemons}
         for d in self.daemons:
             for j in range(2):
-                e = SimEngine(self, d, f"e{d.index}{j}")
+                e = SimEngine(self, d, f"e{d.index}{j}", 2 * d.index + j)
                 d.engines.append(e)
                 e.register(adopt=False)
         self._plan_work()

@@ -22,6 +22,7 @@ from kvd.daemon.pull.state import Path
 from kvd.errors import KvdError, TransferError
 from kvd.planner.assembly import ProducerReads
 from kvd.transport.base import PostResult, ReadPost, XferState, XferStatus
+from support.fleet import layouts
 from support.fleet.fakes import POOL_SPAN, FakeEngine
 
 if TYPE_CHECKING:
@@ -74,8 +75,10 @@ class Transport:
                     f"nixl: unknown or dead remote agent {post.peer}")))
                 continue
             mode = sim.read_mode(d)
-            pairs = [(int(r) % POOL_SPAN, int(loc) % POOL_SPAN)
-                     for r, loc in zip(post.remote_addrs, post.local_addrs, strict=True)]
+            # (remote, local) blocks, or byte offsets with engine_block_tokens; and sizes
+            pairs = [(int(r) % POOL_SPAN, int(loc) % POOL_SPAN, int(n))
+                     for r, loc, n in zip(post.remote_addrs, post.local_addrs, post.nbytes,
+                                          strict=True)]
             x = Xfer(next(self.ids), d, post.peer, src, dst, pairs, rec, mode, host)
             x.hold_key = (owner.instance, rec.producer_engine, rec.remote_rid)
             self.xfers[x.id] = x
@@ -112,12 +115,11 @@ class Transport:
                 or (x.mode == "stall" and sim.read_fault_active(d, "stall"))):
             sim.after(0.02, self._step, x)  # no progress while either side cannot run
             return
-        src_b, dst_b = x.pairs[x.next]
         src = x.src
         if src is None or src.state in ("freed", "dead") or src.daemon is not owner:
             self._fail(x, "remote memory not registered")
             return
-        self.write(x, dst_b, src.pool[src_b])
+        self._copy(x, *x.pairs[x.next])
         x.next += 1
         if x.next == len(x.pairs):
             x.state = XferState.DONE
@@ -139,9 +141,7 @@ class Transport:
         if d.frozen or (x.mode in ("stall", "hang") and sim.read_fault_active(d, "stall")):
             sim.after(0.02, self._step, x)
             return
-        src_b, dst_b = x.pairs[x.next]
-        assert x.src is not None
-        self.write(x, dst_b, x.src.pool[src_b])
+        self._copy(x, *x.pairs[x.next])
         x.next += 1
         if x.next == len(x.pairs):
             x.state = XferState.DONE
@@ -150,7 +150,34 @@ class Transport:
         sim.after(sim.net_rng.uniform(0.02, 0.2) if x.pull.big
                   else sim.net_rng.uniform(0.0001, 0.002), self._step, x)
 
-    def write(self, x: Xfer, block: int, data: np.ndarray) -> None:
+    def _copy(self, x: Xfer, src_at: int, dst_at: int, nbytes: int) -> None:
+        """One descriptor: a whole block (``src_at``, ``dst_at`` block ids), or with
+        ``Knobs.engine_block_tokens`` ``nbytes`` bytes at those offsets in the pools."""
+        assert x.src is not None
+        if self.sim.layout is None:
+            self.write(x, dst_at, x.src.pool[src_at])
+            return
+        src, dst = x.src.pool.reshape(-1), x.dst.pool.reshape(-1)
+        bb = x.dst.pool.shape[1]
+        if dst_at + nbytes > dst.size or src_at + nbytes > src.size:
+            self.sim.violate(f"READ of {x.pull.label}: descriptor ({src_at}, {dst_at}, "
+                             f"{nbytes}) outside its pools")
+        self.write(x, dst_at // bb, src[src_at:src_at + nbytes], dst_at,
+                   (dst_at + nbytes - 1) // bb)
+
+    def write(self, x: Xfer, block: int, data: np.ndarray, at: int = -1, last: int = -1
+              ) -> None:
+        """Write ``data`` into ``block`` (whole), or from byte ``at`` of the pool into
+        blocks ``block`` to ``last``."""
+        dst = x.dst
+        for b in range(block, max(block, last) + 1):
+            self._check_write(x, b)
+        if at < 0:
+            dst.pool[block] = data
+        else:
+            dst.pool.reshape(-1)[at:at + len(data)] = data
+
+    def _check_write(self, x: Xfer, block: int) -> None:
         sim, dst = self.sim, x.dst
         rec = x.pull
         self.writes.append((sim.now, x.consumer.name, dst.engine_id, block, rec.label))
@@ -168,7 +195,6 @@ class Transport:
             if owner is not (rec.parent or rec):
                 sim.violate(f"READ of {rec.label} wrote block {block} of {dst.engine_id} after "
                             f"kvd handed it back (now {owner.label if owner else 'free'})")
-        dst.pool[block] = data
 
     def poll(self, handles: list[int]) -> dict[int, XferStatus]:
         return {h: XferStatus(self.xfers[h].state, self.xfers[h].error) for h in handles}
@@ -192,11 +218,11 @@ class FakeMover:
     """kvd.transport.base.Mover for one pull, over the simulated transport: NIXL READs,
     or (``host``) copies from the producer's mapped pool files."""
 
-    def __init__(self, d: Daemon, rec: PullRec, host: bool) -> None:
+    def __init__(self, d: Daemon, rec: PullRec, host: bool, local: bool = False) -> None:
         self.d = d
         self.rec = rec
-        self.host = host
-        self.path = Path.HOST if host else Path.REMOTE
+        self.host = host  # a copy (host path, or ``local``: both pools this daemon's)
+        self.path = Path.LOCAL if local else Path.HOST if host else Path.REMOTE
 
     def can_post_now(self, posts: list[ReadPost]) -> bool:
         return True
@@ -263,11 +289,16 @@ def assemble(rec: PullRec, block_bytes: int, engine: FakeEngine, remote: RemoteE
     (rd,) = remote.daemons.values()
     msg = rec.pull.msg if rec.pull is not None else None
     assert msg is not None
+    sim = engine.daemon.sim
+    # the producer's registration the handshake saw (a local pull's: in its desc)
+    uid = remote.pools if remote.pools is not None else remote.desc.uid
+    if sim.layout is not None:  # kvd's planner, between two real cache layouts
+        return layouts.assemble(engine, sim.regs[uid], msg, rd.agent, POOL_SPAN)
     n = len(msg.local_block_ids)
     size = M.EARLY_POST_MAX_BYTES // 2 + 1 if rec.big else block_bytes
     reads = ProducerReads(owner=rd.agent, reads=1)
     reads.add(np.array(msg.local_block_ids, np.int64) + engine.uid * POOL_SPAN,
-              np.array(msg.remote_block_ids, np.int64) + remote.pools * POOL_SPAN,
+              np.array(msg.remote_block_ids, np.int64) + uid * POOL_SPAN,
               np.full(n, size, np.int64), 0, 0)
     return {rd.agent: reads}
 
