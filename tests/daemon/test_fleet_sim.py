@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from support.fleet import Fault, Knobs, Sim, fails, fault_schedule, report, run, shrink
+from support.fleet import Fault, Knobs, Sim, fails, fault_schedule, layouts, report, run, shrink
 from support.fleet.progressive import ProgPull
 from support.fleet.transport import FakeHostMaps
 
@@ -471,3 +471,111 @@ def test_a_progressive_pull_past_its_timeout_waits_for_its_range() -> None:
     assert pull.prog.error.startswith("not_found: the producer ended the request")
     (rng,) = pull.children
     assert rng.outcome_s > pull.prog.deadline_s  # it ended past the deadline, waited for
+
+
+# ------------------------------------------------------------------ block sizes, local pulls
+
+# Engines whose blocks hold different numbers of tokens (Knobs.engine_block_tokens,
+# support.fleet.layouts): e00 e01 e10 e11 e20 e21 hold 4 16 8 4 16 8, so a decode's
+# blocks are a quarter to four times its prefill's (or the same), on a real cache layout
+# drawn per seed; kvd's planner assembles each range, checked token by token.
+RATIO = (4, 16, 8, 4, 16, 8)
+PROG_RATIO_CALM = replace(PROG_CALM, num_blocks=32, engine_block_tokens=RATIO)
+PROG_RATIO = Knobs(prog_ops=10, ops=0, num_blocks=32, engine_block_tokens=RATIO)
+PROG_RATIO_CHAOS = replace(PROG_CHAOS, ops=0, num_blocks=32, engine_block_tokens=RATIO)
+# Local progressive pulls (Knobs.prog_local_p): the decode is the prefill's neighbour on
+# its own daemon, read through kvd's LocalPeers and a copy on the daemon.
+PROG_LOCAL_CALM = replace(PROG_CALM, prog_local_p=0.5)
+PROG_LOCAL = Knobs(prog_ops=10, prog_local_p=0.5)
+PROG_LOCAL_RATIO_CHAOS = replace(PROG_RATIO_CHAOS, prog_local_p=0.4)
+
+
+def _sizes(pull: ProgPull) -> tuple[int, int]:
+    """(prefill, decode) tokens per block."""
+    assert pull.producer is not None
+    return pull.producer.block_tokens, pull.consumer.block_tokens
+
+
+def _local(pull: ProgPull) -> bool:
+    assert pull.producer is not None
+    return pull.producer.daemon is pull.consumer.daemon
+
+
+def test_progressive_pulls_between_block_sizes_are_byte_exact() -> None:
+    """Fault free, every ratio of block sizes, every layout: all ok, cell for cell; in
+    several ranges, with a prefix hit, and read again after preemptions."""
+    pairs: set[tuple[int, int]] = set()
+    seen = set()
+    overlapped = hits = rereads = 0
+    for seed in range(24):
+        knobs = PROG_RATIO_CALM if seed % 3 else replace(PROG_RATIO_CALM, prog_preempt_p=1.0)
+        sim = run(seed, None, knobs)
+        pulls = _progressive(sim)
+        assert pulls and all(p.outcome == "ok" for p in pulls), seed
+        seen.add(sim.layout)
+        pairs.update(_sizes(p) for p in pulls)
+        overlapped += sum(p.prog is not None and p.prog.ranges > 1 for p in pulls)
+        hits += sum(p.hit > 0 for p in pulls)
+        rereads += sum(p.prog.rereads for p in pulls if p.prog is not None)
+    assert pairs == {(a, b) for a in (4, 8, 16) for b in (4, 8, 16)}
+    assert len(seen) >= 5 and overlapped > 100 and hits > 10 and rereads > 20
+
+
+def test_progressive_block_size_seeds_keep_every_invariant() -> None:
+    outcomes: dict[str, int] = {}
+    for knobs, seeds in ((PROG_RATIO, int(os.environ.get("KVD_SIM_RATIO_SEEDS", "80"))),
+                         (PROG_RATIO_CHAOS,
+                          int(os.environ.get("KVD_SIM_RATIO_CHAOS_SEEDS", "30")))):
+        for seed in range(seeds):
+            try:
+                sim = run(seed, None, knobs)
+            except Exception:  # noqa: BLE001 - reported with its shrunk trace
+                pytest.fail(report(seed, knobs), pytrace=False)
+            for p in _progressive(sim):
+                outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+    assert outcomes.get("ok", 0) > 400 and outcomes.get("failed", 0) > 200, outcomes
+
+
+def test_the_checks_catch_a_range_whose_cells_land_in_the_wrong_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token by token check does not take the planner's word: a planner that fills
+    the right blocks from the right prefill blocks, in the wrong order, is caught."""
+    match_tail = layouts.match_tail
+
+    def reversed_remote(*args: object) -> tuple:
+        local, remote = match_tail(*args)  # type: ignore[arg-type]
+        return local, list(remote)[::-1]
+
+    monkeypatch.setattr(layouts, "match_tail", reversed_remote)
+    why = fails(0, None, PROG_RATIO)
+    assert why is not None and "reported ok with wrong bytes" in why, why
+
+
+def test_local_progressive_pulls_are_all_ok_and_byte_exact() -> None:
+    local = overlapped = 0
+    for seed in range(16):
+        sim = run(seed, None, PROG_LOCAL_CALM)
+        pulls = _progressive(sim)
+        assert pulls and all(p.outcome == "ok" for p in pulls), seed
+        mine = [p for p in pulls if _local(p)]
+        local += len(mine)
+        overlapped += sum(p.prog is not None and p.prog.ranges > 1 for p in mine)
+        assert all(c.pull is not None and c.pull.path is M.Path.LOCAL
+                   for p in mine for c in p.children)
+    assert local > 60 and overlapped > 40
+
+
+def test_local_progressive_seeds_keep_every_invariant() -> None:
+    outcomes: dict[str, int] = {}
+    for knobs, seeds in ((PROG_LOCAL, int(os.environ.get("KVD_SIM_LOCAL_SEEDS", "60"))),
+                         (PROG_LOCAL_RATIO_CHAOS,
+                          int(os.environ.get("KVD_SIM_LOCAL_CHAOS_SEEDS", "30")))):
+        for seed in range(seeds):
+            try:
+                sim = run(seed, None, knobs)
+            except Exception:  # noqa: BLE001 - reported with its shrunk trace
+                pytest.fail(report(seed, knobs), pytrace=False)
+            for p in _progressive(sim):
+                if _local(p):
+                    outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+    assert outcomes.get("ok", 0) > 150 and outcomes.get("failed", 0) > 50, outcomes

@@ -75,6 +75,7 @@ class ProgPull(PullRec):
     skip: int = 0  # blocks of the engine's own prefix hit: not pulled
     hit: int = 0  # its tokens
     tokens: int = 0  # the prompt's
+    producer: SimEngine | None = None  # its prefill's engine
     reg: FakeEngine | None = None  # the registration whose blocks it fills
     prog: Progressive | None = None  # kvd's record of it, once its daemon took it
     children: list[PullRec] = field(default_factory=list)
@@ -274,7 +275,7 @@ class ProgressiveWork:
         local = free[:count]
         rec = ProgPull(next(sim.uids), c, d, d.inc, rid, prod.name, rid, local, None,
                        sim.now, (prod.daemon.instance, prod.name, rid), skip=skip,
-                       hit=hit, tokens=tokens)
+                       hit=hit, tokens=tokens, producer=prod)
         for b in local:
             c.owner[b] = rec
         c.pulls[rid] = rec
