@@ -579,3 +579,36 @@ def test_local_progressive_seeds_keep_every_invariant() -> None:
                 if _local(p):
                     outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
     assert outcomes.get("ok", 0) > 150 and outcomes.get("failed", 0) > 50, outcomes
+
+
+# Seed 845 of PROG_LOCAL: a decode's daemon read the one range of a request sealed
+# complete; its READ's last descriptor came late, while its heartbeats (delayed, not
+# lost) kept the range hold. The progressive hold's own lease, renewed only by seals,
+# Watches and the range's Acquire, ran out under the READ: it ended, the prefill engine
+# got done_sending and reused its blocks, and the READ copied them. The decode's done
+# then timed out on the delayed link, which it takes as ok (the hold left to its
+# lease): ok with wrong bytes. Fixed in Producer.expire: a progressive hold never ends
+# by its lease while a range of it is held (tests/daemon/produce/test_range_holds.py).
+HOLD_EXPIRED_UNDER_A_RANGE = [
+    Fault(kind="read", at_s=1.3495, dur_s=1.0847, a=0, x="late"),
+    Fault(kind="msg", at_s=2.6631, dur_s=1.6843, a=0, b=1, x="delay"),
+]
+
+
+def test_a_progressive_hold_never_expires_under_a_range_being_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = run(845, HOLD_EXPIRED_UNDER_A_RANGE, PROG_LOCAL)
+    (pull,) = [p for p in _progressive(sim) if p.label == "pull#28(e00:p27)"]
+    assert pull.outcome == "ok" and pull.prog is not None  # and byte-exact: checked
+    (rng,) = pull.children
+    assert rng.outcome_s - rng.started_s > PROG_LOCAL.lease_s  # read for longer than a lease
+    expire = Producer.expire
+
+    def before_the_fix(self: Producer, now_s: float) -> None:
+        expire(self, now_s)
+        for opened in [o for o in self.opened.items.values() if now_s >= o.deadline_s]:
+            self._end_open(opened, "expired", "lease expired before every consumer read it")
+
+    monkeypatch.setattr(Producer, "expire", before_the_fix)
+    why = fails(845, HOLD_EXPIRED_UNDER_A_RANGE, PROG_LOCAL)
+    assert why is not None and "pull#28(e00:p27) reported ok with wrong bytes" in why, why

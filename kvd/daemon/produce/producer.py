@@ -361,6 +361,7 @@ class Producer:
             if opened is not None:
                 opened.ranges.discard(held.request_id)
                 opened.nbytes += held.nbytes
+                opened.renew(self.svc.clock.now())  # a lease from here for its done
             self.svc.metrics.held_requests.set(len(self.held))
             return
         m = self.svc.metrics
@@ -399,7 +400,10 @@ class Producer:
         if stalled_s:
             for opened in self.opened.items.values():
                 opened.deadline_s += stalled_s
-        for opened in [o for o in self.opened.items.values() if now_s >= o.deadline_s]:
+        # Not while a range of it is held: a READ of it may run, its reader renewing that
+        # range's own lease; ending this one would hand the blocks back under the READ.
+        for opened in [o for o in self.opened.items.values()
+                       if now_s >= o.deadline_s and not o.ranges]:
             self._end_open(opened, "expired", "lease expired before every consumer read it")
 
     def engine_gone(self, engine_id: str) -> None:
