@@ -481,7 +481,9 @@ def test_a_progressive_pull_past_its_timeout_waits_for_its_range() -> None:
 # drawn per seed; kvd's planner assembles each range, checked token by token.
 RATIO = (4, 16, 8, 4, 16, 8)
 PROG_RATIO_CALM = replace(PROG_CALM, num_blocks=32, engine_block_tokens=RATIO)
-PROG_RATIO = Knobs(prog_ops=10, ops=0, num_blocks=32, engine_block_tokens=RATIO)
+# A tenth of the decodes have a prefix hit that ends inside a prefill block: refused.
+PROG_RATIO = Knobs(prog_ops=10, ops=0, num_blocks=32, engine_block_tokens=RATIO,
+                   prog_odd_hit_p=0.1)
 PROG_RATIO_CHAOS = replace(PROG_CHAOS, ops=0, num_blocks=32, engine_block_tokens=RATIO)
 # Local progressive pulls (Knobs.prog_local_p): the decode is the prefill's neighbour on
 # its own daemon, read through kvd's LocalPeers and a copy on the daemon.
@@ -523,6 +525,7 @@ def test_progressive_pulls_between_block_sizes_are_byte_exact() -> None:
 
 def test_progressive_block_size_seeds_keep_every_invariant() -> None:
     outcomes: dict[str, int] = {}
+    odd = 0
     for knobs, seeds in ((PROG_RATIO, int(os.environ.get("KVD_SIM_RATIO_SEEDS", "80"))),
                          (PROG_RATIO_CHAOS,
                           int(os.environ.get("KVD_SIM_RATIO_CHAOS_SEEDS", "30")))):
@@ -533,7 +536,11 @@ def test_progressive_block_size_seeds_keep_every_invariant() -> None:
                 pytest.fail(report(seed, knobs), pytrace=False)
             for p in _progressive(sim):
                 outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+                if p.producer is not None and p.hit % p.producer.block_tokens:
+                    assert p.outcome == "failed", p.label
+                    odd += p.prog is not None and p.prog.error.startswith("bad_layout")
     assert outcomes.get("ok", 0) > 400 and outcomes.get("failed", 0) > 200, outcomes
+    assert odd > 10
 
 
 def test_the_checks_catch_a_range_whose_cells_land_in_the_wrong_place(

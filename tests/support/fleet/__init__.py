@@ -12,7 +12,10 @@ What is real and what is simulated:
   abandon, lease expiry with the frozen-daemon postponement, engine gone); with
   ``Knobs.prog_ops``, progressive pulls too (`progressive`): kvd's real `Progressive`
   and `ProgressiveRunner` on the consumer, each range a real PullDriver pull, and the
-  real Producer's seals, Watches and range holds;
+  real Producer's seals, Watches and range holds; with ``Knobs.engine_block_tokens``,
+  engines of different block sizes on real cache layouts, each pull assembled by kvd's
+  planner (`layouts`); with ``Knobs.prog_local_p``, local progressive pulls (kvd's
+  `LocalPeers` over the daemon's own producer, a copy on the daemon);
 * fakes (`Fake*`, what that code touches): the peer table over the simulated network
   (`network.FakePeers`), the transfers over the simulated transport
   (`transport.FakeMover`, `FakeHostMaps`), the registry, clock, events and services of

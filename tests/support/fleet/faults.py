@@ -64,6 +64,9 @@ class Knobs:
     # Share of progressive transfers whose decode is the prefill's neighbour on its own
     # daemon: a local pull (kvd.daemon.pull.local's LocalPeers, a copy on the daemon).
     prog_local_p: float = 0.0
+    # Share of decodes whose prefix hit ends inside a prefill block (engine_block_tokens:
+    # decode blocks smaller than the prefill's); kvd fails such a pull (bad_layout).
+    prog_odd_hit_p: float = 0.0
 
     @property
     def end_s(self) -> float:

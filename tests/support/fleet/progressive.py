@@ -13,7 +13,12 @@ unseal of generation + 1, the prompt computed again into new blocks with new byt
 a read that mixes generations is caught), aborted, or sealed complete, after which it
 keeps its blocks until its done_sending. A decode (`ProgPull`) issues the pull when it
 admits the request (`Consumer._start_progressive`'s admission, mirrored in `start`),
-sometimes with a prefix hit of its own, sometimes cancels it (CancelPull).
+sometimes with a prefix hit of its own, sometimes cancels it (CancelPull); with
+``Knobs.prog_local_p`` it may be the prefill's neighbour on its own daemon (a local pull:
+the runner's and its ranges' peers are kvd's `LocalPeers`, as `Consumer.route_for`
+picks). With ``Knobs.engine_block_tokens`` the two engines' blocks may hold different
+numbers of tokens (support.fleet.layouts): a seal still covers whole prefill blocks, a
+prefix hit is cut to whole blocks of both, and an ok is checked token by token.
 
 The checks, as the run goes: a progressive pull reports once, in a final state, with no
 range of it still in flight; ok only with exactly the bytes of the prefill's complete
@@ -122,8 +127,9 @@ class ProgressiveWork:
         for c in cons:
             skip = rng.randrange(n) if rng.random() < 0.2 else 0
             cancel_s = rng.uniform(0.05, 2.0) if rng.random() < k.prog_cancel_p else None
+            odd = bool(k.prog_odd_hit_p) and rng.random() < k.prog_odd_hit_p
             sim.at(sim.now + rng.uniform(0.0, 0.01), self._issue, c, prod, rid, tokens, skip,
-                   cancel_s)
+                   cancel_s, odd)
         if rng.random() >= k.prog_never_p:  # else nobody ever seals it: the hold timeout
             sim.at(sim.now + rng.uniform(0.0, 0.3), self._prefill, prod, rid, n, tokens,
                    len(cons), rng)
@@ -260,13 +266,17 @@ class ProgressiveWork:
     # ------------------------------------------------------------ the decode
 
     def _issue(self, c: SimEngine, prod: SimEngine, rid: str, tokens: int, skip: int,
-               cancel_s: float | None) -> None:
+               cancel_s: float | None, odd: bool = False) -> None:
         """The decode admits the request: its progressive pull, before anything is sealed.
         ``skip``: prefill blocks of its own prefix hit, cut to whole blocks of both engines
-        (kvd refuses a hit that ends inside a prefill block), then counted in its own."""
+        (kvd refuses a hit that ends inside a prefill block), then counted in its own;
+        ``odd``: one decode block more, inside a prefill block where that can be (kvd
+        fails the pull: bad_layout)."""
         sim, d = self.sim, c.daemon
         unit = math.lcm(c.block_tokens, prod.block_tokens)
         hit = skip * prod.block_tokens // unit * unit
+        if odd and c.block_tokens < prod.block_tokens and hit + c.block_tokens < tokens:
+            hit += c.block_tokens
         skip = hit // c.block_tokens
         count = -(-tokens // c.block_tokens) - skip
         free = c.free_blocks()
