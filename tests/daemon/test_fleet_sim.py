@@ -537,7 +537,7 @@ def test_progressive_block_size_seeds_keep_every_invariant() -> None:
             for p in _progressive(sim):
                 outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
                 if p.producer is not None and p.hit % p.producer.block_tokens:
-                    assert p.outcome == "failed", p.label
+                    assert p.outcome != "ok", p.label  # failed (or refused, lost)
                     odd += p.prog is not None and p.prog.error.startswith("bad_layout")
     assert outcomes.get("ok", 0) > 400 and outcomes.get("failed", 0) > 200, outcomes
     assert odd > 10
