@@ -316,6 +316,12 @@ class EventCursor:
                 self._new.extend(new)
             return len(new)
 
+    def has_new(self) -> bool:
+        """Whether events accepted are waiting for ``take`` (another poller may have
+        accepted them: a step that would wait for its own reply need not)."""
+        with self._lock:
+            return bool(self._new)
+
     def take(self) -> list[P.Event]:
         with self._lock:
             out = list(self._new)

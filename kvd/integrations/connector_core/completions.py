@@ -11,7 +11,8 @@ Poll that is answered at once (timeout 0) without waiting, and the step's
 ``get_finished`` takes the reply that came during the forward pass. A step that
 computes tokens never waits: a slow, frozen or dead daemon only delays events. A step
 that computes none (every request waits for its KV) parks its poll at the daemon and
-waits for the reply, woken by it, for a bounded time (``kvd_idle_wait_s``).
+waits for the reply, woken by it, for a bounded time (``kvd_idle_wait_s``), unless the
+events are in the cursor already (the poller below took them first).
 
 ``EventPoller`` long-polls on a thread of its own, for the steps that do not come
 (an idle engine) and a daemon that answers after the step has gone; while steps come
@@ -27,6 +28,7 @@ from collections.abc import Callable
 
 from kvd.client import EventCursor, KvdClient, NoWaitClient
 from kvd.integrations.connector_core.settings import ConnectorSettings
+from kvd.ops.trace import TRACE
 from kvd.wire import protocol as P
 
 log = logging.getLogger("kvd.vllm")
@@ -52,22 +54,30 @@ class EventPump:
         now_s = self._now()
         sent_s = self._client.sent_s("poll")
         if sent_s is not None and now_s - sent_s < RESEND_S:
+            if TRACE.on:  # value: how long the poll out has been out
+                TRACE.point("worker_poll_out", "-", now_s - sent_s)
             return
         self._client.forget_older(now_s, RESEND_S)
         self._client.send(self._cursor.poll(timeout_s=park_s), "poll", now_s)
+        if TRACE.on:  # value: how long the daemon may hold it
+            TRACE.point("worker_poll", "-", park_s)
 
     def drain(self, wait_s: float = 0.0) -> int:
         """Take every reply that came; new events go into the cursor. ``wait_s`` > 0 and
         no reply yet: wait up to that long for the poll's reply (it comes the moment the
         daemon has an event). Returns the replies taken."""
         replies = self._client.replies()
+        # Not when the fallback poller took events already: this step reports them at
+        # its end, and its own poll (acknowledging them) has nothing more to wait for.
         if (not replies and wait_s > 0 and self._client.sent_s("poll") is not None
-                and self._client.wait_reply(wait_s)):
+                and not self._cursor.has_new() and self._client.wait_reply(wait_s)):
             replies = self._client.replies()
         for reply in replies:
             self._cursor.note_instance(reply.instance)  # an Error tells a restart too
             if isinstance(reply.body, P.Events):
                 self._cursor.accept(reply.body)
+        if TRACE.on:  # value: the replies taken (the step's drain)
+            TRACE.point("worker_drained", "-", len(replies))
         return len(replies)
 
     def close(self) -> None:
@@ -113,8 +123,12 @@ class EventPoller:
                 continue
             try:
                 poll = self._cursor.poll(timeout_s=self.POLL_S)
-                self._cursor.accept(self._client.call(
-                    poll, timeout_s=self.POLL_S + self._client.timeout_s))
+                if TRACE.on:
+                    TRACE.point("poller_poll", "-")
+                events = self._client.call(poll, timeout_s=self.POLL_S + self._client.timeout_s)
+                self._cursor.accept(events)
+                if TRACE.on:  # value: events its reply carried
+                    TRACE.point("poller_accepted", "-", len(events.events))
             except Exception as exc:  # noqa: BLE001 - keep polling whatever happened
                 if self._stop.is_set():
                     return

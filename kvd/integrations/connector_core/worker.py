@@ -187,7 +187,12 @@ class KvdWorker:
         # waits for a whole prefill, and each empty step costs CPU the prefill needs.)
         idle_wait_s = (self.settings.progressive_idle_wait_s if meta.only_progressive
                        else self.settings.idle_wait_s)
-        self._idle_wait_s = idle_wait_s if meta.idle and self.book.waiting_on_daemon else 0.0
+        # Events the fallback poller took before this step began (it long-polls while
+        # the engine is idle, and a local pull can end before the worker wakes for the
+        # step that sent it): this step reports them, it has nothing to wait for.
+        waiting = (meta.idle and self.book.waiting_on_daemon
+                   and not self.cursor.has_new())
+        self._idle_wait_s = idle_wait_s if waiting else 0.0
         if self.pump is not None and self.book.waiting_on_daemon:
             self.pump.kick(park_s=self._idle_wait_s)
 
