@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -523,22 +524,27 @@ def test_progressive_pulls_between_block_sizes_are_byte_exact() -> None:
     assert len(seen) >= 5 and overlapped > 100 and hits > 10 and rereads > 20
 
 
-def test_progressive_block_size_seeds_keep_every_invariant() -> None:
-    outcomes: dict[str, int] = {}
-    odd = 0
-    for knobs, seeds in ((PROG_RATIO, int(os.environ.get("KVD_SIM_RATIO_SEEDS", "80"))),
-                         (PROG_RATIO_CHAOS,
-                          int(os.environ.get("KVD_SIM_RATIO_CHAOS_SEEDS", "30")))):
-        for seed in range(seeds):
+def _swept(*sweeps: tuple[Knobs, str, int]) -> Iterator[ProgPull]:
+    """Each sweep's seeds (``env`` overrides how many), their progressive pulls; a seed
+    whose run breaks an invariant fails the test with its shrunk trace."""
+    for knobs, env, default in sweeps:
+        for seed in range(int(os.environ.get(env, str(default)))):
             try:
                 sim = run(seed, None, knobs)
             except Exception:  # noqa: BLE001 - reported with its shrunk trace
                 pytest.fail(report(seed, knobs), pytrace=False)
-            for p in _progressive(sim):
-                outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
-                if p.producer is not None and p.hit % p.producer.block_tokens:
-                    assert p.outcome != "ok", p.label  # failed (or refused, lost)
-                    odd += p.prog is not None and p.prog.error.startswith("bad_layout")
+            yield from _progressive(sim)
+
+
+def test_progressive_block_size_seeds_keep_every_invariant() -> None:
+    outcomes: dict[str, int] = {}
+    odd = 0
+    for p in _swept((PROG_RATIO, "KVD_SIM_RATIO_SEEDS", 80),
+                    (PROG_RATIO_CHAOS, "KVD_SIM_RATIO_CHAOS_SEEDS", 30)):
+        outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+        if p.producer is not None and p.hit % p.producer.block_tokens:
+            assert p.outcome != "ok", p.label  # failed (or refused, lost)
+            odd += p.prog is not None and p.prog.error.startswith("bad_layout")
     assert outcomes.get("ok", 0) > 400 and outcomes.get("failed", 0) > 200, outcomes
     assert odd > 10
 
@@ -574,17 +580,10 @@ def test_local_progressive_pulls_are_all_ok_and_byte_exact() -> None:
 
 def test_local_progressive_seeds_keep_every_invariant() -> None:
     outcomes: dict[str, int] = {}
-    for knobs, seeds in ((PROG_LOCAL, int(os.environ.get("KVD_SIM_LOCAL_SEEDS", "60"))),
-                         (PROG_LOCAL_RATIO_CHAOS,
-                          int(os.environ.get("KVD_SIM_LOCAL_CHAOS_SEEDS", "30")))):
-        for seed in range(seeds):
-            try:
-                sim = run(seed, None, knobs)
-            except Exception:  # noqa: BLE001 - reported with its shrunk trace
-                pytest.fail(report(seed, knobs), pytrace=False)
-            for p in _progressive(sim):
-                if _local(p):
-                    outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
+    for p in _swept((PROG_LOCAL, "KVD_SIM_LOCAL_SEEDS", 60),
+                    (PROG_LOCAL_RATIO_CHAOS, "KVD_SIM_LOCAL_CHAOS_SEEDS", 30)):
+        if _local(p):
+            outcomes[p.outcome] = outcomes.get(p.outcome, 0) + 1
     assert outcomes.get("ok", 0) > 150 and outcomes.get("failed", 0) > 50, outcomes
 
 
