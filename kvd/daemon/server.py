@@ -38,11 +38,12 @@ from kvd.daemon.events import AfterBurst, EventHub
 from kvd.daemon.faces import Face, Handler, Request, is_loopback
 from kvd.daemon.looplag import watch_loop_lag
 from kvd.daemon.peers.table import PeerTable
+from kvd.daemon.produce.local_peer import local_peer
 from kvd.daemon.produce.producer import Producer
 from kvd.daemon.pull.consumer import Consumer
 from kvd.daemon.pull.warmup import warm_producers
 from kvd.daemon.services import Services
-from kvd.errors import ConfigError, DrainingError, NotFoundError, ProtocolError
+from kvd.errors import ConfigError, DrainingError, NotFoundError
 from kvd.ops.metrics import Metrics
 from kvd.planner import RankId
 from kvd.transport.base import Transport
@@ -434,24 +435,9 @@ class Daemon:
                 P.Seal: seal, P.CancelPull: cancel_pull, P.WarmUp: warm_up}
 
     def _local_peer(self, msg: object) -> object:
-        """A local pull's peer message to this daemon's own producer side (kvd.daemon.pull.
-        local): the same calls the peer face makes, in-process, for the incarnation of this
-        daemon. The reply body, or an awaitable of it for an Acquire before its Publish."""
-        producer = self.producer
-        if isinstance(msg, P.Acquire):
-            if producer.acquire_must_wait(msg):
-                return producer.acquire_when_published(msg, self.instance_id)
-            return producer.acquire(msg, self.instance_id)
-        if isinstance(msg, P.Heartbeat):
-            return producer.heartbeat(msg)
-        if isinstance(msg, P.Abandon):
-            return producer.abandon(msg)
-        if isinstance(msg, P.ReadNotice):
-            producer.on_notice(msg, self.instance_id)
-            return P.Ok()
-        if isinstance(msg, P.Watch):
-            return producer.watch(msg)
-        raise ProtocolError(f"a local pull does not send {type(msg).__name__}")
+        """A local pull's peer message to this daemon's own producer side (kvd.daemon.
+        produce.local_peer), for the incarnation of this daemon."""
+        return local_peer(self.producer, msg, self.instance_id)
 
     def _peer_handlers(self) -> dict[type, Handler]:
         producer = self.producer

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kvd.daemon.peers.remote import RemoteEngine
+from kvd.daemon.produce.local_peer import local_peer
 from kvd.daemon.pull.driver import PullDriver
 from kvd.daemon.pull.local import LocalPeers
 from kvd.daemon.pull.machine import Pull
@@ -334,24 +335,9 @@ class Daemon:
             self.reply(src, req, exc)
 
     def local_dispatch(self, msg: object) -> object:
-        """kvd.daemon.server.Server._local_peer: a local pull's peer message to this
-        daemon's own producer side, in-process; what must wait is a task of this daemon
-        (`spawn`: it waits with it, and dies with it)."""
-        prod = self.producer
-        if isinstance(msg, P.Acquire):
-            if prod.acquire_must_wait(msg):
-                return self.spawn(prod.acquire_when_published(msg, self.instance))
-            return prod.acquire(msg, self.instance)
-        if isinstance(msg, P.Heartbeat):
-            return prod.heartbeat(msg)
-        if isinstance(msg, P.Abandon):
-            return prod.abandon(msg)
-        if isinstance(msg, P.ReadNotice):
-            prod.on_notice(msg, self.instance)
-            return P.Ok()
-        if isinstance(msg, P.Watch):
-            return self.spawn(prod.watch(msg))
-        raise AssertionError(msg)
+        """The daemon's own dispatch (kvd.daemon.produce.local_peer); what must wait is a
+        task of this daemon (`spawn`: it waits with it, and dies with it)."""
+        return local_peer(self.producer, msg, self.instance, later=self.spawn)
 
     async def _acquire_later(self, src: Daemon, req: Request) -> None:
         """The real Producer.acquire_when_published: up to ACQUIRE_WAITS_FOR_PUBLISH_S for
