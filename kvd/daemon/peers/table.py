@@ -64,6 +64,7 @@ _REFUSED = ("incompatible", "not_found", "unauthorized")
 # RECONNECT_INTERVAL_MS) before it fails peer_lost, instead of handshake_timeout_s.
 KNOWN_DEAD_WAIT_S = 0.3
 LOST = "disconnected"  # PeerConnection's reason when liveness (or the peer) dropped it
+MAX_LOST_PAIRS = 4096  # pairs remembered for a re-warm, all addresses together
 
 
 class PeerTable:
@@ -195,6 +196,8 @@ class PeerTable:
                 agents.add(remote.daemons[address].agent)
                 del self.remotes[key]
                 if why == LOST and remote.via:  # warmed again once it is back
+                    if sum(map(len, self._lost_pairs.values())) >= MAX_LOST_PAIRS:
+                        self._lost_pairs.clear()  # peers that never came back: forgotten
                     self._lost_pairs.setdefault(address, set()).add((*key, remote.via))
         if agents:
             log.info("dropped cached handshakes with %s (%s)", address, why,

@@ -241,3 +241,45 @@ def test_a_peer_never_reached_fails_within_the_liveness_timeout() -> None:
             assert "no connection" in ev.error and 1.0 <= took_s < 1.5, (took_s, ev.error)
 
     run(body())
+
+
+def test_pairs_a_dropped_connection_took_are_greeted_again_once_it_is_back(
+        monkeypatch) -> None:
+    """Only a drop of the connection itself is remembered (a restart or a failed request
+    is greeted by the next pull), once per pair, and the memory of such pairs is bounded
+    (a peer that never comes back)."""
+    from kvd.daemon.peers import table
+
+    async def body() -> None:
+        async with daemon_pair() as p:
+            await _register(p.pc, "pre")
+            await _register(p.dc, "dec")
+            addr = p.prefill.cfg.peer_address
+            await p.pc.publish("pre", "r0", [1])
+            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
+            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            peers, greeted = p.decode.peers, _handshakes(p.decode)
+            peers.drop_address(addr, "no answer")
+            assert peers.remotes == {} and peers._lost_pairs == {}
+            peers._up(addr)  # nothing to warm: the next pull greets
+            await p.pc.publish("pre", "r1", [1])
+            await p.dc.pull("dec", "r1", "pre", addr, [1], [3])
+            assert (await wait_event(p.dc, p.clock, "dec", "r1", "done_recving")).ok
+            assert _handshakes(p.decode) == greeted + 1
+            peers.drop_address(addr, "disconnected")
+            assert peers._lost_pairs == {addr: {("dec", "pre", addr)}}
+            peers._up(addr)
+            assert peers._lost_pairs == {}
+            for _ in range(200):
+                if peers.remotes:
+                    break
+                await asyncio.sleep(0.01)
+            assert list(peers.remotes) == [("dec", "pre")]
+            assert _handshakes(p.decode) == greeted + 2
+            monkeypatch.setattr(table, "MAX_LOST_PAIRS", 2)
+            peers._lost_pairs = {"tcp://gone-1:1": {("a", "b", "x")},
+                                 "tcp://gone-2:1": {("c", "d", "y")}}
+            peers.drop_address(addr, "disconnected")
+            assert peers._lost_pairs == {addr: {("dec", "pre", addr)}}
+
+    run(body())
