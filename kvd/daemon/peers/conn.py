@@ -35,6 +35,7 @@ from kvd.wire import protocol as P
 log = logging.getLogger("kvd.peers")
 
 RECONNECT_INTERVAL_MS = 100
+LOST = "disconnected"  # the reason `on_lost` gets when liveness (or the peer) dropped it
 HEARTBEATS_PER_TIMEOUT = 6  # PINGs per liveness timeout (one is 0.5 s at the 3 s default)
 
 
@@ -236,7 +237,7 @@ class PeerConnection:
                 self._up.clear()
                 log.info("peer %s disconnected", self.address, extra={"peer": self.address})
                 self._fail_waiting()
-                self._on_lost(self.address, "disconnected")
+                self._on_lost(self.address, LOST)
 
     def _fail_waiting(self, error: KvdError | None = None) -> None:
         """Requests sent before the connection dropped get no answer on it (a redialled

@@ -43,7 +43,7 @@ from kvd.daemon.clock import Clock
 from kvd.daemon.curve_auth import CurveGuard
 from kvd.daemon.datapath import DataPath
 from kvd.daemon.engines.table import Engine
-from kvd.daemon.peers.conn import PeerConnection, Reply
+from kvd.daemon.peers.conn import LOST, PeerConnection, Reply
 from kvd.daemon.peers.remote import RemoteDaemon, RemoteEngine, RemoteRank
 from kvd.errors import (
     AuthError,
@@ -63,7 +63,6 @@ _REFUSED = ("incompatible", "not_found", "unauthorized")
 # How long a handshake to a daemon known unreachable waits for ZMQ's redial (every
 # RECONNECT_INTERVAL_MS) before it fails peer_lost, instead of handshake_timeout_s.
 KNOWN_DEAD_WAIT_S = 0.3
-LOST = "disconnected"  # PeerConnection's reason when liveness (or the peer) dropped it
 MAX_LOST_PAIRS = 4096  # pairs remembered for a re-warm, all addresses together
 
 

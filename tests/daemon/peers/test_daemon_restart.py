@@ -28,6 +28,18 @@ async def _register(client: AsyncKvdClient, engine_id: str):
     return await client.register(engine_id, MODEL, layout_spec(SHAPE), 0, 1)
 
 
+async def _pulled_once(p) -> str:
+    """Engines "pre" and "dec" registered and one pull between them done (its handshake
+    cached): the producer daemon's peer address."""
+    await _register(p.pc, "pre")
+    await _register(p.dc, "dec")
+    addr = p.prefill.cfg.peer_address
+    await p.pc.publish("pre", "r0", [1])
+    await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
+    assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+    return addr
+
+
 def _handshakes(d) -> float:
     return sample(d, "kvd_handshakes_total", outcome="ok")
 
@@ -74,12 +86,7 @@ def test_a_reply_from_another_incarnation_makes_the_pull_handshake_again() -> No
     """No disconnect noticed: the Acquire reply's instance alone proves the cache stale."""
     async def body() -> None:
         async with daemon_pair() as p:
-            await _register(p.pc, "pre")
-            await _register(p.dc, "dec")
-            addr = p.prefill.cfg.peer_address
-            await p.pc.publish("pre", "r0", [1])
-            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
-            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            addr = await _pulled_once(p)
             [remote] = p.decode.peers.remotes.values()
             d = remote.daemons[addr]
             remote.daemons[addr] = RemoteDaemon(d.address, d.agent, "an-old-incarnation",
@@ -96,12 +103,7 @@ def test_a_reply_from_another_incarnation_makes_the_pull_handshake_again() -> No
 def test_another_instance_seen_on_a_connection_drops_what_was_cached() -> None:
     async def body() -> None:
         async with daemon_pair() as p:
-            await _register(p.pc, "pre")
-            await _register(p.dc, "dec")
-            addr = p.prefill.cfg.peer_address
-            await p.pc.publish("pre", "r0", [1])
-            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
-            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            addr = await _pulled_once(p)
             assert p.decode.peers.remotes
             p.decode.peers.conns[addr]._saw_instance("restarted-elsewhere")
             assert p.decode.peers.remotes == {}
@@ -252,12 +254,7 @@ def test_pairs_a_dropped_connection_took_are_greeted_again_once_it_is_back(
 
     async def body() -> None:
         async with daemon_pair() as p:
-            await _register(p.pc, "pre")
-            await _register(p.dc, "dec")
-            addr = p.prefill.cfg.peer_address
-            await p.pc.publish("pre", "r0", [1])
-            await p.dc.pull("dec", "r0", "pre", addr, [1], [2])
-            assert (await wait_event(p.dc, p.clock, "dec", "r0", "done_recving")).ok
+            addr = await _pulled_once(p)
             peers, greeted = p.decode.peers, _handshakes(p.decode)
             peers.drop_address(addr, "no answer")
             assert peers.remotes == {} and peers._lost_pairs == {}
