@@ -135,8 +135,11 @@ class KvdScheduler:
         return self._client
 
     def set_handshake(self, metadata: dict[Any, Any]) -> None:
-        self.client  # noqa: B018 - made now, at start-up: a ZMQ context (and its I/O
-        # thread) made in the first publish's step would cost that step ~1 ms
+        # Made now, at start-up, with its direct door open: a ZMQ context (and its I/O
+        # thread) made in the first publish's step would cost that step ~1 ms, and a
+        # door opened by the first pull adds the connect and the daemon's accept to the
+        # pair's first hand-over.
+        self.client.open_door(self._now())
         for meta in metadata.values():
             if isinstance(meta, Handshake) and meta.peer_address:
                 self.peer_address = meta.peer_address

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import shutil
+import socket
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +24,8 @@ from kvd.integrations.connector_core.messages import (
 from kvd.integrations.connector_core.scheduler import KvdScheduler
 from kvd.integrations.connector_core.settings import ConnectorSettings
 from kvd.integrations.connector_core.worker import KvdWorker
+from kvd.tools.localcluster import free_port
+from kvd.wire import stream as S
 
 
 def _settings(address: str = "tcp://127.0.0.1:1", **extra: object) -> ConnectorSettings:
@@ -57,6 +60,30 @@ def test_scheduler_takes_the_first_handshake_naming_a_daemon():
         assert sched.build_meta() == StepAnnouncements()  # nothing queued, nothing said
     finally:
         sched.close()
+
+
+def test_the_scheduler_opens_its_direct_door_at_start_up():
+    """A decode's first pull must not pay the door's connect and the daemon's accept on
+    its way (1-3 ms of a pair's first hand-over in whole engines): the scheduler side
+    opens the door when vLLM hands it the workers' handshake, before any request."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    name = S.direct_name(address)
+    assert name is not None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as door:
+        door.bind(S.address_of(name))
+        door.listen(1)
+        door.setblocking(False)
+        sched = KvdScheduler(_settings(address), block_size_tokens=16)
+        try:
+            with pytest.raises(BlockingIOError):
+                door.accept()  # nobody yet
+            sched.set_handshake({0: Handshake(peer_address="tcp://127.0.0.1:7300",
+                                              daemon_id="d", instance_id="inst-1")})
+            conn, _ = door.accept()  # connected already, nothing sent
+            conn.close()
+            assert sched.client.direct and sched.client.sent_direct == 0
+        finally:
+            sched.close()
 
 
 def test_registration_nobody_answers_is_one_line_naming_the_address_and_the_fix(caplog):
