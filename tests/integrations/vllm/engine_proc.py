@@ -108,6 +108,40 @@ def engine_environment(parent: Mapping[str, str], env: Mapping[str, str] | None 
     return child_env
 
 
+def steps_in_windows(lines: list[dict[str, float]], windows: list[tuple[float, float]]
+                     ) -> tuple[int, list[float]]:
+    """(schedule() calls, gaps over 50 ms) inside the windows, from the probe's lines
+    (tests/integrations/vllm/vllm_sched_probe.py).
+
+    A line at ``t`` counts ``steps`` calls: the one at ``t``, which came ``gap`` after
+    the one before it, and ``steps - 1`` earlier ones, made between the previous line
+    and ``t - gap``. The earlier ones count when that span lies inside a window (one
+    that straddles a window's edge is not counted: never more steps than were made in
+    it), the one at ``t`` when ``t`` is in one. A gap that began before the window is the idle wait
+    before the engine got work, not a step; one over 50 ms that began inside is slow.
+    (Counting a line only when its own gap began inside a window found no step at all
+    in an engine whose every step was fast and whose windows were under half a
+    second: its lines are written after an idle gap, or twice a second.)"""
+    calls, slow = 0, []
+    prev_t: float | None = None
+    for s in lines:
+        t, gap, steps = s["t"], s["gap"], int(s["steps"])
+        before = t - gap
+        since = before if prev_t is None else prev_t
+        for t0, t1 in windows:
+            if steps > 1 and t0 <= since and before <= t1:
+                calls += steps - 1
+                break
+        for t0, t1 in windows:
+            if t0 <= t <= t1:
+                calls += 1
+                if t0 <= before and gap > 0.05:
+                    slow.append(gap)
+                break
+        prev_t = t
+    return calls, slow
+
+
 class EngineProcError(RuntimeError):
     """The engine child failed, died or timed out; the message ends with its log tail."""
 
@@ -377,22 +411,10 @@ class EngineProc:
         return found
 
     def steps_in(self, windows: list[tuple[float, float]]) -> tuple[int, list[float]]:
-        """(schedule() calls, gaps over 50 ms) of the steps that began inside a window.
-
-        A line at ``t`` says the step that ended at ``t`` began ``gap`` earlier; a gap
-        that began before the window is the idle wait before the engine got work, not a
-        step."""
+        """`steps_in_windows` of this engine's ``.steps`` file."""
         lines = [json.loads(x) for x in
                  Path(f"{self.sched_log_path}.steps").read_text().splitlines()]
-        calls, slow = 0, []
-        for s in lines:
-            for t0, t1 in windows:
-                if t0 <= s["t"] - s["gap"] and s["t"] <= t1:
-                    calls += s["steps"]
-                    if s["gap"] > 0.05:
-                        slow.append(s["gap"])
-                    break
-        return calls, slow
+        return steps_in_windows(lines, windows)
 
     def log_tail(self, lines: int = 60) -> str:
         """Last lines of the engine log (child, EngineCore and worker output)."""
